@@ -1,0 +1,157 @@
+"""The one registry of KV-cache formats used by the whole project.
+
+Each entry knows how vLLM 0.26 spells it, its bits, its tile, its exact page bytes per token per KV head
+(vLLM's own accounting, padding included), which layers stay 16-bit, the block size it needs, the model
+dtypes it runs with, and the fixed 16-bit per-request buffers it needs (KVarN's unfinished tile and sink).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .errors import KvarnError, choices
+
+FP16_NAMES = ("auto", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str  # as vLLM spells it (--kv-cache-dtype)
+    family: str  # "fp16" | "fp8" | "turboquant" | "kvarn"
+    key_bits: float
+    value_bits: float
+    group: int | None = None  # tile = vLLM block (tokens) for KVarN
+    block_size: int | None = None  # block size the format requires (None: vLLM's default)
+    model_dtypes: tuple[str, ...] = ("float16", "bfloat16")
+    boundary_layers: int = 0  # first and last N decoder layers kept 16-bit (dense models)
+    tail_tokens: int = 0  # 16-bit tokens per request per layer for the unfinished tile
+    sink_tokens: int = 0  # 16-bit tokens per request per layer kept for good (attention sinks)
+    description: str = ""
+    aliases: tuple[str, ...] = field(default_factory=tuple)
+
+    # ---- bytes -------------------------------------------------------------------------------
+    def record_bytes(self, head_dim: int) -> int:
+        """Bytes of one (tile, KV head) record for KVarN; one token's slot for other formats."""
+        if self.family == "kvarn":
+            return kvarn_record_bytes(head_dim, self.group, int(self.key_bits), int(self.value_bits))
+        return self.slot_bytes(head_dim)
+
+    def slot_bytes(self, head_dim: int) -> int:
+        """Bytes per token per KV head as vLLM's page accounting sees it (key + value)."""
+        d = head_dim
+        if self.family == "fp16":
+            return 2 * d * 2
+        if self.family == "fp8":
+            return 2 * d
+        if self.family == "turboquant":
+            # vLLM 0.26 TurboQuantConfig: key = fp8 (d B) or MSE indices + fp16 norm; value = packed + fp16 scale/zero;
+            # slot rounded up to an even size.
+            key = d if self.key_bits == 8 else math.ceil(d * self.key_bits / 8) + 2
+            value = math.ceil(d * self.value_bits / 8) + 4
+            s = key + value
+            return s + (s % 2)
+        if self.family == "kvarn":
+            rec = self.record_bytes(d)
+            if rec % self.group:
+                raise KvarnError(f"{self.name}: record of {rec} B does not split into {self.group} token slots")
+            return rec // self.group
+        raise AssertionError(self.family)
+
+    def bytes_per_token_per_head(self, head_dim: int) -> float:
+        return float(self.slot_bytes(head_dim))
+
+    def fixed_tokens_per_request(self) -> int:
+        """16-bit tokens per request per layer held outside the paged pool (tail + sink)."""
+        return self.tail_tokens + self.sink_tokens
+
+    def quantized(self) -> bool:
+        return self.family != "fp16"
+
+    def is_16bit_layer(self, layer: int, num_layers: int) -> bool:
+        n = min(self.boundary_layers, num_layers // 2)
+        return layer < n or layer >= num_layers - n
+
+    def check_model_dtype(self, dtype: str) -> None:
+        if dtype not in self.model_dtypes:
+            raise KvarnError(
+                f"kv dtype {self.name!r} does not run with model dtype {dtype!r}; accepted: {choices(self.model_dtypes)}"
+            )
+
+
+def kvarn_record_bytes(head_dim: int, group: int, key_bits: int, value_bits: int) -> int:
+    """Exact KVarN record (docs/format.md): packed keys + sK,zK (per channel) + rK (per token), then
+    packed values + sV,zV (per token) + cV (per channel); all vectors fp16; total padded to 16 bytes."""
+    d, g = head_dim, group
+    keys = math.ceil(d * g * key_bits / 8) + 2 * (2 * d + g)
+    values = math.ceil(g * d * value_bits / 8) + 2 * (2 * g + d)
+    total = keys + values
+    return -(-total // 16) * 16
+
+
+def _kvarn(kb: int, vb: int, g: int, desc: str) -> KVFormat:
+    return KVFormat(
+        name=f"kvarn_k{kb}v{vb}_g{g}",
+        family="kvarn",
+        key_bits=kb,
+        value_bits=vb,
+        group=g,
+        block_size=g,
+        tail_tokens=g,
+        description=desc,
+    )
+
+
+def _tq(name: str, kb: int, vb: int, desc: str) -> KVFormat:
+    return KVFormat(name=name, family="turboquant", key_bits=kb, value_bits=vb, boundary_layers=2, description=desc)
+
+
+REGISTRY: dict[str, KVFormat] = {
+    f.name: f
+    for f in (
+        KVFormat("auto", "fp16", 16, 16, model_dtypes=("float16", "bfloat16", "float32"),
+                 description="the model's own 16-bit dtype (FP16 baseline)", aliases=("fp16",)),
+        KVFormat("float16", "fp16", 16, 16, model_dtypes=("float16", "bfloat16", "float32"), description="fp16 cache"),
+        KVFormat("bfloat16", "fp16", 16, 16, model_dtypes=("float16", "bfloat16", "float32"), description="bf16 cache"),
+        # FA3 rejects fp8 KV with an fp16 model ("For FP8 input, output must have dtype BF16").
+        KVFormat("fp8", "fp8", 8, 8, model_dtypes=("bfloat16",), description="fp8 e4m3, per-tensor scale 1.0",
+                 aliases=("fp8_e4m3",)),
+        _tq("turboquant_k8v4", 8, 4, "TurboQuant: fp8 keys, 4-bit values"),
+        _tq("turboquant_4bit_nc", 4, 4, "TurboQuant: 4-bit MSE keys, 4-bit values, norm correction"),
+        _tq("turboquant_k3v4_nc", 3, 4, "TurboQuant: 3-bit MSE keys, 4-bit values, norm correction"),
+        _tq("turboquant_3bit_nc", 3, 3, "TurboQuant: 3-bit MSE keys, 3-bit values, norm correction"),
+        _kvarn(4, 2, 128, "KVarN: 4-bit keys, 2-bit values, 128-token tiles (default)"),
+        _kvarn(4, 4, 128, "KVarN: 4-bit keys, 4-bit values, 128-token tiles"),
+        _kvarn(4, 2, 64, "KVarN: 4-bit keys, 2-bit values, 64-token tiles"),
+        _kvarn(2, 2, 128, "KVarN: 2-bit keys, 2-bit values, 128-token tiles"),
+    )
+}
+DEFAULT_KVARN = "kvarn_k4v2_g128"
+_ALIASES = {a: f.name for f in REGISTRY.values() for a in f.aliases}
+
+
+def get_format(name: str) -> KVFormat:
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in REGISTRY:
+        raise KvarnError(f"unknown kv dtype {name!r}; accepted: {choices(REGISTRY)} (aliases: {choices(_ALIASES)})")
+    return REGISTRY[key]
+
+
+def parse_formats(spec: str | None, default: tuple[str, ...] | None = None) -> list[KVFormat]:
+    """A comma list of kv dtypes ('all' = every entry), duplicates dropped, order kept."""
+    if not spec:
+        names = list(default) if default else list(REGISTRY)
+    elif spec.strip().lower() == "all":
+        names = list(REGISTRY)
+    else:
+        names = [s for s in (p.strip() for p in spec.split(",")) if s]
+    out: list[KVFormat] = []
+    for n in names:
+        f = get_format(n)
+        if f not in out:
+            out.append(f)
+    return out
+
+
+def kvarn_formats() -> list[KVFormat]:
+    return [f for f in REGISTRY.values() if f.family == "kvarn"]

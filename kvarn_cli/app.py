@@ -1,0 +1,51 @@
+"""`kvarn`: the Typer app. Each command lives in kvarn_cli/commands/<name>.py and registers itself here."""
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from kvarn.errors import KvarnError
+
+from .commands import bench, capacity, env, eval as eval_cmd, fidelity, gate, microbench, report, results, suite
+from .console import err
+
+app = typer.Typer(
+    name="kvarn",
+    help="KVarN KV-cache quantization for vLLM: capacity, benchmarks, accuracy, reports and regression gates.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+for module in (capacity, env, bench, eval_cmd, fidelity, microbench, report, gate, suite, results):
+    module.register(app)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: user errors become one line on stderr and exit code 2."""
+    try:
+        app(args=argv, prog_name="kvarn", standalone_mode=False)
+    except KvarnError as e:
+        err(f"error: {e}")
+        return e.exit_code
+    except typer.Exit as e:
+        return e.exit_code
+    except SystemExit as e:  # click's own exits (--help, usage errors already printed)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except (typer.Abort, KeyboardInterrupt):
+        err("aborted")
+        return 130
+    except Exception as e:  # click usage errors in non-standalone mode
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show(file=sys.stderr)
+            return e.exit_code
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

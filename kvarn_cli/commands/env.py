@@ -1,0 +1,25 @@
+"""`kvarn env`: versions, git sha, CUDA, driver and GPUs (the provenance every result row carries)."""
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from kvarn.provenance import provenance
+
+from ..console import out, print_json
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("env")
+    def env(json_: bool = typer.Option(False, "--json", help="One JSON object instead of a table.")) -> None:
+        """Show kvarn, Python, torch, triton, vLLM, CUDA, driver and GPU provenance."""
+        info = provenance()
+        if json_:
+            print_json(info)
+            return
+        t = Table(title="kvarn env", show_header=False)
+        for k, v in info.items():
+            if k == "gpus":
+                v = "; ".join(f"{g['index']}: {g['name']} {g['memory_gib']} GiB" for g in v) or "none"
+            t.add_row(k, "absent" if v is None else str(v))
+        out.print(t)

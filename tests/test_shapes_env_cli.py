@@ -1,0 +1,55 @@
+import json
+
+import pytest
+
+from kvarn.errors import KvarnError
+from kvarn.shapes import bundled_models, resolve_model
+from tests.helpers import run_cli
+
+
+@pytest.mark.parametrize("name,layers,q,kv,d,params_b", [
+    ("qwen3-8b", 36, 32, 8, 128, 8.19),
+    ("qwen3-32b", 64, 64, 8, 128, 32.76),
+    ("llama-3.1-8b", 32, 32, 8, 128, 8.03),
+    ("smollm2-135m", 30, 9, 3, 64, 0.1345),
+])
+def test_bundled_shapes(name, layers, q, kv, d, params_b):
+    s = resolve_model(name)
+    assert (s.num_layers, s.num_q_heads, s.num_kv_heads, s.head_dim) == (layers, q, kv, d)
+    assert s.num_params() / 1e9 == pytest.approx(params_b, rel=0.002)
+
+
+def test_hub_id_resolves_to_bundled_shape_and_local_folder(tmp_path):
+    assert resolve_model("Qwen/Qwen3-32B").name == "qwen3-32b"
+    assert resolve_model("Qwen/Qwen3-32B").hf_id == "Qwen/Qwen3-32B"
+    cfg = json.loads(bundled_models()["qwen3-8b"].read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    s = resolve_model(str(tmp_path))
+    assert s.source == "local" and s.num_layers == 36
+    with pytest.raises(KvarnError, match="has no config.json"):
+        resolve_model(str(tmp_path.parent))
+
+
+def test_hf_cache_lookup(tmp_path, monkeypatch):
+    snap = tmp_path / "hub" / "models--acme--Tiny" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    cfg = json.loads(bundled_models()["smollm2-135m"].read_text())
+    (snap / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    s = resolve_model("acme/Tiny")
+    assert s.source == "hf-cache" and s.num_kv_heads == 3
+
+
+def test_env_json():
+    r = run_cli("env", "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    for key in ("kvarn_version", "git_sha", "python", "torch", "triton", "vllm", "cuda", "driver", "gpus", "gpu_count"):
+        assert key in info
+
+
+def test_help_lists_all_commands():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    for c in ("capacity", "env", "bench", "eval", "report", "gate", "fidelity", "microbench", "suite"):
+        assert c in r.stdout
