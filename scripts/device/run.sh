@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Device-side driver (the lent H200). The bundle chunks c0..c4 were staged into /tmp/stage by earlier calls
+# (see ../shared/device/README.md); this call carries .device/c5 and .device/bin.
+#   bash scripts/device/run.sh PART [PART ...]     PART = a script scripts/device/PART.sh, run in order
+# Each part gets its own time limit (KVARN_PART_TIMEOUT, default 240 s) and its log under $OUT/PART.log.
+set -uo pipefail
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+test -d /tmp/stage || { echo "RESTAGE: /tmp/stage missing"; exit 3; }
+cp .device/c5/* /tmp/stage/ 2>/dev/null || true
+bash .device/bin/assemble.sh > "$OUT/assemble.log" 2>&1 || { tail -20 "$OUT/assemble.log"; exit 3; }
+export PYTHONPATH=/tmp/kvarn-site:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kvarn-site . > "$OUT/install.log" 2>&1 \
+  || { tail -20 "$OUT/install.log"; exit 3; }
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
+python3 -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)" 2>&1 | tail -1
+summary=()
+for part in "$@"; do
+  start=$(date +%s)
+  timeout -k 10 "${KVARN_PART_TIMEOUT:-240}" bash "scripts/device/$part.sh" > "$OUT/$part.log" 2>&1
+  rc=$?
+  # leftover engines keep GPU memory: end them before the next part
+  for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+  summary+=("$part rc=$rc $(( $(date +%s) - start ))s")
+  echo "=== $part (rc=$rc) last lines:"; tail -n "${KVARN_TAIL:-25}" "$OUT/$part.log"
+done
+echo "=== summary"; printf '%s\n' "${summary[@]}"
