@@ -1,0 +1,35 @@
+"""Triton kernels for the KVarN paged cache (docs/format.md).
+
+    store_tiles(k, v, cache, block_ids, fmt, iters=8)                    quantize-on-write (kvarn.kernels.store)
+    store_tail_tokens(k, v, tail_k, tail_v, tail_slot, tail_pos)         16-bit tail scatter
+    decode_attention(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, scale,
+                     num_splits=None, out=None)                          fused split-K decode (kvarn.kernels.decode)
+    prefill_attention(q, cache, block_table, query_start_loc, seq_lens, tail_k, tail_v, tail_slots, fmt, scale,
+                      max_query_len, out=None)                           causal varlen over the cache (kvarn.kernels.prefill)
+    prepare(head_dim, device)                                            warm per-device constants before graph capture
+
+Imported lazily so `import kvarn` never needs triton.
+"""
+from __future__ import annotations
+
+__all__ = ["store_tiles", "store_tail_tokens", "decode_attention", "prefill_attention", "prepare"]
+
+
+def __getattr__(name):
+    if name in ("store_tiles", "store_tail_tokens"):
+        from . import store
+
+        return getattr(store, name)
+    if name == "decode_attention":
+        from .decode import decode_attention
+
+        return decode_attention
+    if name == "prefill_attention":
+        from .prefill import prefill_attention
+
+        return prefill_attention
+    if name == "prepare":
+        from .common import prepare
+
+        return prepare
+    raise AttributeError(name)

@@ -1,0 +1,94 @@
+"""Shared host-side helpers for the KVarN Triton kernels: record field offsets, format checks, the Hadamard
+matrix on the kernel's device.
+
+Everything here runs on the host from shapes and the format only (never reads device values), so the launches
+that use it stay CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import KvarnError
+from ..formats import KVFormat, get_format
+
+FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Byte offsets of the record fields (docs/format.md) for one (format, head dim)."""
+
+    g: int
+    d: int
+    kb: int
+    vb: int
+    pk: int
+    sk: int
+    zk: int
+    rk: int
+    pv: int
+    sv: int
+    zv: int
+    cv: int
+    size: int
+
+
+def layout(fmt: KVFormat | str, d: int) -> RecordLayout:
+    fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+    if fmt.family != "kvarn":
+        raise KvarnError(f"{fmt.name} is not a KVarN format; the kvarn kernels take kvarn_* formats only")
+    if d not in (64, 128, 256):
+        raise KvarnError(f"head dim {d} is not supported by the kvarn kernels; accepted: 64, 128, 256")
+    g, kb, vb = fmt.group, int(fmt.key_bits), int(fmt.value_bits)
+    off = 0
+    offs = {}
+    for name, n in (("pk", d * g * kb // 8), ("sk", 2 * d), ("zk", 2 * d), ("rk", 2 * g),
+                    ("pv", g * d * vb // 8), ("sv", 2 * g), ("zv", 2 * g), ("cv", 2 * d)):
+        offs[name] = off
+        off += n
+    size = fmt.record_bytes(d)
+    assert off <= size and all(v % 2 == 0 for v in offs.values())
+    return RecordLayout(g=g, d=d, kb=kb, vb=vb, size=size, **offs)
+
+
+def as_format(fmt: KVFormat | str) -> KVFormat:
+    return get_format(fmt) if isinstance(fmt, str) else fmt
+
+
+_HN: dict[tuple, torch.Tensor] = {}
+
+
+def hadamard_fp32(d: int, device) -> torch.Tensor:
+    """Orthonormal Hn (fp32, contiguous) on `device`, cached. Call `prepare()` before CUDA-graph capture so the
+    first (host-to-device) copy never happens inside a capture."""
+    dev = torch.device(device)
+    key = (d, str(dev))
+    h = _HN.get(key)
+    if h is None:
+        from ..method.hadamard import hadamard
+
+        h = hadamard(d, dev, torch.float32).contiguous()
+        _HN[key] = h
+    return h
+
+
+def prepare(head_dim: int, device) -> None:
+    """Warm the per-device constants (the Hadamard matrix) for one head dim; call once before graph capture."""
+    hadamard_fp32(head_dim, device)
+
+
+def check_cache(cache: torch.Tensor, lay: RecordLayout, name: str = "cache") -> None:
+    if cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[-1] != lay.size:
+        raise KvarnError(f"{name} must be uint8 [num_blocks, kv_heads, {lay.size}], got {cache.dtype} "
+                         f"{tuple(cache.shape)}")
+    if cache.stride(-1) != 1 or cache.stride(1) != lay.size:
+        raise KvarnError(f"{name} must have contiguous records (strides [*, {lay.size}, 1]), got {cache.stride()}")
+    if cache.storage_offset() % 2:
+        raise KvarnError(f"{name} must start at an even byte offset (fp16 fields)")
+
+
+def f16_view(cache: torch.Tensor) -> torch.Tensor:
+    """The same memory seen as fp16 words (records and every field offset are even), for the vector fields."""
+    return cache.view(torch.float16)

@@ -1,0 +1,237 @@
+"""Quantize-on-write: full 128/64-token tiles -> KVarN records in the paged cache (docs/format.md).
+
+Public API (the vLLM backend codes against these; signatures are stable):
+
+    store_tiles(k, v, cache, block_ids, fmt, iters=8) -> None
+        k, v       [T, H, g, D] fp16/bf16/fp32: T complete tiles per KV head, token rows, NOT rotated
+        cache      uint8 [num_blocks, H, record_bytes(D)] (records contiguous)
+        block_ids  int32 [T]: the block (record row) each tile goes to; entries < 0 are skipped (padding)
+        One program per (tile, head): sanitize (NaN -> 0, clamp to the fp16 range), rotate by Hn (fp32 dot),
+        balance (Sinkhorn-like, `iters` iterations, best iterate kept), round, fold, pack; fp32 math throughout.
+        Writes the bytes kvarn.method.reference.quantize_tiles would (codes may differ by one where a value sits
+        on a rounding boundary, because of fp32 reduction order / exp ulps).
+
+    store_tail_tokens(k, v, tail_k, tail_v, tail_slot, tail_pos) -> None
+        k, v       [N, H, D] new tokens (16-bit); tail_k/tail_v [S, H, g, D] the 16-bit unfinished-tile buffer
+        tail_slot  int32 [N] row of the tail buffer (< 0: skipped); tail_pos int32 [N] position in the tile (0..g-1)
+
+Both launch a fixed grid from shapes only and never sync with the host, so they can be captured in CUDA graphs
+(call kvarn.kernels.prepare(D, device) once before capture).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import KvarnError
+from ..formats import KVFormat
+from .common import FP16_MAX, as_format, check_cache, f16_view, hadamard_fp32, layout
+
+STD_MIN, STD_MAX = 1e-3, 1e3  # clamp of the measured std per balancing step (kvarn-method.md)
+LOG_MIN, LOG_MAX = -0.3, 10.0  # clip of the accumulated log-scales
+EPS = 1e-12  # a rounding scale / column factor at or below this counts as zero
+
+
+@triton.jit
+def _std(t, AXIS: tl.constexpr, N: tl.constexpr):
+    # population std along AXIS, clamped like the reference (two-pass: mean, then squared deviations)
+    mean = tl.sum(t, axis=AXIS) / N
+    if AXIS == 0:
+        dev = t - mean[None, :]
+    else:
+        dev = t - mean[:, None]
+    var = tl.sum(dev * dev, axis=AXIS) / N
+    return tl.minimum(tl.maximum(tl.sqrt(var), 1e-3), 1e3)
+
+
+@triton.jit
+def _round_half_even(x):
+    # torch.round semantics (ties to even) without libdevice, exact for the small code range
+    r = tl.floor(x + 0.5)
+    tie = (r - x) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _to_f16_range(x):
+    x = tl.where(x != x, 0.0, x)
+    return tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _quantize_matrix(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr):
+    """x [R, C] fp32 -> codes int32 [R, C], s [R], z [R], c [C] (fp16-rounded, as fp32):
+    x[r, c] ~= (q[r, c] * s[r] + z[r]) * c[c]. Mirrors reference.balance / _quantize_matrix."""
+    lr = tl.zeros([R], dtype=tl.float32)
+    lc = tl.zeros([C], dtype=tl.float32)
+    best_lr = lr
+    best_lc = lc
+    best = float("inf")
+    for _ in range(ITERS):
+        # reciprocal multiplies instead of divisions: the balance only picks scales (ulp-level differences)
+        t = x / tl.exp(lc)[None, :] / tl.exp(lr)[:, None]
+        lc = tl.minimum(tl.maximum(lc + tl.log(_std(t, 0, R)), -0.3), 10.0)
+        t = x / tl.exp(lc)[None, :] / tl.exp(lr)[:, None]
+        lr = tl.minimum(tl.maximum(lr + tl.log(_std(t, 1, C)), -0.3), 10.0)
+        t = x / tl.exp(lc)[None, :] / tl.exp(lr)[:, None]
+        cs = _std(t, 0, R)
+        rs = _std(t, 1, C)
+        imb = tl.max(cs, axis=0) / tl.min(cs, axis=0) + tl.max(rs, axis=0) / tl.min(rs, axis=0)
+        better = imb < best  # strict: ties keep the earlier iterate, like the reference
+        best = tl.where(better, imb, best)
+        best_lr = tl.where(better, lr, best_lr)
+        best_lc = tl.where(better, lc, best_lc)
+    col = tl.exp(best_lc)
+    row = tl.exp(best_lr)
+    t = x / col[None, :] / row[:, None]
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    mn = tl.min(t, axis=1)
+    mx = tl.max(t, axis=1)
+    scale = (mx - mn) / QMAX
+    s = _to_f16_range(scale * row)
+    z = _to_f16_range(mn * row)
+    c = _to_f16_range(col)
+    # codes against the stored fp16 vectors (as the reference does)
+    c_safe = tl.where(tl.abs(c) > 1e-12, c, 1.0)
+    y = x / c_safe[None, :]
+    num = y - z[:, None]
+    s_ok = tl.abs(s) > 1e-12
+    s_safe = tl.where(s_ok, s, 1.0)
+    q = tl.where(s_ok[:, None], num / s_safe[:, None], 0.0)
+    q = tl.minimum(tl.maximum(_round_half_even(q), 0.0), QMAX)
+    return q.to(tl.int32), s, z, c
+
+
+@triton.jit
+def _pack_store(q, dst_ptr, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
+    # planar pack along rows: byte[i, c] = sum_j q[i + j*R/PER, c] << (j*BITS)
+    PER: tl.constexpr = 8 // BITS
+    q3 = tl.reshape(q, [PER, R // PER, C])
+    shifts = (tl.arange(0, PER) * BITS)[:, None, None]
+    packed = tl.sum(q3 << shifts, axis=0)
+    ri = tl.arange(0, R // PER)
+    ci = tl.arange(0, C)
+    tl.store(dst_ptr + ri[:, None] * C + ci[None, :], packed.to(tl.uint8))
+
+
+@triton.jit
+def _sanitize(x):
+    x = tl.where(x != x, 0.0, x)
+    return tl.minimum(tl.maximum(x, -65504.0), 65504.0)
+
+
+@triton.jit
+def _store_tiles_kernel(
+    k_ptr, v_ptr, cache_ptr, cache16_ptr, block_ids_ptr, hn_ptr,
+    stride_kt, stride_kh, stride_kg, stride_vt, stride_vh, stride_vg,
+    stride_cb, stride_ch,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
+    OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
+    OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tile = pid // H
+    head = pid % H
+    blk = tl.load(block_ids_ptr + tile)
+    if blk >= 0:
+        base = blk.to(tl.int64) * stride_cb + head * stride_ch  # byte offset of the record
+        di = tl.arange(0, D)
+        gi = tl.arange(0, G)
+        hn = tl.load(hn_ptr + di[:, None] * D + di[None, :])
+        # keys: X = (K @ Hn)^T = Hn @ K^T  [D, g] (Hn symmetric), rows = channels
+        kp = k_ptr + tile.to(tl.int64) * stride_kt + head * stride_kh
+        kt = _sanitize(tl.load(kp + gi[None, :] * stride_kg + di[:, None]).to(tl.float32))
+        x = tl.dot(hn, kt, input_precision="ieee")
+        qk, sk, zk, rk = _quantize_matrix(x, D, G, KB, ITERS)
+        _pack_store(qk, cache_ptr + base + OFF_PK, D, G, KB)
+        b16 = base // 2
+        tl.store(cache16_ptr + b16 + OFF_SK // 2 + di, sk.to(tl.float16))
+        tl.store(cache16_ptr + b16 + OFF_ZK // 2 + di, zk.to(tl.float16))
+        tl.store(cache16_ptr + b16 + OFF_RK // 2 + gi, rk.to(tl.float16))
+        # values: Y = V @ Hn  [g, D], rows = tokens
+        vp = v_ptr + tile.to(tl.int64) * stride_vt + head * stride_vh
+        vt = _sanitize(tl.load(vp + gi[:, None] * stride_vg + di[None, :]).to(tl.float32))
+        y = tl.dot(vt, hn, input_precision="ieee")
+        qv, sv, zv, cv = _quantize_matrix(y, G, D, VB, ITERS)
+        _pack_store(qv, cache_ptr + base + OFF_PV, G, D, VB)
+        tl.store(cache16_ptr + b16 + OFF_SV // 2 + gi, sv.to(tl.float16))
+        tl.store(cache16_ptr + b16 + OFF_ZV // 2 + gi, zv.to(tl.float16))
+        tl.store(cache16_ptr + b16 + OFF_CV // 2 + di, cv.to(tl.float16))
+
+
+def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
+                fmt: KVFormat | str, iters: int = 8) -> None:
+    """Quantize T complete tiles per head into `cache[block_ids[t], h]` (see the module docstring)."""
+    fmt = as_format(fmt)
+    if k.dim() != 4 or k.shape != v.shape:
+        raise KvarnError(f"k and v must both be [T, H, g, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    T, H, g, D = k.shape
+    lay = layout(fmt, D)
+    if g != lay.g:
+        raise KvarnError(f"{fmt.name} stores tiles of {lay.g} tokens, got {g}")
+    check_cache(cache, lay)
+    if cache.shape[1] != H:
+        raise KvarnError(f"cache has {cache.shape[1]} kv heads, k has {H}")
+    if block_ids.shape != (T,) or block_ids.dtype not in (torch.int32, torch.int64):
+        raise KvarnError(f"block_ids must be int32 [T={T}], got {block_ids.dtype} {tuple(block_ids.shape)}")
+    if T == 0:
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    hn = hadamard_fp32(D, k.device)
+    big = D * g > 16384
+    _store_tiles_kernel[(T * H,)](
+        k, v, cache, f16_view(cache), block_ids, hn,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        cache.stride(0), cache.stride(1),
+        H=H, G=g, D=D, KB=lay.kb, VB=lay.vb, ITERS=int(iters),
+        OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
+        OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
+        num_warps=16 if big else 8,
+    )
+
+
+@triton.jit
+def _store_tail_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, slot_ptr, pos_ptr,
+                       stride_kn, stride_kh, stride_vn, stride_vh,
+                       stride_ts, stride_th, stride_tg, stride_us, stride_uh, stride_ug,
+                       H: tl.constexpr, D: tl.constexpr):
+    pid = tl.program_id(0)
+    n = pid // H
+    h = pid % H
+    slot = tl.load(slot_ptr + n)
+    if slot >= 0:
+        pos = tl.load(pos_ptr + n)
+        di = tl.arange(0, D)
+        kv = tl.load(k_ptr + n.to(tl.int64) * stride_kn + h * stride_kh + di)
+        vv = tl.load(v_ptr + n.to(tl.int64) * stride_vn + h * stride_vh + di)
+        s = slot.to(tl.int64)
+        tl.store(tk_ptr + s * stride_ts + h * stride_th + pos * stride_tg + di, kv.to(tk_ptr.dtype.element_ty))
+        tl.store(tv_ptr + s * stride_us + h * stride_uh + pos * stride_ug + di, vv.to(tv_ptr.dtype.element_ty))
+
+
+def store_tail_tokens(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
+                      tail_slot: torch.Tensor, tail_pos: torch.Tensor) -> None:
+    """Scatter N new tokens [N, H, D] into the 16-bit tail buffers [S, H, g, D] (slot < 0: skipped)."""
+    if k.dim() != 3 or k.shape != v.shape:
+        raise KvarnError(f"k and v must both be [N, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    N, H, D = k.shape
+    if tail_k.dim() != 4 or tail_k.shape[1] != H or tail_k.shape[3] != D or tail_v.shape != tail_k.shape:
+        raise KvarnError(f"tail buffers must be [S, {H}, g, {D}], got {tuple(tail_k.shape)}, {tuple(tail_v.shape)}")
+    if N == 0:
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    if tail_k.stride(-1) != 1 or tail_v.stride(-1) != 1:
+        raise KvarnError("tail buffers must be contiguous along the head dim")
+    _store_tail_kernel[(N * H,)](
+        k, v, tail_k, tail_v, tail_slot, tail_pos,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_v.stride(0), tail_v.stride(1), tail_v.stride(2),
+        H=H, D=D, num_warps=1,
+    )
+
+
+__all__ = ["store_tiles", "store_tail_tokens", "FP16_MAX"]
