@@ -1,0 +1,227 @@
+"""The KVarN attention backend for vLLM 0.26 (registered as AttentionBackendEnum.CUSTOM). Imports vLLM: loaded by
+vLLM through the registry path, never by `import kvarn`.
+
+Cache layout per layer: uint8 `(num_blocks, num_kv_heads, record_bytes(D))`, block = tile (docs/format.md); the
+shape never depends on `cache_dtype_str` (MRv1 passes "auto" for unknown quant modes). The unfinished tile of each
+request lives in the 16-bit tail buffers (tails.py), reserved from the KV budget by the worker patch.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from ..formats import get_format
+from . import ops
+from .common import SUPPORTED_HEAD_SIZES, active_format, is_kvarn, kvarn_dtype_names
+from .tails import STEP, TAILS
+
+logger = logging.getLogger("vllm.kvarn")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvarnAttentionSpec(FullAttentionSpec):
+    """FullAttentionSpec whose page is the true KVarN bytes: (block / g) x num_kv_heads x record_bytes(D)."""
+
+    kvarn_format: str = ""
+    kvarn_group: int = 0
+    kvarn_record_bytes: int = 0
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        if not self.kvarn_group:
+            return super().real_page_size_bytes
+        return (self.block_size // self.kvarn_group) * self.num_kv_heads * self.kvarn_record_bytes
+
+    @classmethod
+    def merge(cls, specs):
+        merged = super().merge(specs)
+        first = specs[0]
+        for s in specs[1:]:
+            if (s.kvarn_format, s.kvarn_group, s.kvarn_record_bytes) != (
+                    first.kvarn_format, first.kvarn_group, first.kvarn_record_bytes):
+                raise ValueError("kvarn: all KVarN layers of one KV cache group must use the same format")
+        return replace(merged, kvarn_format=first.kvarn_format, kvarn_group=first.kvarn_group,
+                       kvarn_record_bytes=first.kvarn_record_bytes)
+
+
+def make_spec(layer, block_size: int) -> KvarnAttentionSpec:
+    fmt = get_format(layer.kv_cache_dtype)
+    return KvarnAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=layer.num_kv_heads,
+        head_size=layer.head_size,
+        head_size_v=layer.head_size_v,
+        dtype=torch.uint8,
+        kvarn_format=fmt.name,
+        kvarn_group=fmt.group,
+        kvarn_record_bytes=fmt.record_bytes(layer.head_size),
+    )
+
+
+@dataclass
+class KvarnMetadata(AttentionMetadata):
+    plan: ops.StepPlan
+    num_actual_tokens: int
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
+    # Correct first: attention runs eagerly between piecewise CUDA graphs (vLLM downgrades NEVER to PIECEWISE).
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        name = getattr(kv_cache_spec, "kvarn_format", "") or vllm_config.cache_config.cache_dtype
+        self.fmt = get_format(name) if is_kvarn(name) else active_format()
+        self.slots = int(vllm_config.scheduler_config.max_num_seqs)
+        dtype = vllm_config.model_config.dtype
+        TAILS.allocate(layer_names, self.slots, kv_cache_spec.num_kv_heads, self.fmt.group, kv_cache_spec.head_size,
+                       dtype, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> KvarnMetadata:
+        cm = common_attn_metadata
+        R = cm.num_reqs
+        seq_cpu = cm.seq_lens_cpu_upper_bound
+        if seq_cpu is None:
+            seq_cpu = cm._seq_lens_cpu
+        if seq_cpu is None:
+            seq_cpu = cm.seq_lens[:R].cpu()  # host sync; only when a runner gives no CPU copy
+        rows = STEP.rows_for(R, scratch=self.slots)
+        rows = np.where((rows >= 0) & (rows <= self.slots), rows, self.slots).astype(np.int32)
+        plan = ops.build_plan(cm.query_start_loc_cpu, np.asarray(seq_cpu), R, rows, cm.block_table_tensor,
+                              self.fmt.group, self.device)
+        return KvarnMetadata(plan=plan, num_actual_tokens=cm.num_actual_tokens, block_table=cm.block_table_tensor,
+                             seq_lens=cm.seq_lens, slot_mapping=cm.slot_mapping)
+
+
+class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
+    def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None,
+                 kv_cache_dtype="auto", logits_soft_cap=None, attn_type=AttentionType.DECODER,
+                 kv_sharing_target_layer_name=None, **kwargs):
+        if alibi_slopes is not None:
+            raise NotImplementedError("kvarn: ALiBi is not supported")
+        if sliding_window is not None:
+            raise NotImplementedError("kvarn: sliding-window layers stay 16-bit (the plugin routes them elsewhere)")
+        if logits_soft_cap:
+            raise NotImplementedError("kvarn: logits soft-capping is not supported")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError("kvarn: only decoder self-attention is supported")
+        if not is_kvarn(kv_cache_dtype):
+            raise NotImplementedError(f"kvarn backend got kv_cache_dtype={kv_cache_dtype!r}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.fmt = get_format(kv_cache_dtype)
+        self._tails = None
+        self._fa = None
+        self._fa_version = None
+        self._fa_checked = False
+
+    def _raw_varlen(self):
+        if not self._fa_checked:
+            self._fa_checked = True
+            try:
+                from vllm.v1.attention.backends.fa_utils import (
+                    flash_attn_varlen_func,
+                    get_flash_attn_version,
+                    is_flash_attn_varlen_func_available,
+                )
+
+                if is_flash_attn_varlen_func_available():
+                    self._fa = flash_attn_varlen_func
+                    self._fa_version = get_flash_attn_version(head_size=self.head_size)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("kvarn: FlashAttention varlen unavailable (%s); first chunks use the torch path", e)
+        if self._fa is None:
+            return None
+        fa, ver, scale = self._fa, self._fa_version, self.scale
+
+        def run(q, k, v, cu, max_len):
+            kw = {} if ver is None else {"fa_version": ver}
+            return fa(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
+                      softmax_scale=scale, causal=True, **kw)
+
+        return run
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
+                output_block_scale=None):
+        assert output is not None, "kvarn: output buffer required"
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("kvarn: fused output quantization is not supported")
+        if attn_metadata is None:  # profiling run
+            return output.fill_(0)
+        if self._tails is None:
+            self._tails = TAILS.get(layer.layer_name if self.kv_sharing_target_layer_name is None
+                                    else self.kv_sharing_target_layer_name)
+        tail_k, tail_v = self._tails
+        plan = attn_metadata.plan
+        if plan.num_tokens == 0:
+            return output
+        if key is not None and value is not None and self.kv_sharing_target_layer_name is None:
+            ops.store(plan, key, value, kv_cache, tail_k, tail_v, self.fmt)
+        out = output.view(-1, self.num_heads, self.head_size)
+        ops.attention(plan, query, key, value, out, kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
+                      tail_k, tail_v, self.fmt, self.scale, raw_varlen=self._raw_varlen())
+        return output
+
+
+class KvarnAttentionBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = True  # the store runs first inside forward()
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(kvarn_dtype_names())
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return KvarnAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return KvarnMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes():
+        return [active_format().group]
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        # independent of cache_dtype_str on purpose (MRv1 passes "auto")
+        return (num_blocks, num_kv_heads, active_format().record_bytes(head_size))
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(SUPPORTED_HEAD_SIZES)
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
+        return kv_cache_dtype is None or is_kvarn(kv_cache_dtype)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER

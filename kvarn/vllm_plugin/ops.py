@@ -1,0 +1,323 @@
+"""Store and attention of the vLLM backend, over plain tensors (no vLLM import; tested on CPU).
+
+One `StepPlan` per forward step (built once on the host from the CPU copies of `query_start_loc` / `seq_lens`, shared
+by all layers) says, for the flattened new tokens of the batch:
+
+* which tiles complete in this step (batch row, tile index -> block id from the block table) and, for each of their
+  g positions, where the 16-bit token comes from: this step's new K/V, or the request's tail row (earlier steps);
+* which new tokens go to the tail (those of the unfinished last tile) at which tail row / position;
+* how attention splits: rows with no prior context (first prefill chunk) attend to the raw new Q/K/V (exact, as
+  FlashAttention would); every other row (decode, continuation chunk, prefix-cache hit) attends to the post-store
+  cache state: full tiles from the records, the unfinished tile from the tail.
+
+Semantics shared with the PyTorch reference cache: a tile is quantized once, when its g tokens exist; the store
+runs before attention in the layer.
+
+The Triton kernels of `kvarn.kernels` are used when present and the tensors live on CUDA; otherwise a slow,
+exact PyTorch path built on `kvarn.method.reference` runs (CPU tests, and a GPU fallback).
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..formats import KVFormat
+
+
+def _kernel(module: str, name: str):
+    try:
+        mod = importlib.import_module(f"kvarn.kernels.{module}")
+    except Exception:  # noqa: BLE001 - a missing or broken kernel module means: use the torch path
+        return None
+    return getattr(mod, name, None)
+
+
+@dataclass
+class StepPlan:
+    num_reqs: int
+    num_tokens: int
+    group: int
+    # host copies
+    qsl: np.ndarray  # int64 [R + 1]
+    seq_lens: np.ndarray  # int64 [R]
+    ctx_lens: np.ndarray  # int64 [R]
+    tail_slots_np: np.ndarray  # int32 [R]
+    # store (device)
+    num_tiles: int
+    tile_block_ids: torch.Tensor | None  # int32 [T]
+    tile_new_dst: torch.Tensor | None  # int64 [n1]: flat (tile * g + offset) filled from new tokens
+    tile_new_src: torch.Tensor | None  # int64 [n1]: new-token index
+    tile_tail_dst: torch.Tensor | None  # int64 [n2]: flat (tile * g + offset) filled from the tail
+    tile_tail_slot: torch.Tensor | None  # int64 [n2]
+    tile_tail_pos: torch.Tensor | None  # int64 [n2]
+    tail_tok: torch.Tensor | None  # int64 [n3]: new tokens of unfinished tiles
+    tail_slot: torch.Tensor | None  # int64 [n3]
+    tail_pos: torch.Tensor | None  # int64 [n3]
+    # attention (device)
+    tail_slots: torch.Tensor  # int32 [R]
+    raw_rows: np.ndarray  # rows with no prior context
+    raw_tok: torch.Tensor | None  # int64 token indexes of raw rows (compacted order)
+    raw_cu: torch.Tensor | None  # int32 [n_raw + 1]
+    raw_max: int
+    dec_rows: np.ndarray  # rows with context and one new token
+    dec_rows_t: torch.Tensor | None
+    dec_tok: torch.Tensor | None
+    cont_rows: np.ndarray  # rows with context and several new tokens
+    cont_rows_t: torch.Tensor | None
+    cont_tok: torch.Tensor | None
+    cont_qsl: torch.Tensor | None  # int32 [n_cont + 1]
+    cont_max_q: int
+
+    @property
+    def pure_prefill(self) -> bool:
+        return len(self.dec_rows) == 0 and len(self.cont_rows) == 0
+
+
+def _t(a, dtype, device) -> torch.Tensor | None:
+    if a is None or len(a) == 0:
+        return None
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device, non_blocking=True)
+
+
+def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, block_table: torch.Tensor,
+               group: int, device) -> StepPlan:
+    """qsl_cpu [>= R + 1], seq_lens_cpu [>= R] (host), tail_slots_np int32 [R], block_table [R, max_blocks]."""
+    g = group
+    R = int(num_reqs)
+    qsl = np.asarray(qsl_cpu[: R + 1], dtype=np.int64)
+    seq = np.asarray(seq_lens_cpu[:R], dtype=np.int64)
+    qlen = np.diff(qsl)
+    ctx = seq - qlen
+    n_tok = int(qsl[-1]) if R else 0
+
+    t_rows, t_cols = [], []
+    new_dst, new_src, tl_dst, tl_slot, tl_pos = [], [], [], [], []
+    tail_tok, tail_slot, tail_pos = [], [], []
+    n_tiles = 0
+    for i in range(R):
+        q = int(qlen[i])
+        if q <= 0:
+            continue
+        c, s, slot, q0 = int(ctx[i]), int(seq[i]), int(tail_slots_np[i]), int(qsl[i])
+        first, last_full = c // g, s // g  # tiles [first, last_full) complete in this step
+        for j in range(first, last_full):
+            base = n_tiles * g
+            lo = j * g
+            old = max(0, c - lo)  # positions of this tile written in earlier steps -> from the tail
+            if old:
+                tl_dst.append(base + np.arange(old))
+                tl_slot.append(np.full(old, slot))
+                tl_pos.append(np.arange(old))
+            new_dst.append(base + np.arange(old, g))
+            new_src.append(q0 + (lo + np.arange(old, g) - c))
+            t_rows.append(i)
+            t_cols.append(j)
+            n_tiles += 1
+        start = max(c, last_full * g)  # new tokens of the unfinished tile
+        if start < s:
+            pos = np.arange(start, s)
+            tail_tok.append(q0 + (pos - c))
+            tail_slot.append(np.full(len(pos), slot))
+            tail_pos.append(pos % g)
+
+    def cat(parts):
+        return np.concatenate(parts) if parts else None
+
+    tile_block_ids = None
+    if n_tiles:
+        rows_t = _t(np.array(t_rows), np.int64, device)
+        cols_t = _t(np.array(t_cols), np.int64, device)
+        tile_block_ids = block_table[rows_t, cols_t].to(torch.int32)
+
+    active = qlen > 0
+    raw_rows = np.nonzero(active & (ctx == 0))[0]
+    dec_rows = np.nonzero(active & (ctx > 0) & (qlen == 1))[0]
+    cont_rows = np.nonzero(active & (ctx > 0) & (qlen > 1))[0]
+
+    def tok_of(rows):
+        if len(rows) == 0:
+            return None, None, 0
+        parts = [np.arange(qsl[r], qsl[r + 1]) for r in rows]
+        lens = qlen[rows]
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        return np.concatenate(parts), cu, int(lens.max())
+
+    raw_tok, raw_cu, raw_max = tok_of(raw_rows)
+    dec_tok, _, _ = tok_of(dec_rows)
+    cont_tok, cont_cu, cont_max = tok_of(cont_rows)
+    return StepPlan(
+        num_reqs=R, num_tokens=n_tok, group=g, qsl=qsl, seq_lens=seq, ctx_lens=ctx,
+        tail_slots_np=np.asarray(tail_slots_np[:R], dtype=np.int32),
+        num_tiles=n_tiles, tile_block_ids=tile_block_ids,
+        tile_new_dst=_t(cat(new_dst), np.int64, device), tile_new_src=_t(cat(new_src), np.int64, device),
+        tile_tail_dst=_t(cat(tl_dst), np.int64, device), tile_tail_slot=_t(cat(tl_slot), np.int64, device),
+        tile_tail_pos=_t(cat(tl_pos), np.int64, device),
+        tail_tok=_t(cat(tail_tok), np.int64, device), tail_slot=_t(cat(tail_slot), np.int64, device),
+        tail_pos=_t(cat(tail_pos), np.int64, device),
+        tail_slots=torch.from_numpy(np.asarray(tail_slots_np[:R], dtype=np.int32)).to(device, non_blocking=True),
+        raw_rows=raw_rows, raw_tok=_t(raw_tok, np.int64, device), raw_cu=_t(raw_cu, np.int32, device), raw_max=raw_max,
+        dec_rows=dec_rows, dec_rows_t=_t(dec_rows, np.int64, device), dec_tok=_t(dec_tok, np.int64, device),
+        cont_rows=cont_rows, cont_rows_t=_t(cont_rows, np.int64, device), cont_tok=_t(cont_tok, np.int64, device),
+        cont_qsl=_t(cont_cu, np.int32, device), cont_max_q=cont_max,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# store
+
+
+def store(plan: StepPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, tail_k: torch.Tensor,
+          tail_v: torch.Tensor, fmt: KVFormat, iters: int = 8) -> None:
+    """k, v [N, Hk, D] new tokens (N >= plan.num_tokens); cache uint8 [num_blocks, Hk, R]; tails [S+1, Hk, g, D].
+    Complete tiles are assembled (tail + new) and quantized first, then the unfinished tiles' tokens go to the tail."""
+    g = plan.group
+    if plan.num_tiles:
+        T = plan.num_tiles
+        H, D = k.shape[1], k.shape[2]
+        tk = k.new_empty(T * g, H, D)
+        tv = v.new_empty(T * g, H, D)
+        if plan.tile_new_dst is not None:
+            tk[plan.tile_new_dst] = k[plan.tile_new_src].to(tk.dtype)
+            tv[plan.tile_new_dst] = v[plan.tile_new_src].to(tv.dtype)
+        if plan.tile_tail_dst is not None:
+            tk[plan.tile_tail_dst] = tail_k[plan.tile_tail_slot, :, plan.tile_tail_pos].to(tk.dtype)
+            tv[plan.tile_tail_dst] = tail_v[plan.tile_tail_slot, :, plan.tile_tail_pos].to(tv.dtype)
+        tk = tk.view(T, g, H, D).transpose(1, 2).contiguous()
+        tv = tv.view(T, g, H, D).transpose(1, 2).contiguous()
+        store_tiles(tk, tv, cache, plan.tile_block_ids, fmt, iters)
+    if plan.tail_tok is not None:
+        tail_k[plan.tail_slot, :, plan.tail_pos] = k[plan.tail_tok].to(tail_k.dtype)
+        tail_v[plan.tail_slot, :, plan.tail_pos] = v[plan.tail_tok].to(tail_v.dtype)
+
+
+def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor, fmt: KVFormat,
+                iters: int = 8) -> None:
+    """k, v [T, H, g, D] complete tiles -> records in cache at block_ids (< 0 skipped)."""
+    fn = _kernel("store", "store_tiles") if k.is_cuda else None
+    if fn is not None:
+        fn(k, v, cache, block_ids, fmt, iters=iters)
+        return
+    from ..method.reference import quantize_tiles
+
+    rec = quantize_tiles(k, v, fmt, iters=iters)  # [T, H, R]
+    keep = block_ids >= 0
+    if not bool(keep.all()):
+        rec, block_ids = rec[keep], block_ids[keep]
+    cache[block_ids.long()] = rec.to(cache.device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# attention
+
+
+def _materialize(cache, block_row, seq_len, tail_k, tail_v, slot, fmt, D):
+    """Post-store K/V of one request: [seq_len, Hk, D] float32 (full tiles dequantized, then the tail)."""
+    from ..method.reference import dequantize_tiles
+
+    g = fmt.group
+    n_full, r = seq_len // g, seq_len % g
+    ks, vs = [], []
+    if n_full:
+        rec = cache[block_row[:n_full].long()]  # [n, Hk, R]
+        k, v = dequantize_tiles(rec, fmt, D)  # [n, Hk, g, D]
+        ks.append(k.transpose(1, 2).reshape(n_full * g, -1, D))
+        vs.append(v.transpose(1, 2).reshape(n_full * g, -1, D))
+    if r:
+        ks.append(tail_k[slot, :, :r].transpose(0, 1).float())
+        vs.append(tail_v[slot, :, :r].transpose(0, 1).float())
+    return torch.cat(ks), torch.cat(vs)
+
+
+def cached_attention_torch(q, cache, block_table, qsl, seq_lens, tail_k, tail_v, tail_slots, fmt, scale):
+    """Reference: each row's q tokens (the last q_len positions) attend causally over the post-store state.
+    q [Nq, Hq, D]; qsl / seq_lens / tail_slots host sequences. Returns float32 [Nq, Hq, D]."""
+    from ..method.reference import reference_attention
+
+    D = q.shape[-1]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for b in range(len(seq_lens)):
+        a, e, s = int(qsl[b]), int(qsl[b + 1]), int(seq_lens[b])
+        if e <= a or s <= 0:
+            continue
+        k, v = _materialize(cache, block_table[b], s, tail_k, tail_v, int(tail_slots[b]), fmt, D)
+        qq = q[a:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
+        o = reference_attention(qq, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale,
+                                causal_offset=s - (e - a))
+        out[a:e] = o[0].transpose(0, 1)
+    return out
+
+
+def raw_attention_torch(q, k, v, cu, scale):
+    """Causal attention of each segment over its own raw K/V. q [N, Hq, D], k/v [N, Hk, D]. Returns float32."""
+    from ..method.reference import reference_attention
+
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    cu = [int(x) for x in cu]
+    for b in range(len(cu) - 1):
+        a, e = cu[b], cu[b + 1]
+        if e <= a:
+            continue
+        o = reference_attention(q[a:e].transpose(0, 1), k[a:e].transpose(0, 1), v[a:e].transpose(0, 1), scale,
+                                causal_offset=0)
+        out[a:e] = o.transpose(0, 1)
+    return out
+
+
+def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, tail_k, tail_v, fmt: KVFormat,
+              scale: float, raw_varlen: Callable | None = None) -> None:
+    """Writes out[:num_tokens] ([N, Hq, D], q's dtype). raw_varlen(q, k, v, cu, max_len) -> [n, Hq, D] is the fast
+    exact path for rows without context (vLLM's flash_attn_varlen_func); None: the torch reference."""
+    # 1. rows without prior context: raw Q/K/V (exact)
+    if plan.raw_tok is not None:
+        full = plan.pure_prefill  # every token belongs to a raw row, in order: plain slices, no gather
+        n = plan.num_tokens
+        if full:
+            qs, ks, vs = q[:n], k[:n], v[:n]
+        else:
+            qs, ks, vs = q[plan.raw_tok], k[plan.raw_tok], v[plan.raw_tok]
+        if raw_varlen is not None:
+            o = raw_varlen(qs, ks, vs, plan.raw_cu, plan.raw_max)
+        else:
+            o = raw_attention_torch(qs, ks, vs, plan.raw_cu.cpu(), scale)
+        if full:
+            out[:n] = o.to(out.dtype)
+        else:
+            out[plan.raw_tok] = o.to(out.dtype)
+    if plan.pure_prefill:
+        return
+    use_kernels = q.is_cuda
+    # 2. decode rows: one new token over the post-store cache
+    if plan.dec_tok is not None:
+        rows = plan.dec_rows_t
+        qd = q[plan.dec_tok]
+        fn = _kernel("decode", "decode_attention") if use_kernels else None
+        if fn is not None:
+            o = fn(qd, cache, block_table[rows], seq_lens_dev[rows], tail_k, tail_v, plan.tail_slots[rows], fmt, scale)
+        else:
+            r = plan.dec_rows
+            o = cached_attention_torch(qd, cache, block_table[rows], np.arange(len(r) + 1), plan.seq_lens[r],
+                                       tail_k, tail_v, plan.tail_slots_np[r], fmt, scale)
+        out[plan.dec_tok] = o.to(out.dtype)
+    # 3. continuation chunks / prefix hits: several new tokens over the post-store cache
+    if plan.cont_tok is not None:
+        rows = plan.cont_rows_t
+        qc = q[plan.cont_tok]
+        fn = _kernel("prefill", "prefill_attention") if use_kernels else None
+        if fn is not None:
+            o = fn(qc, cache, block_table[rows], plan.cont_qsl, seq_lens_dev[rows], tail_k, tail_v,
+                   plan.tail_slots[rows], fmt, scale, plan.cont_max_q)
+        else:
+            r = plan.cont_rows
+            cu = np.concatenate([[0], np.cumsum(plan.qsl[r + 1] - plan.qsl[r])])
+            o = cached_attention_torch(qc, cache, block_table[rows], cu, plan.seq_lens[r], tail_k, tail_v,
+                                       plan.tail_slots_np[r], fmt, scale)
+        out[plan.cont_tok] = o.to(out.dtype)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
