@@ -1,0 +1,165 @@
+"""The backend's store/attention plumbing on CPU (no vLLM): a simulated engine drives requests through chunked
+prefill, mixed batches, decode, a preemption and resume, with padded rows; every step is checked against an oracle
+built from the true K/V and the reference quantizer."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvarn.formats import get_format
+from kvarn.method.reference import dequantize_tiles, quantize_tiles, reference_attention
+from kvarn.vllm_plugin import ops
+from kvarn.vllm_plugin.tails import SlotTable, StepSlots, TailBuffers, tail_bytes
+
+FMT = get_format("kvarn_k4v2_g64")  # g = 64 keeps the CPU reference fast
+G, D, HK, HQ = FMT.group, 64, 2, 4
+SCALE = D ** -0.5
+
+
+class Req:
+    def __init__(self, rid, total, gen):
+        self.rid = rid
+        self.k = torch.randn(total, HK, D, generator=gen)
+        self.v = torch.randn(total, HK, D, generator=gen)
+        self.q = torch.randn(total, HQ, D, generator=gen)
+        self.done = 0  # tokens in the cache
+        self.blocks: list[int] = []
+
+
+class Engine:
+    def __init__(self, num_blocks=64, slots=4, seed=0):
+        self.cache = torch.zeros(num_blocks, HK, FMT.record_bytes(D), dtype=torch.uint8)
+        self.tails = TailBuffers()
+        self.tails.allocate(["l0"], slots, HK, G, D, torch.float32, "cpu")
+        self.tk, self.tv = self.tails.get("l0")
+        self.table = SlotTable(slots)
+        self.free = list(range(1, num_blocks))  # block 0 = vLLM's null block
+        np.random.default_rng(seed).shuffle(self.free)
+        self.slots = slots
+
+    def step(self, sched: list[tuple[Req, int]], pad_rows: int = 0):
+        """sched: (request, number of new tokens), decodes first like vLLM's reorder. Returns per-token outputs."""
+        qsl, seq, qs, ks, vs, rows = [0], [], [], [], [], []
+        for r, n in sched:
+            need = -(-(r.done + n) // G)
+            while len(r.blocks) < need:
+                r.blocks.append(self.free.pop())
+            qs.append(r.q[r.done:r.done + n]); ks.append(r.k[r.done:r.done + n]); vs.append(r.v[r.done:r.done + n])
+            seq.append(r.done + n)
+            qsl.append(qsl[-1] + n)
+            rows.append(self.table.slot(r.rid))
+        for _ in range(pad_rows):  # CUDA-graph style padding rows: no tokens, scratch slot
+            qsl.append(qsl[-1]); seq.append(0); rows.append(self.slots)
+        R = len(seq)
+        width = max([len(r.blocks) for r, _ in sched] + [1])
+        bt = torch.zeros(R, width, dtype=torch.int32)
+        for i, (r, _) in enumerate(sched):
+            bt[i, :len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
+        q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
+        pad = 3  # padded token rows at the end, as vLLM pads num_tokens
+        q = torch.cat([q, torch.zeros(pad, HQ, D)]); k = torch.cat([k, torch.zeros(pad, HK, D)])
+        v = torch.cat([v, torch.zeros(pad, HK, D)])
+        plan = ops.build_plan(np.array(qsl), np.array(seq), R, np.array(rows, dtype=np.int32), bt, G, "cpu")
+        ops.store(plan, k, v, self.cache, self.tk, self.tv, FMT)
+        out = torch.full_like(q, float("nan"))
+        ops.attention(plan, q, k, v, out, self.cache, bt, torch.tensor(seq, dtype=torch.int32), self.tk, self.tv,
+                      FMT, SCALE)
+        starts = [r.done for r, _ in sched]
+        for r, n in sched:
+            r.done += n
+        self.check_state(sched)
+        self.check_out(sched, starts, out, qsl)
+        assert torch.isnan(out[qsl[-1]:]).all(), "padding rows must stay untouched"
+        return out
+
+    def check_state(self, sched):
+        for r, _ in sched:
+            full = r.done // G
+            if full:
+                want = quantize_tiles(r.k[:full * G].view(full, G, HK, D).transpose(1, 2),
+                                      r.v[:full * G].view(full, G, HK, D).transpose(1, 2), FMT)
+                got = self.cache[torch.tensor(r.blocks[:full])]
+                assert torch.equal(got, want), f"{r.rid}: records differ"
+            rem = r.done % G
+            if rem:
+                s = self.table.slot(r.rid)
+                assert torch.equal(self.tk[s, :, :rem], r.k[full * G:r.done].transpose(0, 1))
+                assert torch.equal(self.tv[s, :, :rem], r.v[full * G:r.done].transpose(0, 1))
+
+    def check_out(self, sched, starts, out, qsl):
+        for i, ((r, n), c) in enumerate(zip(sched, starts)):
+            s = c + n
+            if c == 0:  # first chunk: raw attention
+                k, v = r.k[:s], r.v[:s]
+            else:  # post-store state: dequantized full tiles + raw tail
+                full = s // G
+                kk, vv = [], []
+                if full:
+                    dk, dv = dequantize_tiles(self.cache[torch.tensor(r.blocks[:full])], FMT, D)
+                    kk.append(dk.transpose(1, 2).reshape(-1, HK, D)); vv.append(dv.transpose(1, 2).reshape(-1, HK, D))
+                kk.append(r.k[full * G:s]); vv.append(r.v[full * G:s])
+                k, v = torch.cat(kk), torch.cat(vv)
+            want = reference_attention(r.q[c:s].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), SCALE,
+                                       causal_offset=c).transpose(0, 1)
+            got = out[qsl[i]:qsl[i + 1]]
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_chunked_prefill_decode_mixed_and_preemption():
+    gen = torch.Generator().manual_seed(0)
+    eng = Engine()
+    a, b, c = Req("a", 200, gen), Req("b", 150, gen), Req("c", 140, gen)
+    eng.step([(a, 50)])  # first chunk, raw
+    eng.step([(a, 100), (b, 70)])  # continuation completing a tile that spans chunks + a new request
+    eng.step([(a, 1), (b, 60)], pad_rows=2)  # decode + continuation (b: completes tile 1 from tail + new)
+    for _ in range(3):
+        eng.step([(a, 1), (b, 1)])
+    # preempt b: its blocks and slot are freed; on resume it is recomputed from the start
+    eng.table.release(["b"])
+    eng.free.extend(b.blocks); b.blocks, b.done = [], 0
+    eng.step([(a, 1), (c, 64)])  # c's first chunk is exactly one tile
+    eng.step([(a, 1), (b, 134), (c, 10)])  # b resumes (raw first chunk again), c continues
+    eng.step([(a, 1), (b, 1), (c, 1)])
+    assert len(eng.table) == 3
+
+
+def test_prefix_hit_starts_on_a_tile_boundary():
+    gen = torch.Generator().manual_seed(1)
+    eng = Engine()
+    a = Req("a", 180, gen)
+    eng.step([(a, 130)])
+    # a second request sharing a's first two tiles: vLLM gives it a's blocks and num_computed = 128
+    b = Req("b", 170, gen)
+    b.k[:128], b.v[:128], b.blocks, b.done = a.k[:128], a.v[:128], list(a.blocks[:2]), 128
+    eng.step([(b, 42)])  # prefix-hit continuation: attends over the shared quantized tiles + its own new tokens
+
+
+def test_plan_counts_and_tail_positions():
+    bt = torch.arange(40, dtype=torch.int32).view(2, 20)
+    plan = ops.build_plan(np.array([0, 1, 201]), np.array([64, 300]), 2, np.array([3, 1], dtype=np.int32), bt, 64,
+                          "cpu")
+    # row 0: decode of position 63 completes tile 0 (63 tail tokens + 1 new); row 1: ctx 100 -> tiles 1..3 complete
+    assert plan.num_tiles == 1 + 3
+    assert plan.tile_block_ids.tolist() == [0, 21, 22, 23]
+    assert plan.tile_tail_dst.numel() == 63 + (100 - 64)
+    assert plan.tail_tok.tolist() == list(range(1 + (256 - 100), 201))  # row 1 positions 256..299 -> tail
+    assert set(plan.tail_pos.tolist()) == set(range(0, 44))
+    assert plan.dec_rows.tolist() == [0] and plan.cont_rows.tolist() == [1] and len(plan.raw_rows) == 0
+
+
+def test_slot_table_and_step_slots():
+    t = SlotTable(2)
+    assert t.rows(["x", "y"]).tolist() == [0, 1]
+    with pytest.raises(Exception, match="tail slots"):
+        t.slot("z")
+    t.release(["x"])
+    assert t.slot("z") == 0
+    t.retain_only(["z"])
+    assert len(t) == 1 and t.slot("y") == 1
+    st = StepSlots()
+    st.set_rows([5, 6], "mrv2")
+    assert st.rows_for(4, scratch=9).tolist() == [5, 6, 9, 9]
+    st.set_dummy()
+    assert st.rows_for(2, scratch=9).tolist() == [9, 9]
+    assert tail_bytes(255, 8, 128, 128, 2) == 2 * 256 * 8 * 128 * 128 * 2
