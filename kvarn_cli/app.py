@@ -26,7 +26,9 @@ for module in (capacity, env, bench, eval_cmd, fidelity, microbench, report, gat
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: user errors become one line on stderr and exit code 2."""
     try:
-        app(args=argv, prog_name="kvarn", standalone_mode=False)
+        rv = app(args=argv, prog_name="kvarn", standalone_mode=False)
+        if isinstance(rv, int) and not isinstance(rv, bool):  # click returns typer.Exit(code) in this mode
+            return rv
     except KvarnError as e:
         err(f"error: {e}")
         return e.exit_code

@@ -1,0 +1,271 @@
+"""Tables the report and the gate are built from: validated bench runs, per-cell medians, eval summaries, frontier.
+
+A *cell* is one configuration (model, TP, engine, mode, burst, lengths, requests, kv dtype); its repeats are the raw
+runs. A run is *valid* when its status is ok, every request completed and its throughput is a positive number: the
+report plots medians over valid runs only and lists the others; the gate refuses to let an invalid run hide inside a
+median (see kvarn/gate.py).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..errors import KvarnError
+from ..formats import FP16_NAMES, REGISTRY
+from ..results import ResultsStore
+
+FP16_KV = set(FP16_NAMES) | {"fp16"}
+CELL_KEYS = ("model", "tp", "engine", "mode", "burst", "prompt_len", "output_len", "requests", "kv_dtype")
+EVAL_KEYS = ("model", "tp", "task", "kv_dtype")
+PROVENANCE = ("git_sha", "kvarn_version", "vllm", "torch", "triton", "cuda", "driver", "gpu_name", "gpu_count")
+LATENCY = ("ttft", "tpot", "itl", "e2el")
+HEADLINE_BURST = 16384
+RATIO_SOURCES = {"kv_ratio_vs_fp16": "kv_tokens", "output_tok_s_ratio_vs_fp16": "output_tok_s"}
+
+
+def load_results(paths) -> pd.DataFrame:
+    """All rows of one or more results directories (a missing or empty directory is a user error)."""
+    paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+    frames = []
+    for p in paths:
+        if not p.exists():
+            raise KvarnError(f"results directory {str(p)!r} does not exist")
+        store = ResultsStore(p)
+        if not store.files():
+            raise KvarnError(f"{str(p)!r} holds no results (expected Parquet parts under {p / 'parts'})")
+        df = store.read()
+        df["results_dir"] = str(p)
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True, sort=False) if frames else pd.DataFrame()
+
+
+def of_kind(df: pd.DataFrame, kind: str) -> pd.DataFrame:
+    if df.empty or "kind" not in df.columns:
+        return pd.DataFrame()
+    return df[df["kind"] == kind].reset_index(drop=True)
+
+
+def format_order(names) -> list[str]:
+    reg = list(REGISTRY)
+    return sorted({str(n) for n in names}, key=lambda n: (reg.index(n) if n in reg else len(reg), n))
+
+
+def family(kv_dtype: str) -> str:
+    if kv_dtype in FP16_KV:
+        return "fp16"
+    f = REGISTRY.get(kv_dtype)
+    return f.family if f else "other"
+
+
+def _num(row, col) -> float:
+    v = row.get(col) if hasattr(row, "get") else None
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return math.nan
+    return v
+
+
+def invalid_reason(row) -> str | None:
+    """Why one raw bench run cannot count (None when it is valid)."""
+    status = str(row.get("status") or "")
+    if status != "ok":
+        err = str(row.get("error") or "").strip()
+        return f"status {status}" + (f": {err}" if err else "")
+    done, want = _num(row, "completed"), _num(row, "num_requests")
+    if not math.isnan(want) and not math.isnan(done) and done < want:
+        return f"only {int(done)} of {int(want)} requests completed"
+    if not math.isnan(want) and math.isnan(done):
+        return "completed count missing"
+    tps = _num(row, "output_tok_s")
+    if math.isnan(tps) or tps <= 0:
+        return "no output throughput"
+    return None
+
+
+def cell_keys(df: pd.DataFrame) -> list[str]:
+    return [k for k in CELL_KEYS if k in df.columns]
+
+
+def normalise_bench(bench: pd.DataFrame) -> pd.DataFrame:
+    b = bench.copy()
+    for k in CELL_KEYS:
+        if k not in b.columns:
+            b[k] = np.nan
+    for k in ("tp", "burst", "prompt_len", "output_len", "requests"):
+        b[k] = pd.to_numeric(b[k], errors="coerce")
+    for k in ("model", "engine", "mode", "kv_dtype"):
+        b[k] = b[k].astype("object").where(b[k].notna(), "")
+    b["invalid_reason"] = [invalid_reason(r) for r in b.to_dict("records")]
+    b["valid"] = b["invalid_reason"].isna()
+    return b
+
+
+def metric_columns(df: pd.DataFrame) -> list[str]:
+    from ..results.schema import BENCH_METRICS
+
+    return [m for m in BENCH_METRICS if m in df.columns and pd.api.types.is_numeric_dtype(df[m])]
+
+
+def bench_cells(bench: pd.DataFrame) -> pd.DataFrame:
+    """One row per cell: medians over valid repeats, repeat counts, and ratios vs the FP16 cell of the same setting."""
+    if bench.empty:
+        return pd.DataFrame()
+    b = bench if "valid" in bench.columns else normalise_bench(bench)
+    keys = list(CELL_KEYS)
+    metrics = metric_columns(b)
+    rows = []
+    for key, g in b.groupby(keys, dropna=False, sort=False):
+        ok = g[g["valid"]]
+        rec = dict(zip(keys, key))
+        rec["runs"] = len(g)
+        rec["valid_runs"] = len(ok)
+        rec["invalid_runs"] = len(g) - len(ok)
+        for m in metrics:
+            vals = pd.to_numeric(ok[m], errors="coerce").dropna()
+            rec[m] = float(vals.median()) if len(vals) else math.nan
+        tps = pd.to_numeric(ok["output_tok_s"], errors="coerce").dropna() if "output_tok_s" in ok else pd.Series([])
+        rec["output_tok_s_min"] = float(tps.min()) if len(tps) else math.nan
+        rec["output_tok_s_max"] = float(tps.max()) if len(tps) else math.nan
+        rec["output_tok_s_spread_pct"] = (float((tps.max() - tps.min()) / tps.median() * 100) if len(tps) > 1
+                                          else math.nan)
+        for col in PROVENANCE + ("created_at", "run_id"):
+            if col in g.columns:
+                vals = g[col].dropna().astype(str)
+                rec[col] = ", ".join(sorted(set(vals))) if len(vals) else ""
+        rows.append(rec)
+    cells = pd.DataFrame(rows)
+    # ratios vs FP16 of the same setting, computed here when bench did not (it may have run formats separately)
+    setting = [k for k in keys if k != "kv_dtype"]
+    fp16 = cells[cells["kv_dtype"].isin(FP16_KV) & (cells["valid_runs"] > 0)]
+    def skey(rec) -> tuple:
+        return tuple(None if isinstance(rec[s], float) and math.isnan(rec[s]) else rec[s] for s in setting)
+
+    for ratio, src in RATIO_SOURCES.items():
+        if src not in cells.columns:
+            continue
+        base: dict[tuple, list[float]] = {}
+        for rec in fp16.to_dict("records"):
+            if not math.isnan(rec[src]):
+                base.setdefault(skey(rec), []).append(rec[src])
+        computed = []
+        for rec in cells.to_dict("records"):
+            den = float(np.median(base[skey(rec)])) if skey(rec) in base else math.nan
+            computed.append(rec[src] / den if den and not math.isnan(den) else math.nan)
+        computed = pd.Series(computed, index=cells.index, dtype=float)
+        if ratio in cells.columns:
+            cells[ratio] = pd.to_numeric(cells[ratio], errors="coerce").where(cells[ratio].notna(), computed)
+        else:
+            cells[ratio] = computed
+    cells["family"] = cells["kv_dtype"].map(family)
+    order = {n: i for i, n in enumerate(format_order(cells["kv_dtype"]))}
+    cells["_o"] = cells["kv_dtype"].map(order)
+    cells = cells.sort_values(["model", "tp", "mode", "burst", "_o"]).drop(columns="_o").reset_index(drop=True)
+    return cells
+
+
+def eval_summary(evals: pd.DataFrame) -> pd.DataFrame:
+    """Latest ok eval row per (model, TP, task, kv dtype); failed ones are reported separately."""
+    if evals.empty:
+        return pd.DataFrame()
+    e = evals.copy()
+    for k in EVAL_KEYS:
+        if k not in e.columns:
+            e[k] = np.nan
+    e["tp"] = pd.to_numeric(e["tp"], errors="coerce").fillna(1).astype(int)
+    e = e[e["status"] == "ok"]
+    if e.empty:
+        return pd.DataFrame()
+    if "created_at" in e.columns:
+        e = e.sort_values("created_at")
+    e = e.groupby(list(EVAL_KEYS), dropna=False, sort=False).tail(1)
+    e = e.copy()
+    e["family"] = e["kv_dtype"].map(family)
+    order = {n: i for i, n in enumerate(format_order(e["kv_dtype"]))}
+    e["_o"] = e["kv_dtype"].map(order)
+    return e.sort_values(["model", "tp", "task", "_o"]).drop(columns="_o").reset_index(drop=True)
+
+
+def task_metric(ev: pd.DataFrame, task: str) -> str:
+    """'accuracy' or 'ppl' for a task (whichever it reports)."""
+    t = ev[ev["task"] == task]
+    if "accuracy" in t.columns and t["accuracy"].notna().any():
+        return "accuracy"
+    return "ppl"
+
+
+def pareto_mask(points: pd.DataFrame, cols: list[str]) -> pd.Series:
+    """True where no other point is >= in every column and > in one (all columns: higher is better; NaN -> -inf)."""
+    vals = points[cols].astype(float).fillna(-np.inf).to_numpy()
+    mask = []
+    for i in range(len(vals)):
+        dominated = any(np.all(vals[j] >= vals[i]) and np.any(vals[j] > vals[i]) for j in range(len(vals)) if j != i)
+        mask.append(not dominated)
+    return pd.Series(mask, index=points.index)
+
+
+def headline_burst(cells: pd.DataFrame, model: str, tp) -> float | None:
+    """The burst the frontier uses for a model x TP: 16k (the paper's headline setting) when measured with an FP16
+    cell, else the largest burst with an FP16 cell (capacity matters most there)."""
+    c = cells[(cells["model"] == model) & (cells["tp"] == tp) & (cells["valid_runs"] > 0)]
+    if c.empty:
+        return None
+    with_fp16 = c[c["kv_dtype"].isin(FP16_KV)]["burst"].dropna()
+    pool = with_fp16 if len(with_fp16) else c["burst"].dropna()
+    if HEADLINE_BURST in set(pool):
+        return float(HEADLINE_BURST)
+    return float(pool.max()) if len(pool) else None
+
+
+def frontier(cells: pd.DataFrame, ev: pd.DataFrame, task: str | None, burst: int | None = None) -> pd.DataFrame:
+    """Per (model, TP, kv dtype): throughput ratio (x), accuracy change (y, with interval), capacity ratio (size).
+
+    Columns missing from the inputs stay NaN; `pareto` marks formats no other format beats on every available axis.
+    """
+    groups: dict[tuple, dict] = {}
+    if not cells.empty:
+        for (model, tp), _ in cells.groupby(["model", "tp"], sort=False):
+            b = burst if burst is not None else headline_burst(cells, model, tp)
+            c = cells[(cells["model"] == model) & (cells["tp"] == tp) & (cells["valid_runs"] > 0)]
+            if b is not None:
+                c = c[c["burst"] == b]
+            # one mode per panel: the offline throughput mode when both were run
+            modes = list(c["mode"].unique())
+            if len(modes) > 1:
+                c = c[c["mode"] == ("throughput" if "throughput" in modes else modes[0])]
+            for rec in c.to_dict("records"):
+                groups[(model, int(tp), rec["kv_dtype"])] = {
+                    "x": rec.get("output_tok_s_ratio_vs_fp16", math.nan), "cap": rec.get("kv_ratio_vs_fp16", math.nan),
+                    "output_tok_s": rec.get("output_tok_s", math.nan), "kv_tokens": rec.get("kv_tokens", math.nan),
+                    "burst": b, "mode": rec.get("mode")}
+    metric = None
+    if task and not ev.empty:
+        metric = task_metric(ev, task)
+        for rec in ev[ev["task"] == task].to_dict("records"):
+            k = (rec["model"], int(rec["tp"]), rec["kv_dtype"])
+            d = groups.setdefault(k, {})
+            y, lo, hi = (rec.get(c, math.nan) for c in ("delta_vs_fp16", "delta_ci_low", "delta_ci_high"))
+            if metric == "accuracy":  # percentage points
+                d.update(y=y * 100, y_lo=lo * 100, y_hi=hi * 100, value=rec.get("accuracy"))
+            else:  # perplexity: plot the negated change so that up is better on every panel
+                d.update(y=-y, y_lo=-hi, y_hi=-lo, value=rec.get("ppl"))
+    rows = [{"model": k[0], "tp": k[1], "kv_dtype": k[2], **v} for k, v in groups.items()]
+    if not rows:
+        return pd.DataFrame()
+    f = pd.DataFrame(rows)
+    for c in ("x", "y", "y_lo", "y_hi", "cap"):
+        if c not in f.columns:
+            f[c] = math.nan
+    f["metric"] = metric
+    f["family"] = f["kv_dtype"].map(family)
+    f["pareto"] = False
+    for _, g in f.groupby(["model", "tp"], sort=False):
+        axes = [c for c in ("x", "y", "cap") if g[c].notna().any()]
+        if axes:
+            f.loc[g.index, "pareto"] = pareto_mask(g, axes)
+    order = {n: i for i, n in enumerate(format_order(f["kv_dtype"]))}
+    f["_o"] = f["kv_dtype"].map(order)
+    return f.sort_values(["model", "tp", "_o"]).drop(columns="_o").reset_index(drop=True)
