@@ -1,0 +1,76 @@
+"""Causal varlen attention of a chunk of queries over the KVarN cache + tail (chunked prefill continuation,
+prefix-cache hits, spec-decode verify).
+
+Public API (stable):
+
+    prefill_attention(q, cache, block_table, query_start_loc, seq_lens, tail_k, tail_v, tail_slots, fmt, scale,
+                      max_query_len, out=None) -> out
+        q                [Nq, Hq, D] fp16/bf16 (not rotated), requests back to back
+        query_start_loc  int32 [B+1]; request i's queries are its LAST q_len_i = qsl[i+1]-qsl[i] positions,
+                         i.e. positions seq_len_i - q_len_i .. seq_len_i - 1
+        seq_lens         int32 [B]: tokens in the cache after this step's store (this chunk included)
+        max_query_len    python int >= every q_len_i (sizes the fixed grid; vLLM's metadata has it on the host)
+        Each query attends causally to keys at positions <= its own, ALL read from the post-store cache state:
+        full tiles from records (block_table), the partial tile from tail_k/tail_v [S, Hk, g, D] row tail_slots[i].
+
+It is the decode kernel (kvarn.kernels.attention) with BQ query tokens per program: M = BQ x (padded GQA group)
+rows share each unpacked tile, and the causal mask is per row. No split-K (the query block already gives enough
+programs). Grid (B, cdiv(max_query_len, BQ), Hk): fixed from host ints, no sync.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..errors import KvarnError
+from ..formats import KVFormat
+from .attention import LOG2E, kvarn_attention_kernel, mma_bf16
+from .common import as_format, check_cache, f16_view, hadamard_fp32, layout
+from .decode import check_tail, group_geometry
+
+ROWS_PER_PROGRAM = 64  # M rows (query tokens x group heads) per program
+
+
+def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                      seq_lens: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor,
+                      fmt: KVFormat | str, scale: float, max_query_len: int,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    fmt = as_format(fmt)
+    if q.dim() != 3:
+        raise KvarnError(f"q must be [Nq, Hq, D], got {tuple(q.shape)}")
+    Nq, Hq, D = q.shape
+    lay = layout(fmt, D)
+    check_cache(cache, lay)
+    Hk = cache.shape[1]
+    group, gp = group_geometry(Hq, Hk)
+    check_tail(tail_k, tail_v, Hk, lay.g, D)
+    B = seq_lens.shape[0]
+    if query_start_loc.shape != (B + 1,):
+        raise KvarnError(f"query_start_loc must be [B+1={B + 1}], got {tuple(query_start_loc.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] != B:
+        raise KvarnError(f"block_table must be [B={B}, max_blocks], got {tuple(block_table.shape)}")
+    if out is None:
+        out = torch.empty_like(q)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if B == 0 or Nq == 0 or max_query_len <= 0:
+        return out
+    bq = max(1, ROWS_PER_PROGRAM // gp)
+    bq = min(bq, triton.next_power_of_2(int(max_query_len)))
+    bm = max(16, bq * gp)
+    hn = hadamard_fp32(D, q.device)
+    grid = (B, triton.cdiv(int(max_query_len), bq), Hk)
+    kvarn_attention_kernel[grid](
+        q, cache, f16_view(cache), block_table, seq_lens, query_start_loc,
+        tail_k, tail_v, tail_slots, hn, out, out, out,
+        float(scale) * LOG2E,
+        q.stride(0), q.stride(1), block_table.stride(0), cache.stride(0), cache.stride(1),
+        tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_v.stride(0), tail_v.stride(1), tail_v.stride(2),
+        out.stride(0), out.stride(1), Hq,
+        GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, KB=lay.kb, VB=lay.vb,
+        OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
+        OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
+        NUM_SPLITS=1, IS_PREFILL=True, MMA_BF16=mma_bf16(),
+        num_warps=8 if D * lay.g > 8192 or bm > 32 else 4,
+    )
+    return out
