@@ -1,0 +1,384 @@
+"""Declarative suites: one YAML lists models, formats, TP sizes, bursts, eval tasks and repeats; `kvarn suite run`
+expands the Cartesian product into `kvarn bench` / `kvarn eval` invocations (one subprocess per cell group: a
+crashed engine cannot take the rest of the suite down) that all write into one results directory.
+
+Groups: bench = one per (model, TP, burst) running every format x repeat; eval = one per (model, TP, task) running
+every format. `--resume` is handed to each command (they skip cells whose config hash and repeat are done).
+The exact flags each command receives are in BENCH_FLAGS / EVAL_FLAGS; `suite run` checks them against the
+command's `--help` before starting, so a CLI mismatch is one clear line, not a failure an hour in.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import KvarnError, choices
+from .formats import get_format
+from .paths import suites_dir
+from .shapes import resolve_model
+
+TOP_KEYS = {"name", "description", "results", "models", "formats", "tp", "bench", "eval", "gate"}
+MODEL_KEYS = {"name", "weights", "tp", "dtype"}
+BENCH_KEYS = {"mode", "bursts", "output_len", "requests", "repeats", "timeout_min", "args"}
+EVAL_KEYS = {"tasks", "samples", "limit", "timeout_min", "args"}
+TASK_KEYS = {"name", "samples", "limit", "context", "args"}
+GATE_KEYS = {"baseline", "policy"}
+MODES = ("throughput", "serve")
+KNOWN_TASKS = ("ppl", "niah", "aime25", "gsm8k", "ruler")  # used only when kvarn.eval exposes no registry
+
+# How a suite field becomes a flag of `kvarn bench` / `kvarn eval` (one place to adapt if their CLIs change).
+BENCH_FLAGS = {"model": "--model", "weights": "--weights", "kv_dtype": "--kv-dtype", "tp": "--tp", "mode": "--mode",
+               "burst": "--burst", "output_len": "--output-len", "requests": "--requests", "repeats": "--repeats",
+               "out": "--out", "resume": "--resume"}
+EVAL_FLAGS = {"model": "--model", "weights": "--weights", "kv_dtype": "--kv-dtype", "tp": "--tp", "task": "--task",
+              "samples": "--samples", "limit": "--limit", "context": "--context", "out": "--out", "resume": "--resume"}
+
+
+@dataclass
+class Step:
+    kind: str  # bench | eval
+    title: str
+    argv: list[str]  # arguments after `kvarn`
+    cells: int
+    runs: int
+    timeout_s: float | None = None
+
+    def command(self) -> str:
+        return "kvarn " + " ".join(shlex.quote(a) for a in self.argv)
+
+
+@dataclass
+class Suite:
+    name: str
+    path: Path
+    description: str
+    results: str
+    models: list[dict]
+    formats: list[str]
+    tp: list[int]
+    bench: dict | None
+    eval: dict | None
+    gate: dict = field(default_factory=dict)
+    raw: dict = field(default_factory=dict)
+
+    def bench_cells(self) -> int:
+        if not self.bench:
+            return 0
+        return sum(len(m["tp"]) for m in self.models) * len(self.formats) * len(self.bench["bursts"])
+
+    def eval_cells(self) -> int:
+        if not self.eval:
+            return 0
+        return sum(len(m["tp"]) for m in self.models) * len(self.formats) * len(self.eval["tasks"])
+
+
+# ---- loading & validation -------------------------------------------------------------------------------------------
+def find_suite(spec: str | Path) -> Path:
+    p = Path(spec)
+    if p.is_file():
+        return p
+    for cand in (suites_dir() / f"{spec}.yaml", suites_dir() / f"{spec}.yml", suites_dir() / str(spec)):
+        if cand.is_file():
+            return cand
+    raise KvarnError(f"suite {str(spec)!r} not found; give a YAML path or one of: {choices(suite_names()) or 'none'}")
+
+
+def suite_names() -> list[str]:
+    out = []
+    for p in sorted(suites_dir().glob("*.y*ml")):
+        try:
+            data = yaml.safe_load(p.read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(data, dict) and "models" in data:
+            out.append(p.stem)
+    return out
+
+
+def _check_keys(obj, allowed: set, where: str) -> None:
+    if not isinstance(obj, dict):
+        raise KvarnError(f"{where}: expected a mapping with keys {choices(sorted(allowed))}")
+    bad = sorted(set(obj) - allowed)
+    if bad:
+        raise KvarnError(f"{where}: unknown key {bad[0]!r}; accepted: {choices(sorted(allowed))}")
+
+
+def _int_list(v, where: str, minimum: int = 1) -> list[int]:
+    vals = v if isinstance(v, list) else [v]
+    if not vals:
+        raise KvarnError(f"{where}: must not be empty")
+    out = []
+    for x in vals:
+        if isinstance(x, bool) or not isinstance(x, int) or x < minimum:
+            raise KvarnError(f"{where}: expected integers >= {minimum}, got {x!r}")
+        out.append(x)
+    return out
+
+
+def _pos_int(v, where: str, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise KvarnError(f"{where}: expected one integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _eval_task_names() -> tuple[str, ...] | None:
+    try:
+        import kvarn.eval as ev  # noqa: F401  (lands with the eval issue)
+    except Exception:
+        return None
+    for attr in ("TASKS", "TASK_REGISTRY", "REGISTRY"):
+        reg = getattr(ev, attr, None)
+        if isinstance(reg, dict) and reg:
+            return tuple(reg)
+    fn = getattr(ev, "task_names", None)
+    if callable(fn):
+        try:
+            return tuple(fn())
+        except Exception:
+            return None
+    return None
+
+
+def load_suite(spec: str | Path) -> Suite:
+    path = find_suite(spec)
+    where = str(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise KvarnError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
+    return validate_suite(data, path)
+
+
+def validate_suite(data, path: Path | str = "suite") -> Suite:
+    where = str(path)
+    _check_keys(data, TOP_KEYS, where)
+    for req in ("models", "formats"):
+        if req not in data:
+            raise KvarnError(f"{where}: missing required key {req!r}")
+    if "bench" not in data and "eval" not in data:
+        raise KvarnError(f"{where}: nothing to run; give a bench and/or an eval section")
+    name = str(data.get("name") or Path(path).stem)
+    default_tp = _int_list(data.get("tp", [1]), f"{where}: tp")
+
+    formats = data["formats"]
+    if not isinstance(formats, list) or not formats:
+        raise KvarnError(f"{where}: formats must be a non-empty list of kv dtypes")
+    fmts: list[str] = []
+    for f in formats:
+        try:
+            name_ = get_format(str(f)).name
+        except KvarnError as e:
+            raise KvarnError(f"{where}: formats: {e}") from None
+        if name_ not in fmts:
+            fmts.append(name_)
+
+    models_raw = data["models"]
+    if not isinstance(models_raw, list) or not models_raw:
+        raise KvarnError(f"{where}: models must be a non-empty list")
+    models = []
+    for i, m in enumerate(models_raw):
+        m = {"name": m} if isinstance(m, str) else m
+        _check_keys(m, MODEL_KEYS, f"{where}: models[{i}]")
+        if "name" not in m:
+            raise KvarnError(f"{where}: models[{i}] needs a name (bundled shape, local folder or hub id)")
+        try:
+            shape = resolve_model(str(m["name"]))
+        except KvarnError as e:
+            raise KvarnError(f"{where}: models[{i}]: {e}") from None
+        tps = _int_list(m.get("tp", default_tp), f"{where}: models[{i}].tp")
+        for t in tps:
+            try:
+                shape.check_tp(t)
+            except KvarnError as e:
+                raise KvarnError(f"{where}: models[{i}] ({m['name']}): {e}") from None
+        weights = m.get("weights")
+        if weights is not None and not isinstance(weights, str):
+            raise KvarnError(f"{where}: models[{i}].weights must be 'dummy', a local folder or a hub id")
+        models.append({"name": str(m["name"]), "shape": shape.name, "weights": weights, "tp": tps,
+                       "dtype": m.get("dtype")})
+
+    bench = None
+    if data.get("bench") is not None:
+        b = data["bench"]
+        _check_keys(b, BENCH_KEYS, f"{where}: bench")
+        mode = b.get("mode", "throughput")
+        if mode not in MODES:
+            raise KvarnError(f"{where}: bench.mode must be one of {choices(MODES)}, got {mode!r}")
+        bench = {"mode": mode, "bursts": _int_list(b.get("bursts", [16384]), f"{where}: bench.bursts"),
+                 "output_len": _pos_int(b.get("output_len", 256), f"{where}: bench.output_len"),
+                 "requests": _pos_int(b.get("requests", 64), f"{where}: bench.requests"),
+                 "repeats": _pos_int(b.get("repeats", 3), f"{where}: bench.repeats"),
+                 "timeout_min": b.get("timeout_min"), "args": [str(a) for a in b.get("args", []) or []]}
+        for m in models:
+            ctx = resolve_model(m["name"]).max_context
+            for burst in bench["bursts"]:
+                if burst + bench["output_len"] > ctx:
+                    raise KvarnError(f"{where}: bench burst {burst} + output_len {bench['output_len']} exceeds "
+                                     f"{m['name']}'s context of {ctx} tokens")
+    ev = None
+    if data.get("eval") is not None:
+        e = data["eval"]
+        _check_keys(e, EVAL_KEYS, f"{where}: eval")
+        tasks_raw = e.get("tasks")
+        if not isinstance(tasks_raw, list) or not tasks_raw:
+            raise KvarnError(f"{where}: eval.tasks must be a non-empty list")
+        registry = _eval_task_names()
+        tasks = []
+        for i, t in enumerate(tasks_raw):
+            t = {"name": t} if isinstance(t, str) else t
+            _check_keys(t, TASK_KEYS, f"{where}: eval.tasks[{i}]")
+            if "name" not in t:
+                raise KvarnError(f"{where}: eval.tasks[{i}] needs a name")
+            known = registry or KNOWN_TASKS
+            if str(t["name"]) not in known:
+                raise KvarnError(f"{where}: eval.tasks[{i}]: unknown task {t['name']!r}; accepted: {choices(known)}")
+            task = {"name": str(t["name"]), "args": [str(a) for a in t.get("args", []) or []]}
+            for k in ("samples", "limit", "context"):
+                v = t.get(k, e.get(k) if k != "context" else None)
+                if v is not None:
+                    task[k] = _pos_int(v, f"{where}: eval.tasks[{i}].{k}")
+            tasks.append(task)
+        ev = {"tasks": tasks, "timeout_min": e.get("timeout_min"), "args": [str(a) for a in e.get("args", []) or []]}
+    gate = data.get("gate") or {}
+    _check_keys(gate, GATE_KEYS, f"{where}: gate")
+    for sect in (bench, ev):
+        if sect and sect.get("timeout_min") is not None:
+            t = sect["timeout_min"]
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+                raise KvarnError(f"{where}: timeout_min must be a positive number of minutes, got {t!r}")
+    return Suite(name, Path(path), str(data.get("description", "")), str(data.get("results") or f"results/{name}"),
+                 models, fmts, default_tp, bench, ev, gate, data)
+
+
+# ---- planning -------------------------------------------------------------------------------------------------------
+def plan(suite: Suite, out: str | Path | None = None, *, resume: bool = False, only: str | None = None) -> list[Step]:
+    out = str(out or suite.results)
+    steps: list[Step] = []
+    kvs = ",".join(suite.formats)
+    for m in suite.models:
+        for tp in m["tp"]:
+            if suite.bench and only in (None, "bench"):
+                b = suite.bench
+                for burst in b["bursts"]:
+                    f = BENCH_FLAGS
+                    argv = ["bench", f["model"], m["name"]]
+                    if m["weights"]:
+                        argv += [f["weights"], m["weights"]]
+                    argv += [f["kv_dtype"], kvs, f["tp"], str(tp), f["mode"], b["mode"], f["burst"], str(burst),
+                             f["output_len"], str(b["output_len"]), f["requests"], str(b["requests"]),
+                             f["repeats"], str(b["repeats"]), f["out"], out]
+                    if resume:
+                        argv.append(f["resume"])
+                    argv += b["args"]
+                    steps.append(Step("bench", f"bench {m['name']} TP={tp} burst {burst}", argv,
+                                      len(suite.formats), len(suite.formats) * b["repeats"],
+                                      b["timeout_min"] * 60 if b["timeout_min"] else None))
+            if suite.eval and only in (None, "eval"):
+                e = suite.eval
+                for t in e["tasks"]:
+                    f = EVAL_FLAGS
+                    argv = ["eval", f["model"], m["name"]]
+                    if m["weights"]:
+                        argv += [f["weights"], m["weights"]]
+                    argv += [f["task"], t["name"], f["kv_dtype"], kvs, f["tp"], str(tp)]
+                    for k in ("samples", "limit", "context"):
+                        if k in t:
+                            argv += [f[k], str(t[k])]
+                    argv += [f["out"], out]
+                    if resume:
+                        argv.append(f["resume"])
+                    argv += e["args"] + t["args"]
+                    steps.append(Step("eval", f"eval {t['name']} {m['name']} TP={tp}", argv, len(suite.formats),
+                                      len(suite.formats), e["timeout_min"] * 60 if e["timeout_min"] else None))
+    return steps
+
+
+# ---- running --------------------------------------------------------------------------------------------------------
+def _help_text(cmd: str, runner: list[str]) -> str:
+    try:
+        r = subprocess.run(runner + [cmd, "--help"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "COLUMNS": "250"})
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KvarnError(f"cannot run `kvarn {cmd} --help`: {e}") from None
+    return r.stdout + r.stderr if r.returncode == 0 else ""
+
+
+def preflight(steps: list[Step], runner: list[str]) -> None:
+    """Every flag the plan passes must appear in the command's --help (one clear line otherwise)."""
+    for kind in sorted({s.kind for s in steps}):
+        text = _help_text(kind, runner)
+        if not text:
+            raise KvarnError(f"`kvarn {kind}` is not available yet (its --help failed); the suite needs it")
+        used = {a for s in steps if s.kind == kind for a in s.argv if a.startswith("--")}
+        missing = sorted(a for a in used if a not in text)
+        if missing:
+            raise KvarnError(f"`kvarn {kind}` does not accept {', '.join(missing)} (see `kvarn {kind} --help`); "
+                             f"adapt the suite or kvarn/suite.py {kind.upper()}_FLAGS")
+
+
+def run_suite(suite: Suite, steps: list[Step], out: str | Path, *, fail_fast: bool = False,
+              runner: list[str] | None = None, check_flags: bool = True, echo=print) -> dict:
+    """Run the steps one after another; record each exit code, duration and log. Returns the manifest."""
+    runner = runner or [sys.executable, "-m", "kvarn_cli.app"]
+    out = Path(out)
+    if check_flags:
+        preflight(steps, runner)
+    logs = out / "suite-logs"
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KvarnError(f"cannot create {logs}: {e}") from None
+    text = suite.path.read_text() if suite.path.is_file() else yaml.safe_dump(suite.raw)
+    suite_id = f"{suite.name}-{_dt.datetime.now(_dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
+    manifest = {"suite": suite.name, "suite_id": suite_id, "suite_file": str(suite.path),
+                "suite_sha256": hashlib.sha256(text.encode()).hexdigest(), "results": str(out),
+                "started_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "steps": []}
+    (out / "suite.yaml").write_text(text)
+    env = {**os.environ, "KVARN_SUITE_ID": suite_id}
+    for i, s in enumerate(steps, 1):
+        echo(f"[{i}/{len(steps)}] {s.title}: {s.command()}")
+        log = logs / f"{i:02d}-{s.kind}.log"
+        t0 = time.monotonic()
+        rc: int
+        try:
+            with open(log, "w") as fh:
+                proc = subprocess.Popen(runner + s.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env=env)
+                assert proc.stdout is not None
+                timer = threading.Timer(s.timeout_s, proc.kill) if s.timeout_s else None
+                if timer:
+                    timer.start()
+                for line in proc.stdout:
+                    fh.write(line)
+                    echo("    " + line.rstrip("\n"))
+                rc = proc.wait()
+                if timer:
+                    timer.cancel()
+                    if time.monotonic() - t0 >= s.timeout_s and rc != 0:
+                        rc = 124
+                        fh.write(f"\n[suite] step killed after timeout_min={s.timeout_s / 60:g}\n")
+        except OSError as e:
+            raise KvarnError(f"cannot start step {i} ({s.command()}): {e}") from None
+        dur = time.monotonic() - t0
+        manifest["steps"].append({"index": i, "kind": s.kind, "title": s.title, "command": s.command(),
+                                  "exit_code": rc, "seconds": round(dur, 1), "log": str(log)})
+        echo(f"[{i}/{len(steps)}] {'ok' if rc == 0 else f'FAILED (exit {rc})'} in {dur:.0f} s")
+        (out / "suite-manifest.json").write_text(json.dumps(manifest, indent=2))
+        if rc != 0 and fail_fast:
+            break
+    manifest["finished_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    manifest["failed_steps"] = sum(1 for s in manifest["steps"] if s["exit_code"] != 0)
+    manifest["skipped_steps"] = len(steps) - len(manifest["steps"])
+    (out / "suite-manifest.json").write_text(json.dumps(manifest, indent=2))
+    return manifest
