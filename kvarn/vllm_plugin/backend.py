@@ -61,6 +61,9 @@ class KvarnAttentionSpec(FullAttentionSpec):
 
 def make_spec(layer, block_size: int) -> KvarnAttentionSpec:
     fmt = get_format(layer.kv_cache_dtype)
+    if block_size != fmt.group:
+        raise ValueError(f"kvarn: --kv-cache-dtype {fmt.name} needs --block-size {fmt.group} (one block = one tile), "
+                         f"vLLM uses block size {block_size}")
     return KvarnAttentionSpec(
         block_size=block_size,
         num_kv_heads=layer.num_kv_heads,
