@@ -1,13 +1,74 @@
-"""`kvarn microbench` (placeholder until the kernels issue lands)."""
+"""`kvarn microbench {decode,store,prefill}`: time a KVarN kernel against the 16-bit baseline (logic in
+kvarn.kernels.bench; this module only parses and prints)."""
 from __future__ import annotations
 
 import typer
+from rich.table import Table
 
-from ..console import not_ready
+from kvarn.errors import KvarnError, choices
+from kvarn.formats import DEFAULT_KVARN
+
+from ..console import out, print_json
+
+TARGET_NAMES = ("decode", "store", "prefill")
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("microbench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def microbench(ctx: typer.Context) -> None:
-        """Not implemented yet."""
-        not_ready("microbench", "the kernels issue")
+    @app.command("microbench")
+    def microbench(
+        target: str = typer.Argument("decode", help=f"What to time: {choices(TARGET_NAMES)}."),
+        batch: int = typer.Option(None, "--batch", help="Requests (GPU default 64, CPU 2)."),
+        context: int = typer.Option(None, "--context", help="Tokens per request (GPU default 16384, CPU 200)."),
+        q_heads: int = typer.Option(None, "--q-heads", help="Query heads (GPU default 32, CPU 4)."),
+        kv_heads: int = typer.Option(None, "--kv-heads", help="KV heads (GPU default 8, CPU 2)."),
+        head_dim: int = typer.Option(None, "--head-dim", help="64, 128 or 256 (GPU default 128, CPU 64)."),
+        kv_dtype: str = typer.Option(DEFAULT_KVARN, "--kv-dtype", help="A kvarn_* preset."),
+        device: str = typer.Option("auto", "--device", help="auto, cuda[:N] or cpu (Triton interpreter)."),
+        check: bool = typer.Option(False, "--check", help="Also compare with the PyTorch reference (rel. error)."),
+        json_: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
+        iters: int = typer.Option(None, "--iters", help="Timed runs (median; GPU default 50, CPU 2)."),
+        num_splits: int = typer.Option(None, "--num-splits", help="decode: context splits (default: heuristic)."),
+        chunk: int = typer.Option(None, "--chunk", help="prefill: query tokens per request (GPU 512, CPU 16)."),
+        model: str = typer.Option("qwen3-8b", "--model", help="store: the model whose layer count a flush spans."),
+    ) -> None:
+        """Time the KVarN store / decode / prefill kernel and the FP16 baseline in the same run."""
+        if target not in TARGET_NAMES:
+            raise KvarnError(f"unknown microbench target {target!r}; accepted: {choices(TARGET_NAMES)}")
+        from kvarn.kernels import bench
+
+        dev = bench.resolve_device(device)
+        d = bench.GPU_DEFAULTS if dev.type == "cuda" else bench.CPU_DEFAULTS
+        args = dict(batch=batch or d["batch"], context=context or d["context"], q_heads=q_heads or d["q_heads"],
+                    kv_heads=kv_heads or d["kv_heads"], head_dim=head_dim or d["head_dim"], kv_dtype=kv_dtype,
+                    device=str(dev), check=check, iters=iters)
+        if target == "decode":
+            r = bench.bench_decode(**args, num_splits=num_splits)
+        elif target == "prefill":
+            r = bench.bench_prefill(**args, chunk=chunk)
+        else:
+            r = bench.bench_store(**args, model=model)
+        if json_:
+            print_json(r.as_dict())
+            return
+        _print(r)
+
+
+def _print(r) -> None:
+    t = Table(title=f"kvarn microbench {r.kernel}: {r.kv_dtype}, B={r.batch}, context={r.context}, "
+                    f"Hq={r.q_heads}, Hk={r.kv_heads}, D={r.head_dim}, {r.device}")
+    t.add_column("what", no_wrap=True)
+    t.add_column("value", justify="right")
+    ours = "store flush x layers" if r.kernel == "store" else f"kvarn {r.kernel}"
+    t.add_row(f"{ours} (median ms)", f"{r.ms:.4f}")
+    t.add_row(f"baseline: {r.baseline} (ms)", "-" if r.baseline_ms is None else f"{r.baseline_ms:.4f}")
+    t.add_row("ratio ours / baseline", "-" if r.ratio is None else f"{r.ratio:.3f}x")
+    t.add_row("bytes moved (packed)", f"{r.bytes:,}")
+    t.add_row("achieved GB/s / copy GB/s", f"{r.gbps:,.1f} / {r.copy_gbps:,.1f} ({100 * r.bw_frac:.1f}%)")
+    if r.rel_err is not None:
+        t.add_row("rel. error vs reference", f"{r.rel_err:.2e}")
+    for k, v in r.extra.items():
+        if v is not None:
+            t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+    out.print(t)
+    if r.interpreter:
+        out.print("CPU: kernels ran through the Triton interpreter at small sizes; times are not performance.")
