@@ -1,0 +1,104 @@
+"""kvarn suite: YAML validation (one-line errors), the expanded plan, dry-run, running steps through a fake runner."""
+import json
+import sys
+
+import pytest
+import yaml
+
+from kvarn.errors import KvarnError
+from kvarn.suite import load_suite, plan, preflight, run_suite, suite_names, validate_suite
+from tests.helpers import run_cli
+
+GOOD = {"name": "t", "models": ["qwen3-0.6b", {"name": "qwen3-8b", "tp": [1, 2]}],
+        "formats": ["fp16", "fp8", "kvarn_k4v2_g128"],
+        "bench": {"bursts": [4096, 16384], "repeats": 3}, "eval": {"tasks": ["ppl", {"name": "aime25", "samples": 8}]}}
+
+
+def test_bundled_suites_validate():
+    assert {"nightly", "paper"} <= set(suite_names()) and "gates" not in suite_names()
+    n = load_suite("nightly")
+    assert n.formats == ["auto", "fp8", "kvarn_k4v2_g128", "turboquant_k8v4"]
+    assert n.bench["bursts"] == [16384] and [t["name"] for t in n.eval["tasks"]] == ["ppl", "niah"]
+    p = load_suite("paper")
+    assert p.models[0]["tp"] == [2] and p.models[0]["shape"] == "qwen3-32b"
+    assert p.eval["tasks"][0] == {"name": "aime25", "args": [], "samples": 8}
+
+
+def test_plan_is_the_cartesian_product():
+    s = validate_suite(GOOD, "t.yaml")
+    assert s.bench_cells() == 3 * 3 * 2 and s.eval_cells() == 3 * 3 * 2
+    steps = plan(s, "out", resume=True)
+    bench = [x for x in steps if x.kind == "bench"]
+    evals = [x for x in steps if x.kind == "eval"]
+    assert len(bench) == 3 * 2 and len(evals) == 3 * 2  # one subprocess per (model, TP, burst) / (model, TP, task)
+    assert bench[0].argv[:3] == ["bench", "--model", "qwen3-0.6b"] and "--resume" in bench[0].argv
+    assert bench[0].argv[bench[0].argv.index("--kv-dtype") + 1] == "auto,fp8,kvarn_k4v2_g128"
+    assert sum(x.runs for x in bench) == s.bench_cells() * 3
+    aime = [x for x in evals if "aime25" in x.argv]
+    assert aime and aime[0].argv[aime[0].argv.index("--samples") + 1] == "8"
+    assert all(x.argv[x.argv.index("--out") + 1] == "out" for x in steps)
+
+
+@pytest.mark.parametrize("patch,msg", [
+    ({"bogus": 1}, "unknown key 'bogus'"),
+    ({"formats": ["fp16", "int3"]}, "unknown kv dtype 'int3'"),
+    ({"models": ["gpt-17"]}, "unknown model 'gpt-17'"),
+    ({"models": [{"name": "qwen3-8b", "tp": [3]}]}, "--tp 3 does not divide"),
+    ({"bench": {"bursts": [16384], "repeat": 3}}, "bench: unknown key 'repeat'"),
+    ({"bench": {"bursts": [1_000_000]}}, "exceeds qwen3-8b's context"),
+    ({"eval": {"tasks": ["mmlu-pro-max"]}}, "unknown task 'mmlu-pro-max'"),
+    ({"bench": {"mode": "offline"}}, "bench.mode must be one of"),
+])
+def test_validation_errors(patch, msg):
+    data = {**GOOD, "models": ["qwen3-8b"], **patch}
+    with pytest.raises(KvarnError, match=msg.replace("(", r"\(").replace(")", r"\)")) as e:
+        validate_suite(data, "s.yaml")
+    assert "\n" not in str(e.value) and str(e.value).startswith("s.yaml")
+
+
+def test_cli_dry_run_and_bad_file(tmp_path):
+    r = run_cli("suite", "run", "suites/nightly.yaml", "--dry-run", "--resume", "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    cmds = [line for line in r.stdout.splitlines() if line.startswith("kvarn ")]
+    assert len(cmds) == 3 and cmds[0].startswith("kvarn bench --model qwen3-0.6b")
+    assert all("--resume" in c and str(tmp_path / "o") in c for c in cmds)
+    assert not (tmp_path / "o").exists()  # a dry run writes nothing
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**GOOD, "formats": ["kvarn_k9v9"]}))
+    r = run_cli("suite", "run", str(bad), "--dry-run")
+    assert r.returncode == 2 and "unknown kv dtype 'kvarn_k9v9'" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+FAKE = r'''
+import json, sys
+args = sys.argv[1:]
+if "--help" in args:
+    print("--model --weights --kv-dtype --tp --mode --burst --output-len --requests --repeats --out --resume "
+          "--task --samples --limit --context")
+    sys.exit(0)
+with open(sys.argv[0] + ".calls", "a") as f:
+    f.write(json.dumps(args) + "\n")
+print("ran", args[0])
+sys.exit(3 if args[0] == "eval" and "aime25" in args else 0)
+'''
+
+
+def test_run_records_steps_and_failures(tmp_path):
+    fake = tmp_path / "fake.py"
+    fake.write_text(FAKE)
+    s = validate_suite({**GOOD, "models": ["qwen3-0.6b"]}, tmp_path / "s.yaml")
+    steps = plan(s, tmp_path / "out")
+    preflight(steps, [sys.executable, str(fake)])  # every flag is in the fake --help
+    lines = []
+    m = run_suite(s, steps, tmp_path / "out", runner=[sys.executable, str(fake)], echo=lines.append)
+    calls = [json.loads(x) for x in (tmp_path / "fake.py.calls").read_text().splitlines()]
+    assert [c[0] for c in calls] == [x.argv[0] for x in steps] and len(calls) == 4
+    assert m["failed_steps"] == 1 and [x["exit_code"] for x in m["steps"]].count(3) == 1
+    assert json.loads((tmp_path / "out" / "suite-manifest.json").read_text())["suite_sha256"]
+    assert any("FAILED (exit 3)" in x for x in lines)
+    assert (tmp_path / "out" / "suite-logs" / "01-bench.log").read_text().startswith("ran bench")
+    # a CLI that lacks a flag the plan needs is one clear error before anything runs
+    fake.write_text(FAKE.replace("--burst ", ""))
+    with pytest.raises(KvarnError, match="does not accept --burst"):
+        preflight(steps, [sys.executable, str(fake)])
