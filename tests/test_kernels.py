@@ -258,3 +258,22 @@ def test_prefill_matches_reference(name, D, Hq, Hk, dtype, seq_lens, q_lens):
                             st["tail_slots"], fmt, scale, max(q_lens), out=torch.empty(q.shape, dtype=torch.float32))
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 1e-3
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def test_microbench_cli_exit_codes():
+    import json
+
+    from tests.helpers import run_cli
+
+    r = run_cli("microbench", "decode", "--device", "cpu", "--check", "--json", "--iters", "1")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout.strip().splitlines()[-1])
+    assert row["kernel"] == "decode" and row["interpreter"] and row["rel_err"] < 1e-3
+    for bad, msg in ((["nope"], "unknown microbench target"),
+                     (["decode", "--device", "cpu", "--q-heads", "5", "--kv-heads", "2"], "multiple of --kv-heads"),
+                     (["decode", "--device", "cpu", "--kv-dtype", "fp8"], "kvarn_* preset")):
+        r = run_cli("microbench", *bad)
+        assert r.returncode == 2 and msg in r.stderr, (bad, r.returncode, r.stderr)

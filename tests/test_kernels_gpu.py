@@ -1,0 +1,111 @@
+"""GPU checks of the Triton kernels (compiled path: bf16 tensor-core dots, real sizes, CUDA-graph capture).
+Run on the device: python -m pytest -q -m gpu tests/test_kernels_gpu.py"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvarn.formats import get_format, kvarn_formats  # noqa: F401
+from tests.test_kernels import decode_reference, paged_setup, prefill_reference, rel_err
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEV = "cuda"
+
+
+@pytest.mark.parametrize("name", [f.name for f in kvarn_formats()])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_gpu_store_matches_reference(name, D):
+    from kvarn.kernels import store_tiles
+    from kvarn.method.reference import dequantize_tiles, quantize_tiles, unpack_records
+
+    fmt = get_format(name)
+    T, H = 16, 4
+    k = torch.randn(T, H, fmt.group, D, device=DEV) * 3
+    k[..., 5] *= 40.0
+    v = torch.randn(T, H, fmt.group, D, device=DEV)
+    k, v = k.bfloat16(), v.bfloat16()
+    cache = torch.zeros(T + 1, H, fmt.record_bytes(D), dtype=torch.uint8, device=DEV)
+    ids = torch.arange(T, dtype=torch.int32, device=DEV) + 1
+    ids[3] = -1
+    store_tiles(k, v, cache, ids, fmt)
+    keep = ids >= 0
+    got, ref = cache[ids[keep].long()], quantize_tiles(k[keep], v[keep], fmt)
+    a, b = unpack_records(got, fmt, D), unpack_records(ref, fmt, D)
+    codes = torch.cat([(a["qK"] == b["qK"]).flatten(), (a["qV"] == b["qV"]).flatten()]).float().mean().item()
+    assert codes > 0.997, codes
+    assert torch.count_nonzero(cache[0]) == 0 and torch.count_nonzero(cache[4]) == 0
+    kd, vd = dequantize_tiles(got, fmt, D)
+    kr, vr = dequantize_tiles(ref, fmt, D)
+    assert rel_err(kd, kr) < 0.06 and rel_err(vd, vr) < 0.06
+    assert rel_err(vd, v[keep]) <= rel_err(vr, v[keep]) * 1.05 + 1e-6
+
+
+@pytest.mark.parametrize("name", [f.name for f in kvarn_formats()])
+@pytest.mark.parametrize("D,Hq,Hk", [(64, 8, 8), (128, 32, 8), (128, 24, 8), (256, 8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_decode_matches_reference(name, D, Hq, Hk, dtype):
+    from kvarn.kernels import decode_attention
+
+    fmt = get_format(name)
+    seq = [1000, 0, 4 * fmt.group, 37, 2 * fmt.group + 5]
+    st = paged_setup(fmt, D, Hk, seq, dtype, device=DEV)
+    q = (torch.randn(len(seq), Hq, D, device=DEV) * 2).to(dtype)
+    scale = 1 / math.sqrt(D)
+    ref = decode_reference(q, st, fmt, D, scale)
+    for splits in (1, 4, None):
+        out = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                               st["tail_slots"], fmt, scale, num_splits=splits,
+                               out=torch.empty(q.shape, dtype=torch.float32, device=DEV))
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < 1e-3, (splits, rel_err(out, ref))
+        assert torch.count_nonzero(out[1]) == 0
+
+
+def test_gpu_decode_cuda_graph_capture():
+    from kvarn.kernels import decode_attention, prepare
+
+    fmt = get_format("kvarn_k4v2_g128")
+    D, Hq, Hk = 128, 32, 8
+    st = paged_setup(fmt, D, Hk, [700, 300, 0, 129], torch.bfloat16, device=DEV)
+    q = torch.randn(4, Hq, D, device=DEV, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    prepare(D, DEV)
+
+    def step():
+        decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                         st["tail_slots"], fmt, 1 / math.sqrt(D), num_splits=4, out=out)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    st["seq_lens"].copy_(torch.tensor([650, 0, 260, 129], dtype=torch.int32, device=DEV))  # per-step change
+    g.replay()
+    torch.cuda.synchronize()
+    ref = decode_reference(q, st, fmt, D, 1 / math.sqrt(D))
+    assert rel_err(out, ref) < 8e-3
+    assert torch.count_nonzero(out[1]) == 0
+
+
+@pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v2_g64"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_prefill_matches_reference(name, dtype):
+    from kvarn.kernels import prefill_attention
+
+    fmt = get_format(name)
+    D, Hq, Hk = 128, 32, 8
+    seq, qlens = [1000, 300, 77, 520], [600, 3, 77, 1]
+    st = paged_setup(fmt, D, Hk, seq, dtype, device=DEV)
+    qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32, device=DEV)
+    q = (torch.randn(int(qsl[-1]), Hq, D, device=DEV) * 2).to(dtype)
+    scale = 1 / math.sqrt(D)
+    ref = prefill_reference(q, qsl.cpu(), st, fmt, D, scale)
+    out = prefill_attention(q, st["cache"], st["block_table"], qsl, st["seq_lens"], st["tail_k"], st["tail_v"],
+                            st["tail_slots"], fmt, scale, max(qlens),
+                            out=torch.empty(q.shape, dtype=torch.float32, device=DEV))
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-3
