@@ -163,6 +163,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
 
         def run(q, k, v, cu, max_len):
             kw = {} if ver is None else {"fa_version": ver}
+            q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))  # raw K/V are qkv-split views
             return fa(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
                       softmax_scale=scale, causal=True, **kw)
 
