@@ -84,10 +84,11 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
         return None
     panels = list(front.groupby(["model", "tp"], sort=False))
     with plt.rc_context(STYLE):
-        fig, axes = _grid(len(panels))
+        fig, axes = _grid(len(panels), w=6.0, h=4.6)
         for ax, ((model, tp), g) in zip(axes, panels):
             g = g[g["x"].notna()] if has_x else g
-            for rec in g.to_dict("records"):
+            g = g.sort_values("x") if has_x else g
+            for i, rec in enumerate(g.to_dict("records")):
                 x = rec["x"] if has_x else 0.0
                 y = rec["y"] if has_y else rec["cap"]
                 if y is None or (isinstance(y, float) and math.isnan(y)):
@@ -100,15 +101,17 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
                 ax.scatter([x], [y], s=size, color=color(rec["kv_dtype"]), alpha=0.9, zorder=3,
                            edgecolors="black" if rec["pareto"] else "white",
                            linewidths=2.2 if rec["pareto"] else 0.8)
-                ax.annotate(label(rec["kv_dtype"]), (x, y), textcoords="offset points", xytext=(7, 6), fontsize=8,
-                            color="#222222", zorder=4)
+                # alternate labels above / below so that neighbours along x do not overwrite each other
+                ax.annotate(label(rec["kv_dtype"]), (x, y), textcoords="offset points",
+                            xytext=(math.sqrt(size) / 2 + 2, (1, -1, 2)[i % 3] * (math.sqrt(size) / 2 + 1) - (7 if i % 3 == 1 else 0)),
+                            fontsize=8, color="#222222", zorder=4)
             if has_x:
                 ax.axvline(1.0, color="#888888", lw=0.9, ls=":")
             if has_y:
                 ax.axhline(0.0, color="#888888", lw=0.9, ls=":")
                 if allowed_drop_pp:
                     ax.axhline(-allowed_drop_pp, color="#d62728", lw=0.9, ls="--", alpha=0.6)
-                    ax.annotate(f"gate: −{allowed_drop_pp:g}", (0.01, -allowed_drop_pp), xycoords=("axes fraction", "data"),
+                    ax.annotate(f"gate: −{allowed_drop_pp:g} pp", (0.01, -allowed_drop_pp), xycoords=("axes fraction", "data"),
                                 fontsize=8, color="#d62728", va="bottom")
             metric = g["metric"].dropna().iloc[0] if g["metric"].notna().any() else None
             burst = g["burst"].dropna().iloc[0] if "burst" in g and g["burst"].notna().any() else None

@@ -363,7 +363,11 @@ def _page(df, cells, bench, ev, invalid, failed_eval, head, tasks, figs, notes, 
                     cols.append((c, f"{k.upper()} {p} ms"))
         cols += [(c, c) for c in ("preemptions", "gpu_mem_gib") if c in cells and cells[c].notna().any()]
         cols += [("git_sha", "git"), ("vllm", "vLLM"), ("gpu_name", "GPU")]
+        def as_int(c):
+            return lambda r: f"{int(r[c]):,}" if pd.notna(r.get(c)) else "–"
+
         fm = {"tp": lambda r: str(int(r["tp"])) if pd.notna(r["tp"]) else "–",
+              **{c: as_int(c) for c in ("prompt_len", "output_len", "requests", "valid_runs", "runs", "kv_tokens")},
               "burst": lambda r: plots.burst_label(r.get("burst")),
               "kv_dtype": lambda r: plots.label(r["kv_dtype"])}
         parts.append(_table(cells, cols, fm))
