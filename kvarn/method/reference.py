@@ -116,8 +116,9 @@ def sanitize(x: torch.Tensor) -> torch.Tensor:
 
 
 def _std(x: torch.Tensor, dim: int) -> torch.Tensor:
-    # population std (divide by n), clamped as the method says
-    return x.std(dim=dim, correction=0).clamp(STD_MIN, STD_MAX)
+    # population std (divide by n), clamped as the method says; two-pass by hand (torch.std is ~10x slower on CPU)
+    c = x - x.mean(dim, keepdim=True)
+    return c.square().mean(dim).sqrt().clamp(STD_MIN, STD_MAX)
 
 
 def balance(x: torch.Tensor, iters: int = 8, keep_best: bool = True):
@@ -129,12 +130,14 @@ def balance(x: torch.Tensor, iters: int = 8, keep_best: bool = True):
         return lr, lc
     best_lr, best_lc = lr, lc
     best = torch.full(x.shape[:-2], float("inf"), device=x.device)
+
+    def cur():  # the balanced tile x / exp(lc) / exp(lr)
+        return x * (-lc).exp().unsqueeze(-2) * (-lr).exp().unsqueeze(-1)
+
     for _ in range(iters):
-        t = x / lc.exp().unsqueeze(-2) / lr.exp().unsqueeze(-1)
-        lc = (lc + _std(t, -2).log()).clamp(LOG_MIN, LOG_MAX)  # column std over rows
-        t = x / lc.exp().unsqueeze(-2) / lr.exp().unsqueeze(-1)
-        lr = (lr + _std(t, -1).log()).clamp(LOG_MIN, LOG_MAX)  # row std over columns
-        t = x / lc.exp().unsqueeze(-2) / lr.exp().unsqueeze(-1)
+        lc = (lc + _std(cur(), -2).log()).clamp(LOG_MIN, LOG_MAX)  # column std over rows
+        lr = (lr + _std(cur(), -1).log()).clamp(LOG_MIN, LOG_MAX)  # row std over columns
+        t = cur()
         cs, rs = _std(t, -2), _std(t, -1)
         imb = cs.amax(-1) / cs.amin(-1) + rs.amax(-1) / rs.amin(-1)
         if keep_best:

@@ -1,0 +1,228 @@
+"""Every KV format with one interface, so comparisons run on identical tensors.
+
+A codec turns K/V `[..., T, D]` into a stored payload (real packed bytes) and back:
+`encode(k, v)` takes whole storage units (`tile` tokens: 1 for per-token formats, g for KVarN),
+`decode(payload)` returns float32 `(k, v)`, `roundtrip(k, v)` quantizes all full units and leaves a trailing
+partial tile 16-bit (as in serving). `bytes_per_token_per_head(D)` is vLLM's page accounting (kvarn.formats).
+
+Names: every kvarn.formats name (and alias), plus ablations of KVarN that are not vLLM dtypes:
+`kvarn_k4v2_g128-norot`, `-nobal`, `-lastiter` (any KVarN preset accepts these suffixes).
+TurboQuant follows vLLM 0.26 (facts, not code): Hadamard rotation of the unit-normalized key, per-coordinate
+Lloyd-Max centroids for N(0, 1/D), fp16 norm, optional norm correction (`_nc`), fp8 keys for k8v4, values
+uniform asymmetric per head vector with fp16 scale and zero, no QJL; first/last 2 layers stay 16-bit.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..errors import KvarnError, choices
+from ..formats import REGISTRY, KVFormat, get_format
+from .hadamard import hadamard
+from .reference import dequantize_tiles, quantize_tiles, sanitize
+
+ABLATIONS = {"norot": dict(rotate=False), "nobal": dict(balance=False), "lastiter": dict(keep_best=False)}
+FP8_MAX = 448.0  # e4m3fn; vLLM's fp8 cache write saturates (scale 1.0)
+
+
+def payload_bytes(payload: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in payload.values() if torch.is_tensor(t))
+
+
+def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [..., n] (n*bits divisible by 8) -> bytes [..., n*bits/8], little-endian bit stream."""
+    n = q.shape[-1]
+    if (n * bits) % 8:
+        raise KvarnError(f"cannot pack {n} codes of {bits} bits into whole bytes")
+    sh = torch.arange(bits, device=q.device)
+    b = (q.to(torch.int32).unsqueeze(-1) >> sh) & 1  # [..., n, bits]
+    b = b.reshape(*q.shape[:-1], n * bits // 8, 8)
+    return (b << torch.arange(8, device=q.device)).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(p: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    b = (p.to(torch.int32).unsqueeze(-1) >> torch.arange(8, device=p.device)) & 1
+    b = b.reshape(*p.shape[:-1], n, bits)
+    return (b << torch.arange(bits, device=p.device)).sum(-1)
+
+
+class Codec:
+    name: str
+    fmt: KVFormat
+    tile: int = 1
+
+    def __init__(self, name: str, fmt: KVFormat):
+        self.name, self.fmt = name, fmt
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict:
+        raise NotImplementedError
+
+    def decode(self, payload: dict):
+        raise NotImplementedError
+
+    def bytes_per_token_per_head(self, head_dim: int) -> float:
+        return self.fmt.bytes_per_token_per_head(head_dim)
+
+    def is_16bit_layer(self, layer: int, num_layers: int) -> bool:
+        return self.fmt.is_16bit_layer(layer, num_layers)
+
+    def roundtrip(self, k: torch.Tensor, v: torch.Tensor):
+        """(k_hat, v_hat) float32: full units quantized and read back, a trailing partial tile kept as is."""
+        n = k.shape[-2] // self.tile * self.tile
+        if n == 0:
+            return k.float(), v.float()
+        kh, vh = self.decode(self.encode(k[..., :n, :], v[..., :n, :]))
+        if n < k.shape[-2]:
+            kh = torch.cat([kh, k[..., n:, :].float()], -2)
+            vh = torch.cat([vh, v[..., n:, :].float()], -2)
+        return kh, vh
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class IdentityCodec(Codec):
+    """fp16 / auto: stores the tensors as given (the model's 16-bit dtype)."""
+
+    def encode(self, k, v):
+        return {"k": k, "v": v}
+
+    def decode(self, p):
+        return p["k"].float(), p["v"].float()
+
+
+class Fp8Codec(Codec):
+    """fp8 e4m3 with per-tensor scale 1.0 (vLLM's default): saturating cast."""
+
+    def encode(self, k, v):
+        f = lambda x: sanitize(x).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # noqa: E731
+        return {"k": f(k), "v": f(v)}
+
+    def decode(self, p):
+        return p["k"].float(), p["v"].float()
+
+
+@functools.lru_cache(maxsize=None)
+def lloyd_max(d: int, bits: int, iters: int = 500) -> tuple[torch.Tensor, torch.Tensor]:
+    """(centroids [2^bits], boundaries [2^bits - 1]) of the MSE-optimal scalar quantizer for N(0, 1/d).
+    Lloyd iterations with the exact Gaussian conditional mean E[x | a < x < b] = s^2 (phi(a)-phi(b)) / (Phi(b)-Phi(a))."""
+    n = 2 ** bits
+    s = 1.0 / math.sqrt(d)
+    pdf = lambda x: math.exp(-0.5 * (x / s) ** 2) / (s * math.sqrt(2 * math.pi)) if math.isfinite(x) else 0.0  # noqa
+    cdf = lambda x: 0.5 * (1 + math.erf(x / (s * math.sqrt(2)))) if math.isfinite(x) else float(x > 0)  # noqa
+    c = [s * (-3.0 + 6.0 * (i + 0.5) / n) for i in range(n)]
+    for _ in range(iters):
+        b = [-math.inf] + [(c[i] + c[i + 1]) / 2 for i in range(n - 1)] + [math.inf]
+        new = []
+        for i in range(n):
+            mass = cdf(b[i + 1]) - cdf(b[i])
+            new.append(s * s * (pdf(b[i]) - pdf(b[i + 1])) / mass if mass > 1e-300 else c[i])
+        done = max(abs(x - y) for x, y in zip(new, c)) < 1e-12 * s
+        c = new
+        if done:
+            break
+    b = [(c[i] + c[i + 1]) / 2 for i in range(n - 1)]
+    return torch.tensor(c, dtype=torch.float32), torch.tensor(b, dtype=torch.float32)
+
+
+class TurboQuantCodec(Codec):
+    def __init__(self, name, fmt):
+        super().__init__(name, fmt)
+        self.kb, self.vb = int(fmt.key_bits), int(fmt.value_bits)
+        self.nc = name.endswith("_nc")
+
+    # values: uniform asymmetric over the whole head vector, fp16 scale + zero (min)
+    def _enc_v(self, v):
+        v = sanitize(v)
+        qmax = 2 ** self.vb - 1
+        mn, mx = v.amin(-1, keepdim=True), v.amax(-1, keepdim=True)
+        scale = ((mx - mn) / qmax).clamp_min(1e-8)
+        q = torch.floor((v - mn) / scale + 0.5).clamp(0, qmax)
+        return pack_bits(q, self.vb), scale.half(), mn.half()
+
+    def encode(self, k, v):
+        pv, vs, vz = self._enc_v(v)
+        out = {"pv": pv, "vs": vs, "vz": vz}
+        if self.kb == 8:
+            out["k"] = sanitize(k).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            return out
+        k = sanitize(k)
+        d = k.shape[-1]
+        norm = k.norm(dim=-1, keepdim=True)
+        y = (k / (norm + 1e-8)) @ hadamard(d, k.device)
+        _, bounds = lloyd_max(d, self.kb)
+        idx = torch.bucketize(y, bounds.to(k.device), right=True)  # index = number of boundaries <= y
+        out.update(pk=pack_bits(idx, self.kb), kn=norm.clamp(max=65504.0).half())
+        return out
+
+    def decode(self, p):
+        d = p["pv"].shape[-1] * 8 // self.vb
+        v = unpack_bits(p["pv"], self.vb, d).float() * p["vs"].float() + p["vz"].float()
+        if self.kb == 8:
+            return p["k"].float(), v
+        cent, _ = lloyd_max(d, self.kb)
+        c = cent.to(p["pk"].device)[unpack_bits(p["pk"], self.kb, d)]
+        if self.nc:  # norm correction: the centroid vector re-normalized to unit length
+            c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-16)
+        return (c @ hadamard(d, c.device)) * p["kn"].float(), v
+
+
+class KvarnCodec(Codec):
+    def __init__(self, name, fmt, **opts):
+        super().__init__(name, fmt)
+        self.tile = fmt.group
+        self.opts = opts  # ablation switches of quantize_tiles
+        self.rotated_decode = opts.get("rotate", True) is False  # no rotation: records hold the original basis
+
+    def encode(self, k, v):
+        *lead, t, d = k.shape
+        n, g = t // self.tile, self.tile
+        rec = quantize_tiles(k.reshape(*lead, n, g, d), v.reshape(*lead, n, g, d), self.fmt, **self.opts)
+        return {"rec": rec, "d": d}
+
+    def decode(self, p):
+        rec, d = p["rec"], p["d"]
+        k, v = dequantize_tiles(rec, self.fmt, d, rotated=self.rotated_decode)
+        lead = rec.shape[:-2]
+        return k.reshape(*lead, -1, d), v.reshape(*lead, -1, d)
+
+
+def codec_names() -> list[str]:
+    names = list(REGISTRY)
+    for f in REGISTRY.values():
+        if f.family == "kvarn":
+            names += [f"{f.name}-{a}" for a in ABLATIONS]
+    return names
+
+
+@functools.lru_cache(maxsize=None)
+def get_codec(name: str) -> Codec:
+    key = name.strip().lower()
+    base, _, abl = key.partition("-")
+    if abl:
+        f = get_format(base) if base in REGISTRY or base in ("fp16", "fp8_e4m3") else None
+        if f is None or f.family != "kvarn" or abl not in ABLATIONS:
+            raise KvarnError(f"unknown codec {name!r}; accepted: {choices(codec_names())}")
+        return KvarnCodec(f"{f.name}-{abl}", f, **ABLATIONS[abl])
+    try:
+        f = get_format(key)
+    except KvarnError:
+        raise KvarnError(f"unknown codec {name!r}; accepted: {choices(codec_names())}") from None
+    cls = {"fp16": IdentityCodec, "fp8": Fp8Codec, "turboquant": TurboQuantCodec, "kvarn": KvarnCodec}[f.family]
+    return cls(f.name, f)
+
+
+def parse_codecs(spec: str | None, default: tuple[str, ...]) -> list[Codec]:
+    names = [s.strip() for s in spec.split(",") if s.strip()] if spec else list(default)
+    if spec and spec.strip().lower() == "all":
+        names = codec_names()
+    out: list[Codec] = []
+    for n in names:
+        c = get_codec(n)
+        if c not in out:
+            out.append(c)
+    if not out:
+        raise KvarnError("no kv dtype given")
+    return out

