@@ -23,6 +23,8 @@ import os
 import triton
 import triton.language as tl
 
+from .rotate import hadamard_pm1, x_times_h
+
 LOG2E = 1.4426950408889634
 
 
@@ -98,8 +100,8 @@ def kvarn_attention_kernel(
     q_off = (q0 + tok).to(tl.int64) * stride_qn + head * stride_qh
     q = tl.load(q_ptr + q_off[:, None] + di[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     q = q * qk_scale
-    hn = tl.load(hn_ptr + di[:, None] * D + di[None, :])
-    q_r = tl.dot(q, hn, input_precision="ieee")  # rotated query, fp32
+    hpm = hadamard_pm1(D, MMA_BF16)  # +-1 Hadamard, generated in registers (hn_ptr is unused)
+    q_r = x_times_h(q, hpm, D, MMA_BF16)  # rotated query, fp32-accurate
 
     n_full = S // G
     n_tiles = (Lmax + G - 1) // G
@@ -169,7 +171,7 @@ def kvarn_attention_kernel(
         acc_t = acc_t * alpha[:, None] + tl.dot(p, tv, input_precision="ieee")
 
     # rotate back once; rows that saw nothing (l = 0) give exact zeros
-    o = tl.dot(acc_r, hn, input_precision="ieee") + acc_t
+    o = x_times_h(acc_r, hpm, D, MMA_BF16) + acc_t
     has = l_i > 0.0
     o = o / tl.where(has, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:

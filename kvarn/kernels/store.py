@@ -24,8 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .rotate import h_times_x, hadamard_pm1, x_times_h
+
 from ..errors import KvarnError
 from ..formats import KVFormat
+from .attention import mma_bf16
 from .common import FP16_MAX, as_format, check_cache, f16_view, hadamard_fp32, layout
 
 STD_MIN, STD_MAX = 1e-3, 1e3  # clamp of the measured std per balancing step (kvarn-method.md)
@@ -130,6 +133,7 @@ def _store_tiles_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
+    MMA_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tile = pid // H
@@ -139,11 +143,11 @@ def _store_tiles_kernel(
         base = blk.to(tl.int64) * stride_cb + head * stride_ch  # byte offset of the record
         di = tl.arange(0, D)
         gi = tl.arange(0, G)
-        hn = tl.load(hn_ptr + di[:, None] * D + di[None, :])
+        hpm = hadamard_pm1(D, MMA_BF16)  # +-1 Hadamard in registers (hn_ptr is unused)
         # keys: X = (K @ Hn)^T = Hn @ K^T  [D, g] (Hn symmetric), rows = channels
         kp = k_ptr + tile.to(tl.int64) * stride_kt + head * stride_kh
         kt = _sanitize(tl.load(kp + gi[None, :] * stride_kg + di[:, None]).to(tl.float32))
-        x = tl.dot(hn, kt, input_precision="ieee")
+        x = h_times_x(hpm, kt, D, MMA_BF16)
         qk, sk, zk, rk = _quantize_matrix(x, D, G, KB, ITERS)
         _pack_store(qk, cache_ptr + base + OFF_PK, D, G, KB)
         b16 = base // 2
@@ -153,7 +157,7 @@ def _store_tiles_kernel(
         # values: Y = V @ Hn  [g, D], rows = tokens
         vp = v_ptr + tile.to(tl.int64) * stride_vt + head * stride_vh
         vt = _sanitize(tl.load(vp + gi[:, None] * stride_vg + di[None, :]).to(tl.float32))
-        y = tl.dot(vt, hn, input_precision="ieee")
+        y = x_times_h(vt, hpm, D, MMA_BF16)
         qv, sv, zv, cv = _quantize_matrix(y, G, D, VB, ITERS)
         _pack_store(qv, cache_ptr + base + OFF_PV, G, D, VB)
         tl.store(cache16_ptr + b16 + OFF_SV // 2 + gi, sv.to(tl.float16))
@@ -189,7 +193,7 @@ def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids
         H=H, G=g, D=D, KB=lay.kb, VB=lay.vb, ITERS=int(iters),
         OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
         OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-        num_warps=16 if big else 8,
+        MMA_BF16=mma_bf16(), num_warps=16 if big else 8,
     )
 
 

@@ -1,0 +1,74 @@
+"""In-kernel Hadamard rotation helpers (Triton device functions).
+
+H (entries +-1, Sylvester order: H[i, j] = (-1)^popcount(i & j)) is generated in registers, never loaded, and is
+exact in bf16; Hn = H / sqrt(D) is applied as (x @ H) * (1/sqrt(D)). On a GPU the fp32 operand is split into three
+bf16 parts (hi + mid + lo ~ 24 mantissa bits) so three bf16 tensor-core MMAs give fp32-accurate products with a
+bf16 H in shared memory (128 KiB at D=256, where an fp32 Hn would not fit). Under the interpreter (no bf16
+matmul) one exact fp32 dot is used.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def hadamard_pm1(D: tl.constexpr, MMA_BF16: tl.constexpr):
+    i = tl.arange(0, D)
+    v = i[:, None] & i[None, :]
+    v = v ^ (v >> 8)
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    h = 1.0 - 2.0 * (v & 1).to(tl.float32)
+    if MMA_BF16:
+        return h.to(tl.bfloat16)
+    else:
+        return h
+
+
+@triton.jit
+def _inv_sqrt(D: tl.constexpr):
+    # 1/sqrt(D) for the supported head dims, as a compile-time constant (no math on constexprs in device code)
+    if D == 64:
+        return 0.125
+    elif D == 256:
+        return 0.0625
+    else:
+        tl.static_assert(D == 128, "head dim must be 64, 128 or 256")
+        return 0.08838834764831845
+
+
+@triton.jit
+def _split3(x):
+    hi = x.to(tl.bfloat16)
+    r = x - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def x_times_h(x, h, D: tl.constexpr, MMA_BF16: tl.constexpr):
+    """(x @ H) / sqrt(D) for fp32 x [M, D]."""
+    if MMA_BF16:
+        hi, mid, lo = _split3(x)
+        acc = tl.dot(hi, h, out_dtype=tl.float32)
+        acc = tl.dot(mid, h, acc=acc, out_dtype=tl.float32)
+        acc = tl.dot(lo, h, acc=acc, out_dtype=tl.float32)
+    else:
+        acc = tl.dot(x, h, input_precision="ieee")
+    return acc * _inv_sqrt(D)
+
+
+@triton.jit
+def h_times_x(h, x, D: tl.constexpr, MMA_BF16: tl.constexpr):
+    """(H @ x) / sqrt(D) for fp32 x [D, N]."""
+    if MMA_BF16:
+        hi, mid, lo = _split3(x)
+        acc = tl.dot(h, hi, out_dtype=tl.float32)
+        acc = tl.dot(h, mid, acc=acc, out_dtype=tl.float32)
+        acc = tl.dot(h, lo, acc=acc, out_dtype=tl.float32)
+    else:
+        acc = tl.dot(h, x, input_precision="ieee")
+    return acc * _inv_sqrt(D)
