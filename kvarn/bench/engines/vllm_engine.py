@@ -1,0 +1,139 @@
+"""The vllm engine: every configuration x repeat in its own worker process (a fresh engine, a new process group).
+
+Timeouts kill the whole group and any leftover GPU process of ours, so the next engine finds the memory free;
+crashes and OOMs come back as rows with the log's error line. vLLM is never imported in this process.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from ...errors import KvarnError
+from ...formats import get_format
+from ...shapes import resolve_model
+from ..config import BenchConfig, Cell
+from ..process import GroupRunner
+from .base import Engine, EngineResult, register_engine
+from .vllm_args import resolved_dtype
+from .vllm_worker import classify_error
+
+DEFAULT_TIMEOUT_S = 1800.0  # the first TurboQuant start compiles Triton kernels for minutes
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def visible_gpus() -> list[dict]:
+    """[{index, name, capability}] of the GPUs this process may use, without creating a CUDA context."""
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,compute_cap", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=15)
+            gpus = []
+            for line in out.stdout.strip().splitlines():
+                parts = [s.strip() for s in line.split(",")]
+                if len(parts) >= 3:
+                    gpus.append({"index": parts[0], "name": parts[1], "capability": parts[2]})
+            vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if vis is not None:
+                keep = [v.strip() for v in vis.split(",") if v.strip()]
+                gpus = [g for g in gpus if g["index"] in keep]
+            return gpus
+        except (OSError, subprocess.SubprocessError):
+            pass
+    from ...provenance import gpus as torch_gpus
+
+    return [{"index": str(g["index"]), "name": g["name"], "capability": g["capability"]} for g in torch_gpus()]
+
+
+def last_error_line(log_text: str) -> str:
+    """The most telling line of a crashed worker's log (the exception, not the traceback frames)."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", ln) or "Error:" in ln:
+            return ln[:500]
+    return lines[-1][:500] if lines else "worker exited without output"
+
+
+@register_engine("vllm")
+class VllmEngine(Engine):
+    name = "vllm"
+    modes = ("offline", "serve")
+    default_timeout_s = DEFAULT_TIMEOUT_S
+
+    def __init__(self):
+        self.runner = GroupRunner()
+
+    def check(self, configs: list[BenchConfig]) -> None:
+        super().check(configs)
+        if not vllm_available():
+            raise KvarnError("--engine vllm needs vLLM 0.26 (pip install 'kvarn[vllm]'); use --engine hf to run without it")
+        gpus = visible_gpus()
+        if not gpus:
+            raise KvarnError("--engine vllm needs a CUDA GPU and none is visible; use --engine hf on this machine")
+        for c in configs:
+            if c.tp > len(gpus):
+                raise KvarnError(f"--tp {c.tp} needs {c.tp} GPUs but {len(gpus)} are visible "
+                                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                                 f"accepted: 1..{len(gpus)}")
+            fmt = get_format(c.kv_dtype)
+            dtype = resolved_dtype(c.kv_dtype, c.model_dtype)
+            if dtype == "bfloat16" or fmt.family == "fp8":
+                low = [g for g in gpus if _cap(g["capability"]) < 8.0]
+                if low:
+                    raise KvarnError(f"kv dtype {c.kv_dtype} needs a bfloat16 model, which {low[0]['name']} "
+                                     f"(compute {low[0]['capability']}) does not run; drop {c.kv_dtype} from --kv-dtype")
+            if fmt.family == "kvarn" and importlib.util.find_spec("kvarn.vllm_plugin") is None:
+                raise KvarnError(f"kv dtype {c.kv_dtype} needs the kvarn vLLM plugin (kvarn.vllm_plugin), not installed")
+
+    def run(self, cell: Cell, timeout_s: float) -> EngineResult:
+        log = Path(cell.log_path)
+        work = log.parent / f"{log.stem}.work"
+        work.mkdir(parents=True, exist_ok=True)
+        spec = asdict(cell.config)
+        spec.update(workdir=str(work), log_path=str(log), repeat=cell.repeat, start_timeout_s=timeout_s,
+                    vocab_size=_vocab(cell.config))
+        spec_path, result_path = work / "spec.json", work / "result.json"
+        spec_path.write_text(json.dumps(spec, indent=1, default=str))
+        result_path.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "kvarn.bench.engines.vllm_worker", str(spec_path), str(result_path)]
+        env = dict(os.environ)
+        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        res = self.runner.run(cmd, log, timeout_s, env=env)
+        try:
+            if res.timed_out:
+                return EngineResult("timeout", f"no result after {timeout_s:.0f} s; process group killed "
+                                               f"({len(res.killed_pids)} processes)", {"wall_s": res.elapsed_s})
+            if result_path.is_file():
+                data = json.loads(result_path.read_text())
+                return EngineResult(data["status"], data.get("error", ""), data.get("metrics", {}), data.get("info", {}))
+            text = log.read_text(errors="replace") if log.is_file() else ""
+            return EngineResult(classify_error(text), f"worker exit {res.returncode}: {last_error_line(text)}")
+        finally:
+            shutil.rmtree(work / "model", ignore_errors=True)
+
+    def interrupt(self) -> None:
+        self.runner.stop()
+
+
+def _cap(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return 9.0
+
+
+def _vocab(c: BenchConfig) -> int:
+    try:
+        return resolve_model(c.model_path).vocab_size
+    except (KvarnError, KeyError, ValueError):
+        return 32000

@@ -1,0 +1,208 @@
+"""Worker process of the vllm engine: one configuration x repeat in a fresh engine, result as JSON.
+
+    python -m kvarn.bench.engines.vllm_worker SPEC.json RESULT.json
+
+SPEC holds the BenchConfig fields plus `workdir`; RESULT gets {"status", "error", "metrics", "info"}. Everything
+vLLM prints goes to this process's stdout/stderr, which the orchestrator sends to DIR/logs/<hash>-r<k>.log.
+Offline mode drives LLM.llm_engine step by step (the loop LLM.generate runs) to time every request's tokens and
+sample get_metrics(); serve mode starts `vllm serve` on a free 127.0.0.1 port and streams /v1/completions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from ..metrics import RequestRecord, max_concurrency_at, summarize
+from ..prompts import random_prompts
+from .vllm_args import llm_kwargs, model_dir_for, serve_argv
+
+OOM_PATTERNS = ("CUDA out of memory", "OutOfMemoryError", "out of memory", "No available memory for the cache blocks",
+                "larger than the available KV cache memory", "Insufficient memory")
+KV_LOG = re.compile(r"GPU KV cache size:\s*([\d,]+)\s*tokens")
+
+
+def classify_error(text: str) -> str:
+    return "oom" if any(p.lower() in text.lower() for p in OOM_PATTERNS) else "failed"
+
+
+class GpuMemSampler(threading.Thread):
+    """Peak used memory (GiB) over the visible GPUs from nvidia-smi, without touching CUDA in this process."""
+
+    def __init__(self, interval_s: float = 0.5):
+        super().__init__(daemon=True)
+        self.interval_s, self.peak, self._stop = interval_s, float("nan"), threading.Event()
+        self.ok = shutil.which("nvidia-smi") is not None
+        vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+        self.ids = [x for x in vis.split(",") if x.strip()] if vis else None
+
+    def run(self):
+        while self.ok and not self._stop.is_set():
+            try:
+                cmd = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
+                for line in out.strip().splitlines():
+                    idx, used = (s.strip() for s in line.split(","))
+                    if self.ids is None or idx in self.ids:
+                        gib = float(used) / 1024.0
+                        self.peak = gib if self.peak != self.peak else max(self.peak, gib)
+            except (OSError, ValueError, subprocess.SubprocessError):
+                pass
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self.join(timeout=15)
+        return self.peak
+
+
+def _metric_values(metrics) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in metrics:
+        v = getattr(m, "value", None)
+        if isinstance(v, (int, float)):
+            out[m.name] = out.get(m.name, 0.0) + float(v)
+    return out
+
+
+def _capacity(cc, burst: int) -> dict:
+    blocks = getattr(cc, "num_gpu_blocks", None)
+    block = getattr(cc, "block_size", None)
+    tokens = getattr(cc, "kv_cache_size_tokens", None) or ((blocks or 0) * (block or 0)) or float("nan")
+    return {"kv_tokens": float(tokens), "kv_blocks": float(blocks or float("nan")),
+            "max_concurrency": max_concurrency_at(blocks, block, burst)}, {"kv_block_size": block}
+
+
+def run_offline(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    model_dir = model_dir_for(spec["model_path"], spec["workdir"])
+    kwargs = llm_kwargs(spec, model_dir)
+    print(f"[kvarn] LLM({kwargs})", flush=True)
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    start_s = time.perf_counter() - t0
+    metrics, info = _capacity(llm.llm_engine.vllm_config.cache_config, spec["burst"])
+    metrics["engine_start_s"] = start_s
+    vocab = int(llm.llm_engine.vllm_config.model_config.get_vocab_size())
+    prompts = random_prompts(spec["requests"], spec["prompt_len"], vocab, spec["seed"])
+    params = SamplingParams(ignore_eos=True, max_tokens=spec["output_len"], detokenize=False,
+                            temperature=1.0, top_p=1.0)
+    engine = llm.llm_engine
+    recs: dict[str, RequestRecord] = {}
+    peak_running = peak_waiting = kv_usage = 0.0
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):  # the whole burst at once, as LLM.generate would submit it
+        rid = engine.add_request(str(i), {"prompt_token_ids": p}, params)
+        recs[str(rid)] = RequestRecord(prompt_len=len(p), start=start)
+    last_sample = 0.0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            r = recs.get(str(o.request_id))
+            if r is None:
+                continue
+            n = len(o.outputs[0].token_ids) if o.outputs else 0
+            if n > r.output_tokens:  # several tokens in one step (multi-step/spec decode) count as one chunk
+                if r.output_tokens == 0:
+                    r.ttft = now - r.start
+                else:
+                    r.itl.append(now - r.start - r.latency)
+                r.latency = now - r.start
+                r.output_tokens = n
+            if o.finished:
+                r.success = True
+        if now - last_sample > 0.25:
+            last_sample = now
+            vals = _metric_values(llm.get_metrics())
+            peak_running = max(peak_running, vals.get("vllm:num_requests_running", 0.0))
+            peak_waiting = max(peak_waiting, vals.get("vllm:num_requests_waiting", 0.0))
+            kv_usage = max(kv_usage, vals.get("vllm:kv_cache_usage_perc", 0.0))
+    duration = time.perf_counter() - start
+    vals = _metric_values(llm.get_metrics())
+    metrics.update(summarize(list(recs.values()), duration))
+    metrics.update(peak_running=peak_running, peak_waiting=peak_waiting, kv_usage_peak=kv_usage,
+                   preemptions=vals.get("vllm:num_preemptions", vals.get("vllm:num_preemptions_total", float("nan"))))
+    info["vllm_kwargs"] = json.dumps(kwargs, default=str, sort_keys=True)
+    return {"status": "ok", "error": "", "metrics": metrics, "info": info}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_serve(spec: dict) -> dict:
+    from ..serve_client import MetricsSampler, run_load, wait_healthy
+
+    model_dir = model_dir_for(spec["model_path"], spec["workdir"])
+    kwargs = llm_kwargs(spec, model_dir)
+    host, port = "127.0.0.1", free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", *serve_argv(kwargs, host, port)]
+    print(f"[kvarn] {' '.join(argv)}", flush=True)
+    t0 = time.perf_counter()
+    server = subprocess.Popen(argv, stdout=sys.stdout, stderr=sys.stderr, stdin=subprocess.DEVNULL)
+    try:
+        wait_healthy(host, port, spec.get("start_timeout_s", 1800), proc=server)
+        start_s = time.perf_counter() - t0
+        sys.stdout.flush()
+        log_text = Path(spec["log_path"]).read_text(errors="replace") if spec.get("log_path") else ""
+        kv = [int(m.replace(",", "")) for m in KV_LOG.findall(log_text)]
+        kv_tokens = float(kv[-1]) if kv else float("nan")
+        block = kwargs.get("block_size") or 16  # vLLM's default for the paged layouts used here
+        prompts = random_prompts(spec["requests"], spec["prompt_len"], int(spec.get("vocab_size", 32000)), spec["seed"])
+        sampler = MetricsSampler(host, port)
+        sampler.start()
+        records, duration = run_load(host, port, model_dir, prompts, spec["output_len"],
+                                     request_rate=spec.get("request_rate"), burstiness=spec.get("burstiness", 1.0),
+                                     max_concurrency=spec.get("concurrency_limit"), seed=spec["seed"])
+        server_stats = sampler.stop()
+        goodput = json.loads(spec.get("goodput") or "{}")
+        metrics = summarize(records, duration, goodput)
+        metrics.update(server_stats)
+        metrics.update(engine_start_s=start_s, kv_tokens=kv_tokens,
+                       max_concurrency=(kv_tokens / block) / -(-spec["burst"] // block) if kv else float("nan"))
+        errors = [r.error for r in records if not r.success]
+        status = "ok" if not errors else "failed"
+        err = "" if not errors else f"{len(errors)}/{len(records)} requests failed; first: {errors[0][:300]}"
+        return {"status": status, "error": err, "metrics": metrics,
+                "info": {"vllm_kwargs": json.dumps(kwargs, default=str, sort_keys=True)}}
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def main(argv: list[str]) -> int:
+    spec_path, result_path = argv
+    spec = json.loads(Path(spec_path).read_text())
+    mem = GpuMemSampler()
+    mem.start()
+    try:
+        result = run_serve(spec) if spec["mode"] == "serve" else run_offline(spec)
+    except BaseException as e:  # noqa: BLE001 - the row must say what happened
+        text = "".join(traceback.format_exception(e))
+        print(text, file=sys.stderr, flush=True)
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        result = {"status": classify_error(text), "error": f"{type(e).__name__}: {last}"[:500], "metrics": {}, "info": {}}
+    result["metrics"]["gpu_mem_gib"] = mem.stop()
+    Path(result_path).write_text(json.dumps(result, default=str))
+    sys.stdout.flush()
+    # vLLM's background threads can keep the interpreter alive; the result is written, leave now
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

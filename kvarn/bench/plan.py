@@ -1,0 +1,278 @@
+"""From `kvarn bench` options to a validated plan: engine choice, configurations, cells to run, cells already done.
+
+Everything that can be wrong with the input is found here, before any engine starts or any file is written.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ..errors import KvarnError, choices
+from ..formats import FP16_NAMES, parse_formats
+from ..results import ResultsStore
+from ..shapes import ModelShape, resolve_model
+from .config import MODE_ALIASES, MODES, OFFLINE, SERVE, BenchConfig, Cell
+from .engines.base import Engine, get_engine
+from .parsing import parse_engine_args, parse_goodput, parse_int_list, parse_token_list, parse_tokens
+
+DEFAULT_MODEL = "smollm2-135m"  # the embedded default: runs on a CPU with the `data` extra
+DEFAULT_KV_DTYPES = ("auto", "fp8", "kvarn_k4v2_g128", "turboquant_4bit_nc", "turboquant_k3v4_nc")
+# Per engine: the burst (and split) used when none is given. hf: a CPU-sized smoke run; vllm: a real burst.
+ENGINE_DEFAULTS = {
+    "hf": {"burst": 288, "prompt_len": 256, "output_len": 32, "requests": 2},
+    "vllm": {"burst": 4096, "prompt_len": None, "output_len": None, "requests": 64},
+}
+FALLBACK_DEFAULTS = {"burst": 4096, "prompt_len": None, "output_len": None, "requests": 16}
+PROMPT_FRACTION = 8  # default split: prompt = burst / 8, the rest generated (reasoning-like)
+
+
+@dataclass
+class BenchOptions:
+    model: str | None = None
+    kv_dtype: str | None = None
+    burst: str | None = None
+    requests: int | None = None
+    prompt_len: str | None = None
+    output_len: str | None = None
+    tp: str = "1"
+    dummy_weights: bool | None = None
+    weights: str | None = None
+    dtype: str | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int | None = None
+    repeat: int = 1
+    seed: int = 0
+    out: str = "results"
+    mode: str = OFFLINE
+    engine: str = "auto"
+    timeout: float | None = None
+    force: bool = False
+    request_rate: float | None = None
+    burstiness: float | None = None
+    max_concurrency: int | None = None
+    goodput: list[str] | None = None
+    engine_args: list[str] | None = None
+
+
+@dataclass
+class Plan:
+    engine: Engine
+    engine_reason: str
+    shape: ModelShape
+    configs: list[BenchConfig]
+    cells: list[Cell]  # every (configuration, repeat) of the matrix, run order
+    todo: list[Cell]  # cells still to run (all of them with --force)
+    out: Path
+    timeout_s: float
+    run_id: str
+    repeats: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def done(self) -> int:
+        return len(self.cells) - len(self.todo)
+
+
+def choose_engine(requested: str, mode: str = OFFLINE) -> tuple[str, str]:
+    """(engine name, why). auto = vllm when vLLM is importable and a GPU is visible, else hf."""
+    req = (requested or "auto").strip().lower()
+    if req != "auto":
+        return req, f"--engine {req}"
+    from .engines.vllm_engine import visible_gpus, vllm_available
+
+    if not vllm_available():
+        why = "vLLM is not installed"
+    elif not visible_gpus():
+        why = "no CUDA GPU is visible"
+    else:
+        return "vllm", "vLLM is installed and a GPU is visible"
+    if mode == SERVE:
+        raise KvarnError(f"--mode serve needs the vllm engine, but {why}")
+    return "hf", f"{why}: transformers on {'the GPU' if _cuda() else 'the CPU'}"
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def model_label(shape: ModelShape) -> str:
+    if shape.source == "local":
+        return str(Path(shape.path).resolve())
+    return shape.hf_id or shape.name
+
+
+def weights_source(engine: str, shape: ModelShape) -> str | None:
+    """Where real weights for this shape are, for this engine, or None (-> dummy weights)."""
+    path = Path(shape.path) if shape.path else None
+    if engine == "hf":
+        from .engines.hf_engine import model_has_weights
+
+        return model_has_weights(path, shape.name)
+    if path is not None and path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin"))):
+        return str(path)
+    return None
+
+
+def split_burst(burst: int, prompt: int | None, output: int | None) -> tuple[int, int]:
+    if prompt and output:
+        if prompt + output != burst:
+            raise KvarnError(f"--prompt-len {prompt} + --output-len {output} = {prompt + output} differs from burst "
+                             f"{burst}; give two of the three")
+        return prompt, output
+    if prompt:
+        if prompt >= burst:
+            raise KvarnError(f"--prompt-len {prompt} leaves no output tokens in a burst of {burst}")
+        return prompt, burst - prompt
+    if output:
+        if output >= burst:
+            raise KvarnError(f"--output-len {output} leaves no prompt tokens in a burst of {burst}")
+        return burst - output, output
+    p = max(1, burst // PROMPT_FRACTION)
+    if p >= burst:
+        raise KvarnError(f"burst {burst} is too small to split into a prompt and an output; give at least 2 tokens")
+    return p, burst - p
+
+
+def _positive(value, what: str, integer: bool = True):
+    if value is None:
+        return None
+    if value <= 0:
+        raise KvarnError(f"{what} must be > 0, got {value}")
+    return int(value) if integer else float(value)
+
+
+def build_plan(o: BenchOptions) -> Plan:
+    mode = MODE_ALIASES.get((o.mode or OFFLINE).strip().lower())
+    if mode is None:
+        raise KvarnError(f"unknown --mode {o.mode!r}; accepted: {choices(MODES)} (throughput = offline)")
+    # input that needs no engine first: a typo must not wait for GPU probing
+    formats = parse_formats(o.kv_dtype, DEFAULT_KV_DTYPES)
+    tps = parse_int_list(o.tp, "--tp")
+    bursts_given = parse_token_list(o.burst) if o.burst else None
+    prompt = parse_tokens(o.prompt_len, "--prompt-len") if o.prompt_len else None
+    output = parse_tokens(o.output_len, "--output-len") if o.output_len else None
+    requests = _positive(o.requests, "--requests")
+    repeat = _positive(o.repeat, "--repeat")
+    max_num_seqs = _positive(o.max_num_seqs, "--max-num-seqs")
+    timeout = _positive(o.timeout, "--timeout", integer=False)
+    if not 0 < o.gpu_memory_utilization <= 1:
+        raise KvarnError(f"--gpu-memory-utilization must be in (0, 1], got {o.gpu_memory_utilization}")
+    goodput = parse_goodput(o.goodput)
+    extra = parse_engine_args(o.engine_args)
+    serve_flags = {"--request-rate": o.request_rate, "--burstiness": o.burstiness,
+                   "--max-concurrency": o.max_concurrency, "--goodput": goodput or None}
+    if mode != SERVE:
+        given = [k for k, v in serve_flags.items() if v is not None]
+        if given:
+            raise KvarnError(f"{', '.join(given)} apply to --mode serve only (offline submits the burst at once)")
+    if o.request_rate is not None and o.request_rate <= 0:
+        raise KvarnError(f"--request-rate must be > 0 requests/s (omit it for all at once), got {o.request_rate}")
+    if o.burstiness is not None and o.burstiness <= 0:
+        raise KvarnError(f"--burstiness must be > 0 (1 = Poisson), got {o.burstiness}")
+    _positive(o.max_concurrency, "--max-concurrency")
+    if o.weights and o.dummy_weights:
+        raise KvarnError("--weights loads real weights; it cannot be combined with --dummy-weights")
+    if o.dtype and o.dtype not in ("float16", "bfloat16", "float32"):
+        raise KvarnError(f"unknown --dtype {o.dtype!r}; accepted: float16, bfloat16, float32")
+
+    shape = resolve_model(o.model or DEFAULT_MODEL)
+    engine_name, reason = choose_engine(o.engine, mode)
+    engine = get_engine(engine_name)
+    d = ENGINE_DEFAULTS.get(engine_name, FALLBACK_DEFAULTS)
+    if bursts_given is None and not (prompt and output):
+        bursts = [d["burst"]]
+        if prompt is None and output is None and d["prompt_len"]:
+            prompt, output = d["prompt_len"], d["output_len"]
+    else:
+        bursts = bursts_given or [prompt + output]
+    requests = requests or d["requests"]
+    for tp in tps:
+        shape.check_tp(tp)
+    for b in bursts:
+        if b > shape.max_context:
+            raise KvarnError(f"burst {b} exceeds the {shape.max_context}-token context of {shape.name}; "
+                             f"accepted: up to {shape.max_context}")
+
+    source = o.weights or weights_source(engine_name, shape)
+    if o.dummy_weights is False and not source:
+        raise KvarnError(f"no weights found for {shape.name} (source: {shape.source}); give --weights PATH, "
+                         "or run with --dummy-weights (real shapes, random weights)")
+    if o.weights and engine_name != "hf" and not Path(o.weights).expanduser().is_dir():
+        from ..shapes import _hf_cache_config
+
+        cached = _hf_cache_config(o.weights) if "/" in o.weights else None
+        if cached is None:
+            raise KvarnError(f"--weights {o.weights!r} is neither a local folder nor in the local Hugging Face cache")
+        source = str(cached.parent)
+    dummy = bool(o.dummy_weights) if o.dummy_weights is not None else source is None
+    if dummy:
+        source = None
+    model_path = str(shape.path) if (dummy or engine_name == "hf") else str(source)
+
+    explicit_dtype = o.dtype or extra.get("dtype")
+    configs: list[BenchConfig] = []
+    ordered = sorted(formats, key=lambda f: f.family != "fp16")  # FP16 first: later rows get their ratios at once
+    for tp in tps:
+        for b in bursts:
+            p, out_len = split_burst(b, prompt, output)
+            for f in ordered:
+                dtype = engine_model_dtype(engine_name, f.name, shape, explicit_dtype)
+                configs.append(BenchConfig(
+                    model=model_label(shape), kv_dtype=f.name, tp=tp, engine=engine_name, mode=mode, burst=b,
+                    prompt_len=p, output_len=out_len, requests=requests,
+                    gpu_memory_utilization=float(o.gpu_memory_utilization), max_num_seqs=max_num_seqs,
+                    dummy_weights=dummy, seed=int(o.seed), model_dtype=dtype,
+                    engine_args=json.dumps(extra, sort_keys=True),
+                    request_rate=o.request_rate if mode == SERVE else None,
+                    burstiness=(o.burstiness or 1.0), concurrency_limit=o.max_concurrency if mode == SERVE else None,
+                    goodput=json.dumps(goodput, sort_keys=True), model_path=model_path, weights=source))
+    engine.check(configs)
+
+    out = Path(o.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise KvarnError(f"--out {o.out!r} exists and is not a directory")
+    run_id = uuid.uuid4().hex[:12]
+    cells = [Cell(c, k, run_id, str(out / "logs" / f"{c.hash}-r{k}.log")) for c in configs for k in range(repeat)]
+    done = set() if o.force else ResultsStore(out).done_keys("bench")
+    todo = [c for c in cells if (c.hash, c.repeat) not in done]
+    notes = []
+    if any(f.family == "kvarn" for f in formats) and engine_name == "vllm":
+        notes.append("KVarN rows run with block_size = the preset's tile")
+    return Plan(engine, reason, shape, configs, cells, todo, out, timeout or engine.default_timeout_s, run_id, repeat,
+                notes)
+
+
+def engine_model_dtype(engine: str, kv_dtype: str, shape: ModelShape, explicit: str | None) -> str | None:
+    """The model dtype a row runs with (part of its identity). vllm: FP8 KV needs bfloat16 (FA3)."""
+    from ..formats import get_format
+
+    fmt = get_format(kv_dtype)
+    if engine == "hf":
+        from .engines.hf_engine import default_dtype
+
+        return explicit or default_dtype(shape.dtype)
+    if engine == "vllm":
+        dtype = explicit or ("bfloat16" if fmt.family == "fp8" else shape.dtype)
+        if explicit and fmt.family == "fp8":
+            fmt.check_model_dtype(explicit)  # fp8 with a float16-only setup: one clear line
+        return dtype
+    return explicit
+
+
+def is_fp16(kv_dtype: str) -> bool:
+    return kv_dtype in FP16_NAMES
+
+
+def plugin_available() -> bool:
+    return importlib.util.find_spec("kvarn.vllm_plugin") is not None
+
+
+__all__ = ["BenchOptions", "Plan", "build_plan", "choose_engine", "split_burst", "replace"]

@@ -1,0 +1,163 @@
+"""Run one configuration's worker in its own process group; on timeout or interrupt end the whole group.
+
+vLLM spawns engine-core and TP worker processes; they stay in the worker's process group (session), so killing
+the group frees the GPU. Anything that escaped (a new session) but still holds GPU memory is found through
+`nvidia-smi --query-compute-apps` and ended only if it descends from our worker or shares its session: we never
+touch processes we did not start.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class ProcResult:
+    returncode: int | None  # None when it timed out
+    timed_out: bool
+    elapsed_s: float
+    killed_pids: list[int]
+
+
+def _children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        kids.setdefault(ppid, []).append(int(d.name))
+    return kids
+
+
+def descendants(pid: int) -> set[int]:
+    kids, out, todo = _children_map(), set(), [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[4])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def session_members(sid: int) -> set[int]:
+    """Live processes of session `sid` (our worker's children stay in it even after the worker exits)."""
+    out = set()
+    for d in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if d.name.isdigit() and _session_of(int(d.name)) == sid and _alive(int(d.name)):
+            out.add(int(d.name))
+    return out
+
+
+def gpu_pids() -> list[int]:
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [int(x) for x in out.stdout.split() if x.strip().isdigit()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie is dead for our purposes
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> list[int]:
+    """SIGTERM then SIGKILL the process group of `proc` (and descendants that left it); return what was signalled."""
+    pgid = proc.pid  # started with start_new_session=True: pgid == sid == pid
+    family = descendants(proc.pid) | session_members(pgid) | {proc.pid}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pid in family:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 2.0)
+        while time.monotonic() < deadline and any(_alive(p) for p in family):
+            time.sleep(0.1)
+        if not any(_alive(p) for p in family):
+            break
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+    family |= kill_leftover_gpu_processes(family, pgid)
+    return sorted(family)
+
+
+def kill_leftover_gpu_processes(ours: set[int], session: int, wait_s: float = 30.0) -> set[int]:
+    """End GPU processes that are ours (in `ours` or in our session) and wait until they are gone."""
+    targets = {p for p in gpu_pids() if p in ours or _session_of(p) == session}
+    for pid in targets:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + wait_s
+    while targets and time.monotonic() < deadline and set(gpu_pids()) & targets:
+        time.sleep(0.5)
+    return targets
+
+
+class GroupRunner:
+    """Runs a command in a new session with its output appended to a log file; `stop()` ends it from elsewhere."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+
+    def run(self, cmd: list[str], log_path: str | os.PathLike, timeout_s: float, env: dict | None = None,
+            cwd: str | None = None) -> ProcResult:
+        t0 = time.monotonic()
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab", buffering=0) as log:
+            log.write(f"$ {' '.join(cmd)}\n".encode())
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, cwd=cwd, start_new_session=True)
+            try:
+                rc = self.proc.wait(timeout=timeout_s)
+                # workers can leave children behind (a crashed engine core): end the rest of the group too
+                leftovers = kill_group(self.proc, grace_s=2.0) if session_members(self.proc.pid) else []
+                return ProcResult(rc, False, time.monotonic() - t0, leftovers)
+            except subprocess.TimeoutExpired:
+                killed = kill_group(self.proc)
+                log.write(f"\n[kvarn] timeout after {timeout_s:.0f} s: killed process group {self.proc.pid} "
+                          f"(pids {killed})\n".encode())
+                return ProcResult(None, True, time.monotonic() - t0, killed)
+            finally:
+                self.proc = None
+
+    def stop(self) -> None:
+        p = self.proc
+        if p is not None and p.poll() is None:
+            kill_group(p)

@@ -1,0 +1,73 @@
+"""Ratios against the FP16 (`auto`) row of the same model / TP / burst / split / requests / engine / mode.
+
+At write time a row is compared with this run's FP16 row of the same repeat (else its mean over repeats), else
+the latest FP16 row already stored (a resumed run). `with_ratios(df)` recomputes them for any table (readers).
+"""
+from __future__ import annotations
+
+import math
+
+from ..formats import FP16_NAMES
+
+MATCH = ("model", "tp", "burst", "prompt_len", "output_len", "requests", "engine", "mode")
+
+
+def _num(v) -> float:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+    return f
+
+
+def _ok(x: float) -> bool:
+    return not math.isnan(x) and x > 0
+
+
+def ratios(row: dict, ref: dict | None) -> dict:
+    """kv_ratio_vs_fp16 (KV tokens, else inverse KV bytes on hf) and output_tok_s_ratio_vs_fp16."""
+    out = {"kv_ratio_vs_fp16": float("nan"), "output_tok_s_ratio_vs_fp16": float("nan")}
+    if ref is None or row.get("status") != "ok":
+        return out
+    kv, kv_ref = _num(row.get("kv_tokens")), _num(ref.get("kv_tokens"))
+    if _ok(kv) and _ok(kv_ref):
+        out["kv_ratio_vs_fp16"] = kv / kv_ref
+    else:
+        b, b_ref = _num(row.get("kv_cache_gib")), _num(ref.get("kv_cache_gib"))
+        if _ok(b) and _ok(b_ref):
+            out["kv_ratio_vs_fp16"] = b_ref / b
+    t, t_ref = _num(row.get("output_tok_s")), _num(ref.get("output_tok_s"))
+    if _ok(t) and _ok(t_ref):
+        out["output_tok_s_ratio_vs_fp16"] = t / t_ref
+    return out
+
+
+def fp16_reference(row: dict, candidates: list[dict]) -> dict | None:
+    """The FP16 row to compare `row` with, from `candidates` (this run first, then stored rows)."""
+    same = [c for c in candidates if c.get("status") == "ok" and c.get("kv_dtype") in FP16_NAMES
+            and all(str(c.get(k)) == str(row.get(k)) for k in MATCH)]
+    if not same:
+        return None
+    this_run = [c for c in same if c.get("run_id") == row.get("run_id")]
+    pool = this_run or same
+    rep = [c for c in pool if c.get("repeat") == row.get("repeat")]
+    if rep:
+        return rep[-1]
+    if this_run:  # mean over this run's repeats
+        keys = ("kv_tokens", "kv_cache_gib", "output_tok_s")
+        return {k: sum(_num(c.get(k)) for c in pool) / len(pool) for k in keys}
+    return sorted(pool, key=lambda c: str(c.get("created_at", "")))[-1]
+
+
+def with_ratios(df):
+    """A copy of a bench table with both ratio columns recomputed row by row."""
+    df = df.copy()
+    rows = df.to_dict("records")
+    kv, tok = [], []
+    for r in rows:
+        ref = r if r.get("kv_dtype") in FP16_NAMES and r.get("status") == "ok" else fp16_reference(r, rows)
+        x = ratios(r, ref)
+        kv.append(x["kv_ratio_vs_fp16"])
+        tok.append(x["output_tok_s_ratio_vs_fp16"])
+    df["kv_ratio_vs_fp16"], df["output_tok_s_ratio_vs_fp16"] = kv, tok
+    return df

@@ -1,0 +1,121 @@
+"""What `kvarn bench` shows: the plan table (--dry-run), a Rich live view while cells run, the summary table."""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ..formats import FP16_NAMES
+from .config import Cell
+from .plan import Plan
+from .ratios import fp16_reference, ratios
+
+
+def _f(x, fmt: str = "{:,.1f}", none: str = "-") -> str:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return none
+    return none if math.isnan(v) else fmt.format(v)
+
+
+def plan_table(plan: Plan) -> Table:
+    c0 = plan.configs[0]
+    t = Table(title=f"kvarn bench plan: {len(plan.cells)} cells ({len(plan.configs)} configurations x "
+                    f"{plan.repeats} repeats), {len(plan.todo)} to run, {plan.done} done",
+              caption=f"{c0.model} | engine {c0.engine} | mode {c0.mode} | "
+                      f"{'dummy' if c0.dummy_weights else 'real'} weights | results -> {plan.out}")
+    for col in ("#", "kv dtype", "TP", "burst", "requests x (prompt+output)", "model dtype", "to run", "config hash"):
+        t.add_column(col, justify="right" if col in ("#", "TP", "burst") else "left", no_wrap=True)
+    todo = {(c.hash, c.repeat) for c in plan.todo}
+    for i, c in enumerate(plan.configs, 1):
+        left = sum(1 for k in range(plan.repeats) if (c.hash, k) in todo)
+        t.add_row(str(i), c.kv_dtype, str(c.tp), f"{c.burst:,}", f"{c.requests} x ({c.prompt_len}+{c.output_len})",
+                  c.model_dtype or "model's", f"{left}/{plan.repeats}" if left else "done", c.hash)
+    return t
+
+
+class LiveView:
+    """Progress bar (current configuration, done/total, elapsed, ETA) with one line per finished cell."""
+
+    def __init__(self, console: Console, plan: Plan):
+        self.console, self.plan = console, plan
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=console, transient=False, refresh_per_second=2)
+        self.task = None
+        self.t0 = time.monotonic()
+
+    def __enter__(self):
+        self.progress.__enter__()
+        self.task = self.progress.add_task("starting", total=len(self.plan.todo))
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+    def cell_started(self, cell: Cell, index: int) -> None:
+        c = cell.config
+        self.progress.update(self.task, description=f"{c.kv_dtype} TP={c.tp} {c.requests}x({c.prompt_len}+"
+                                                    f"{c.output_len}) r{cell.repeat}")
+
+    def cell_finished(self, cell: Cell, row: dict) -> None:
+        c = cell.config
+        mark = {"ok": "[green]ok[/]", "skipped": "[yellow]skipped[/]"}.get(row["status"], f"[red]{row['status']}[/]")
+        kv = (f"KV {_f(row.get('kv_tokens'), '{:,.0f}')} tokens" if _f(row.get("kv_tokens")) != "-"
+              else f"KV cache {_f(float(row.get('kv_cache_gib') or 'nan') * 1024)} MiB")
+        extra = (f"{_f(row.get('output_tok_s'))} out tok/s, {kv}" if row["status"] == "ok"
+                 else row.get("error", "")[:160])
+        self.progress.console.print(f"{mark} {c.kv_dtype} TP={c.tp} burst {c.burst} r{cell.repeat} "
+                                    f"({_f(row.get('wall_s'), '{:.1f}')} s): {extra}", markup=True, highlight=False)
+        self.progress.advance(self.task)
+
+
+def _median(vals):
+    vals = [float(v) for v in vals if v is not None and not math.isnan(float(v))]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians over ok repeats)") -> Table:
+    """One line per configuration: status counts, medians, ratios vs the FP16 row of the same group."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["config_hash"], []).append(r)
+    med = []
+    for h, rs in groups.items():
+        ok = [r for r in rs if r["status"] == "ok"]
+        base = dict(rs[-1])
+        for k in ("output_tok_s", "total_tok_s", "kv_tokens", "kv_cache_gib", "max_concurrency", "peak_running",
+                  "preemptions", "ttft_ms_p50", "tpot_ms_p50", "engine_start_s", "gpu_mem_gib"):
+            base[k] = _median([r.get(k) for r in ok])
+        base["status"] = "ok" if ok else rs[-1]["status"]
+        base["n_ok"], base["n"] = len(ok), len(rs)
+        base["repeat"] = -1
+        med.append(base)
+    for m in med:
+        ref = m if m["kv_dtype"] in FP16_NAMES else fp16_reference({**m, "run_id": None}, med)
+        m.update(ratios(m, ref))
+    models = sorted({str(m["model"]) for m in med})
+    one = len(models) == 1
+    t = Table(title=title + (f": {models[0]}" if one else ""))
+    cols = (() if one else ("model",)) + ("TP", "burst", "kv dtype", "ok/runs", "out tok/s", "total tok/s", "x fp16 tok/s", "KV tokens",
+            "x fp16 KV", "max reqs@burst", "peak running", "preempt", "TTFT p50 ms", "TPOT p50 ms", "start s", "error")
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("model", "kv dtype", "error") else "right",
+                     no_wrap=c not in ("error", "model"), overflow="fold")
+    for m in med:
+        kv = _f(m.get("kv_tokens"), "{:,.0f}")
+        if kv == "-" and _f(m.get("kv_cache_gib")) != "-":
+            kv = f"{float(m['kv_cache_gib']) * 1024:,.1f} MiB"
+        t.add_row(*(() if one else (str(m["model"]).split("/")[-1],)), str(m["tp"]), f"{m['burst']:,}", m["kv_dtype"],
+                  f"{m['n_ok']}/{m['n']}", _f(m["output_tok_s"]), _f(m["total_tok_s"]),
+                  _f(m["output_tok_s_ratio_vs_fp16"], "{:.2f}x"), kv, _f(m["kv_ratio_vs_fp16"], "{:.2f}x"),
+                  _f(m["max_concurrency"]), _f(m["peak_running"], "{:.0f}"), _f(m["preemptions"], "{:.0f}"),
+                  _f(m["ttft_ms_p50"]), _f(m["tpot_ms_p50"], "{:.2f}"), _f(m["engine_start_s"]),
+                  "" if m["status"] == "ok" else f"{m['status']}: {m.get('error', '')}"[:120])
+    return t

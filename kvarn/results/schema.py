@@ -1,0 +1,62 @@
+"""Result row schema (version 1). Rows are flat dicts; unknown extra columns are kept (forward compatible).
+
+Row kinds (`kind` column): "bench" (one configuration x repeat of `kvarn bench`), "eval" (summary of one task x
+format), "sample" (one problem of an eval, per-sample details), "fidelity" (one format of `kvarn fidelity`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "failed", "timeout", "oom", "skipped")
+
+# Columns every row has, with their pandas/arrow dtype. Metric columns are float64 (NaN where absent).
+CORE_COLUMNS: dict[str, str] = {
+    "schema_version": "int64",
+    "row_id": "string",
+    "run_id": "string",  # one invocation of bench / eval / suite
+    "kind": "string",  # bench | eval | sample | fidelity
+    "config_hash": "string",  # hash of the configuration fields (without repeat): resume key with `repeat`
+    "repeat": "int64",
+    "created_at": "string",  # ISO 8601 UTC
+    "status": "string",  # ok | failed | timeout | oom | skipped
+    "error": "string",
+    # configuration
+    "model": "string",
+    "kv_dtype": "string",
+    "engine": "string",  # vllm | hf
+    "tp": "int64",
+    "task": "string",  # eval task; "" for bench rows
+    "seed": "int64",
+}
+BENCH_METRICS = (
+    "output_tok_s", "total_tok_s", "request_throughput", "duration_s", "engine_start_s",
+    "kv_tokens", "kv_ratio_vs_fp16", "max_concurrency", "peak_running", "preemptions", "gpu_mem_gib",
+    "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99",
+    "itl_ms_p50", "itl_ms_p90", "itl_ms_p99", "e2el_ms_p50", "e2el_ms_p90", "e2el_ms_p99",
+    "goodput_req_s", "output_tok_s_ratio_vs_fp16", "completed", "num_requests",
+    # added with `kvarn bench` (schema stays version 1: columns are only ever added)
+    "failed_requests", "total_input_tokens", "total_output_tokens", "kv_blocks", "kv_cache_gib", "kv_usage_peak",
+    "peak_waiting", "ttft_ms_mean", "tpot_ms_mean", "itl_ms_mean", "e2el_ms_mean", "wall_s",
+)
+# Configuration columns of bench rows besides the core ones (docs/results.md).
+BENCH_CONFIG_COLUMNS = ("mode", "burst", "prompt_len", "output_len", "requests", "gpu_memory_utilization",
+                        "max_num_seqs", "dummy_weights", "model_dtype", "engine_args", "request_rate", "burstiness",
+                        "concurrency_limit", "goodput", "weights")
+EVAL_METRICS = ("n", "accuracy", "ppl", "ci_low", "ci_high", "delta_vs_fp16", "delta_ci_low", "delta_ci_high",
+                "truncation_rate", "mean_gen_tokens")
+# Provenance columns copied from kvarn.provenance.provenance() into every row.
+PROVENANCE_COLUMNS = ("kvarn_version", "git_sha", "python", "torch", "triton", "vllm", "transformers", "cuda",
+                      "driver", "gpu_count", "gpu_name")
+
+
+def config_hash(config: dict) -> str:
+    """Stable 16-hex hash of a configuration (keys sorted; the repeat index must not be in it)."""
+    blob = json.dumps(config, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def new_row_id() -> str:
+    return uuid.uuid4().hex[:16]
