@@ -1,0 +1,87 @@
+"""Append-only, atomic Parquet store: one file per append under DIR/parts/, read back as one table.
+
+Each append writes `parts/<kind>-<time>-<id>.parquet.tmp` then renames it: a crash never leaves half a file and
+never touches earlier results. Readers concatenate all parts (schemas may grow: missing columns become null).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import uuid
+from pathlib import Path
+
+import pandas as pd
+
+from ..errors import KvarnError
+from ..provenance import provenance
+from .schema import CORE_COLUMNS, PROVENANCE_COLUMNS, SCHEMA_VERSION, STATUSES, new_row_id
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class ResultsStore:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.parts = self.root / "parts"
+
+    # ---- write -------------------------------------------------------------------------------
+    def complete_row(self, row: dict) -> dict:
+        """Fill schema_version, row_id, created_at and provenance; check status."""
+        r = dict(row)
+        r.setdefault("schema_version", SCHEMA_VERSION)
+        r.setdefault("row_id", new_row_id())
+        r.setdefault("created_at", utc_now())
+        r.setdefault("repeat", 0)
+        r.setdefault("error", "")
+        r.setdefault("task", "")
+        status = r.get("status")
+        if status not in STATUSES:
+            raise ValueError(f"row status {status!r} not in {STATUSES}")
+        prov = provenance()
+        for k in PROVENANCE_COLUMNS:
+            r.setdefault(k, prov.get(k))
+        return r
+
+    def append(self, rows: list[dict] | dict, kind: str | None = None) -> Path | None:
+        rows = [rows] if isinstance(rows, dict) else list(rows)
+        if not rows:
+            return None
+        rows = [self.complete_row(r) for r in rows]
+        df = pd.DataFrame(rows)
+        for col, dtype in CORE_COLUMNS.items():
+            if col in df.columns:
+                df[col] = df[col].astype(dtype)
+        try:
+            self.parts.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KvarnError(f"cannot create results directory {self.parts}: {e}") from None
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+        name = f"{kind or rows[0].get('kind', 'rows')}-{stamp}-{uuid.uuid4().hex[:8]}.parquet"
+        tmp = self.parts / (name + ".tmp")
+        df.to_parquet(tmp, index=False)
+        os.replace(tmp, self.parts / name)  # atomic on POSIX
+        return self.parts / name
+
+    # ---- read --------------------------------------------------------------------------------
+    def files(self) -> list[Path]:
+        return sorted(self.parts.glob("*.parquet")) if self.parts.is_dir() else []
+
+    def read(self, kind: str | None = None) -> pd.DataFrame:
+        frames = [pd.read_parquet(p) for p in self.files()]
+        frames = [f for f in frames if len(f)]
+        if not frames:
+            return pd.DataFrame({c: pd.Series(dtype=t) for c, t in CORE_COLUMNS.items()})
+        df = pd.concat(frames, ignore_index=True, sort=False)
+        if kind is not None:
+            df = df[df["kind"] == kind].reset_index(drop=True)
+        return df
+
+    def done_keys(self, kind: str | None = None) -> set[tuple[str, int]]:
+        """(config_hash, repeat) of rows that finished ok: a rerun skips these cells."""
+        df = self.read(kind)
+        if df.empty:
+            return set()
+        ok = df[df["status"] == "ok"]
+        return set(zip(ok["config_hash"].astype(str), ok["repeat"].astype(int)))
