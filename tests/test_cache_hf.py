@@ -1,0 +1,114 @@
+"""KVCodecCache: identity reproduces the plain cache; serving semantics; real memory saving."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from kvarn.errors import KvarnError  # noqa: E402
+from kvarn.method.codecs import get_codec  # noqa: E402
+from kvarn.method.fidelity import _cache_kwarg  # noqa: E402
+from kvarn.method.hf_cache import KVCodecCache  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
+    m = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 101, (1, 300), generator=torch.Generator().manual_seed(1))
+    return m, cfg, ids
+
+
+def _chunked(m, ids, cache, chunk=64):
+    kw = _cache_kwarg(m)
+    with torch.no_grad():
+        return torch.cat([m(ids[:, s:s + chunk], use_cache=True, **{kw: cache}).logits
+                          for s in range(0, ids.shape[1], chunk)], 1)
+
+
+def test_identity_cache_reproduces_plain_logits(tiny):
+    m, cfg, ids = tiny
+    ref = _chunked(m, ids, DynamicCache())
+    got = _chunked(m, ids, KVCodecCache("auto", config=cfg))
+    assert torch.equal(got, ref)
+    with torch.no_grad():
+        full = m(ids).logits
+    assert torch.allclose(got, full, atol=1e-4)
+
+
+def test_first_chunk_is_exact_then_quantized_cache_is_read(tiny):
+    m, cfg, ids = tiny
+    kw = _cache_kwarg(m)
+    with torch.no_grad():
+        full = m(ids[:, :200]).logits
+        c = KVCodecCache("kvarn_k2v2_g128", config=cfg)
+        first = m(ids[:, :200], use_cache=True, **{kw: c}).logits
+        assert torch.equal(first, full)  # empty context: attends to its own raw K/V
+        nxt = m(ids[:, 200:201], use_cache=True, **{kw: c}).logits
+        ref = m(ids[:, :201]).logits[:, -1:]
+    assert not torch.allclose(nxt, ref, atol=1e-5)  # the full tile 0..127 is read back quantized
+    assert c.get_seq_length() == 201
+    lay = c.layers[0]
+    assert len(lay.payloads) == 1 and lay.keys.shape[-2] == 201 - 128  # one tile packed, 73 tokens 16-bit
+    k, v = lay.read()
+    assert k.shape == (1, 2, 201, 16)
+
+
+def test_quantized_cache_state_after_own_tokens(tiny):
+    """A later chunk attends to the cache AFTER its tokens were stored: a tile completed by this chunk is
+    already quantized for this chunk's own queries."""
+    m, cfg, ids = tiny
+    kw = _cache_kwarg(m)
+    codec = get_codec("kvarn_k2v2_g128")
+    with torch.no_grad():
+        c = KVCodecCache(codec, config=cfg)
+        m(ids[:, :100], use_cache=True, **{kw: c})
+        m(ids[:, 100:140], use_cache=True, **{kw: c})  # completes tile 0 (0..127)
+    lay = c.layers[2]
+    assert len(lay.payloads) == 1 and lay.keys.shape[-2] == 12
+    k, _ = lay.read()
+    kd, _ = codec.decode(lay.payloads[0])
+    assert torch.equal(k[..., :128, :], kd.to(k.dtype))
+
+
+def test_generate_and_memory_accounting(tiny):
+    m, cfg, ids = tiny
+    kw = _cache_kwarg(m)
+    c = KVCodecCache("kvarn_k4v2_g128", config=cfg)
+    with torch.no_grad():
+        out = m.generate(ids[:, :250], max_new_tokens=10, do_sample=False, **{kw: c})
+    assert out.shape == (1, 260) and c.get_seq_length() == 259
+    mem = c.memory_bytes()
+    # 6 layers x 2 KV heads x 2 tiles x record bytes (D=16) packed; 3 tokens 16-bit tail (fp32 model)
+    rec = get_codec("kvarn_k4v2_g128").fmt.record_bytes(16)
+    assert mem["packed"] == 6 * 2 * 2 * rec
+    assert mem["tail"] == 6 * 2 * 2 * 3 * 16 * 4
+    assert mem["total"] == mem["packed"] + mem["tail"] + mem["sink"]
+    plain = 6 * 2 * 2 * 259 * 16 * 4
+    assert mem["total"] < plain / 2
+
+
+def test_sink_tokens_stay_16bit(tiny):
+    m, cfg, ids = tiny
+    kw = _cache_kwarg(m)
+    c = KVCodecCache("kvarn_k2v2_g128", config=cfg, sink_tokens=4)
+    with torch.no_grad():
+        m(ids[:, :130], use_cache=True, **{kw: c})
+        m(ids[:, 130:131], use_cache=True, **{kw: c})
+    lay = c.layers[1]
+    k, _ = lay.read()
+    assert torch.equal(k[..., :4, :], lay.sink_k)
+    dk, _ = lay.codec.decode(lay.payloads[0])
+    assert not torch.equal(dk[..., :4, :].to(k.dtype), lay.sink_k)  # the quantized copy differs
+    assert c.memory_bytes()["sink"] == 6 * 2 * 2 * 4 * 16 * 4  # layers x (K, V) x heads x tokens x D x fp32
+    with pytest.raises(KvarnError):
+        KVCodecCache("auto", num_layers=2, sink_tokens=-1)
+
+
+def test_turboquant_boundary_layers_identity(tiny):
+    _, cfg, _ = tiny
+    c = KVCodecCache("turboquant_3bit_nc", config=cfg)
+    kinds = [type(layer.codec).__name__ for layer in c.layers]
+    assert kinds == ["IdentityCodec"] * 2 + ["TurboQuantCodec"] * 2 + ["IdentityCodec"] * 2

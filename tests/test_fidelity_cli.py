@@ -1,0 +1,62 @@
+"""`kvarn fidelity`: synthetic run (fast, no model), JSON rows, results store, user errors."""
+import json
+
+import pytest
+
+from kvarn.method.fidelity import run_fidelity, synthetic_kv
+from kvarn.results import ResultsStore
+from kvarn_cli.app import main
+from tests.helpers import run_cli
+
+pytest.importorskip("transformers")
+
+
+def test_synthetic_json_and_store(tmp_path):
+    r = run_cli("fidelity", "--context", "256", "--kv-dtype", "auto,fp8,turboquant_4bit_nc,kvarn_k4v2_g128,"
+                "kvarn_k2v2_g128,kvarn_k4v2_g128-nobal", "--json", "--per-layer", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in r.stdout.splitlines() if x.strip()]
+    by = {x["kv_dtype"]: x for x in rows}
+    assert list(by) == ["auto", "fp8", "turboquant_4bit_nc", "kvarn_k4v2_g128", "kvarn_k2v2_g128",
+                        "kvarn_k4v2_g128-nobal"]
+    assert by["auto"]["k_rel_mse"] == 0 and by["auto"]["score_kl"] == 0
+    assert by["kvarn_k4v2_g128"]["bytes_per_token_per_head"] == 108
+    assert 0 < by["fp8"]["k_rel_mse"] < by["kvarn_k4v2_g128"]["k_rel_mse"] < by["kvarn_k2v2_g128"]["k_rel_mse"]
+    assert by["kvarn_k4v2_g128"]["v_rel_mse"] > by["kvarn_k4v2_g128"]["k_rel_mse"]  # 2-bit values vs 4-bit keys
+    assert "ppl" not in by["auto"]  # no model, no perplexity
+    layers = by["turboquant_4bit_nc"]["layers"]
+    assert len(layers) == 8 and [x["sixteen_bit"] for x in layers] == [True] * 2 + [False] * 4 + [True] * 2
+    df = ResultsStore(tmp_path).read("fidelity")
+    assert len(df) == 6 and set(df["status"]) == {"ok"} and df["config_hash"].nunique() == 6
+    assert (df.set_index("kv_dtype").loc["fp8", "k_rel_mse"] - by["fp8"]["k_rel_mse"]) == pytest.approx(0)
+
+
+def test_table_output(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["fidelity", "--context", "256", "--kv-dtype", "auto,kvarn_k4v2_g128"]) == 0
+    o = capsys.readouterr().out
+    assert "kvarn_k4v2_g128" in o and "K rel MSE" in o
+
+
+@pytest.mark.parametrize("args,msg", [
+    (("--kv-dtype", "int3"), "unknown codec"),
+    (("--chunk", "0"), "--chunk"),
+    (("--model", "/nonexistent/model"), "unknown model"),
+    (("--sink", "-1"), "--sink"),
+])
+def test_user_errors_one_line_exit_2(args, msg, capsys):
+    assert main(["fidelity", "--context", "256", *args]) == 2
+    e = capsys.readouterr().err
+    errs = [x for x in e.splitlines() if x.startswith("error:")]  # progress lines may precede it
+    assert len(errs) == 1 and msg in errs[0] and "Traceback" not in e
+
+
+def test_attention_metrics_order_on_synthetic():
+    res, info = run_fidelity("synthetic", "auto,kvarn_k4v4_g128,kvarn_k2v2_g128", context=256)
+    m = {r.kv_dtype: r.metrics for r in res}
+    assert m["auto"]["out_rel_err"] == 0
+    assert 0 < m["kvarn_k4v4_g128"]["score_kl"] < m["kvarn_k2v2_g128"]["score_kl"]
+    assert 0 < m["kvarn_k4v4_g128"]["out_rel_err"] < m["kvarn_k2v2_g128"]["out_rel_err"]
+    assert info["layers"] == 8 and info["context"] == 256
+    lay = synthetic_kv(layers=1, t=200)[0]
+    assert lay.q.shape[1] == len(lay.pos) and int(lay.pos.min()) >= 128 and int(lay.pos.max()) == 199
