@@ -1,13 +1,115 @@
-"""`kvarn results` (placeholder until the bench issue lands)."""
+"""`kvarn results`: list and filter the rows of a results directory (table, JSON lines or CSV)."""
 from __future__ import annotations
 
-import typer
+import math
+from pathlib import Path
+from typing import Optional
 
-from ..console import not_ready
+import typer
+from rich.table import Table
+
+from kvarn.errors import KvarnError
+
+from ..console import out
+
+# Default table columns per row kind (any column can be asked for with --columns).
+DEFAULT_COLUMNS = {
+    "bench": ("created_at", "model", "kv_dtype", "tp", "engine", "mode", "burst", "requests", "repeat", "status",
+              "output_tok_s", "output_tok_s_ratio_vs_fp16", "kv_tokens", "kv_ratio_vs_fp16", "ttft_ms_p50",
+              "tpot_ms_p50", "error"),
+    "eval": ("created_at", "model", "kv_dtype", "tp", "engine", "task", "status", "n", "accuracy", "ppl",
+             "delta_vs_fp16", "error"),
+    None: ("created_at", "kind", "model", "kv_dtype", "tp", "engine", "task", "repeat", "status", "error"),
+}
+
+
+def _match(series, spec: str | None, contains: bool = False):
+    wanted = [s.strip().lower() for s in (spec or "").split(",") if s.strip()]
+    col = series.astype(str).str.lower()
+    if contains:
+        mask = col.str.contains(wanted[0], regex=False)
+        for w in wanted[1:]:
+            mask |= col.str.contains(w, regex=False)
+        return mask
+    return col.isin(wanted)
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        return f"{v:,.2f}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("results", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def results(ctx: typer.Context) -> None:
-        """Not implemented yet."""
-        not_ready("results", "the bench issue")
+    @app.command("results")
+    def results(
+        directory: str = typer.Argument("results", help="Results directory (holds parts/*.parquet)."),
+        kind: Optional[str] = typer.Option(None, "--kind", help="bench, eval, sample or fidelity (comma list)."),
+        model: Optional[str] = typer.Option(None, "--model", help="Rows whose model contains this (comma list)."),
+        kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Comma list of KV formats."),
+        status: Optional[str] = typer.Option(None, "--status", help="ok, failed, timeout, oom, skipped (comma list)."),
+        run_id: Optional[str] = typer.Option(None, "--run-id", help="Rows of one run (comma list)."),
+        columns: Optional[str] = typer.Option(None, "--columns", help="Comma list of columns to show ('all')."),
+        last: Optional[int] = typer.Option(None, "--last", help="Only the newest N rows."),
+        json_: bool = typer.Option(False, "--json", help="One JSON object per row (all columns)."),
+        csv: bool = typer.Option(False, "--csv", help="CSV on stdout (all columns, or --columns)."),
+    ) -> None:
+        """List stored result rows, newest last, filtered by kind, model, KV format and status."""
+        from kvarn.results import STATUSES, ResultsStore
+
+        if json_ and csv:
+            raise KvarnError("give one of --json and --csv")
+        root = Path(directory).expanduser()
+        if not root.is_dir():
+            raise KvarnError(f"results directory {directory!r} does not exist")
+        store = ResultsStore(root)
+        if not store.files():
+            raise KvarnError(f"no results in {directory!r} (expected {root / 'parts'}/*.parquet)")
+        if status:
+            bad = [s for s in status.split(",") if s.strip() and s.strip() not in STATUSES]
+            if bad:
+                raise KvarnError(f"unknown --status {bad[0]!r}; accepted: {', '.join(STATUSES)}")
+        df = store.read()
+        for col, spec, contains in (("kind", kind, False), ("model", model, True), ("kv_dtype", kv_dtype, False),
+                                    ("status", status, False), ("run_id", run_id, False)):
+            if spec:
+                df = df[_match(df[col], spec, contains)] if col in df.columns else df.iloc[0:0]
+        if "created_at" in df.columns:
+            df = df.sort_values("created_at", kind="stable")
+        if last:
+            df = df.tail(last)
+        df = df.reset_index(drop=True)
+        if columns and columns.strip() != "all":
+            cols = [c.strip() for c in columns.split(",") if c.strip()]
+            missing = [c for c in cols if c not in df.columns]
+            if missing:
+                raise KvarnError(f"unknown column {missing[0]!r}; accepted: {', '.join(df.columns)}")
+        elif columns or json_ or csv:
+            cols = list(df.columns)
+        else:
+            kinds = set(df["kind"]) if "kind" in df.columns else set()
+            default = DEFAULT_COLUMNS.get(next(iter(kinds)) if len(kinds) == 1 else None, DEFAULT_COLUMNS[None])
+            cols = [c for c in default if c in df.columns]
+        if json_:
+            import json
+
+            for rec in df[cols].to_dict("records"):
+                print(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v)
+                                  for k, v in rec.items()}, default=str))
+            return
+        if csv:
+            print(df[cols].to_csv(index=False), end="")
+            return
+        if df.empty:
+            out.print(f"no rows match in {directory} ({len(store.read())} rows stored)")
+            return
+        t = Table(title=f"{len(df)} rows in {directory}")
+        for c in cols:
+            t.add_column(c, overflow="fold")
+        for rec in df[cols].to_dict("records"):
+            t.add_row(*(_cell(rec[c]) for c in cols))
+        out.print(t)

@@ -1,0 +1,180 @@
+"""kvarn bench orchestration with a fake engine from the registry: plan, dry run, resume, --force, failures,
+timeouts (a real process group is killed), Parquet columns, bad input (exit 2, nothing written)."""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvarn.bench.engines.base import Engine, EngineResult, register_engine
+from kvarn.bench.process import GroupRunner, _alive
+from kvarn.results import ResultsStore
+from kvarn.results.schema import BENCH_METRICS, CORE_COLUMNS
+from kvarn_cli.app import main
+
+CALLS: list = []
+KV = {"auto": 1000.0, "fp8": 2000.0, "turboquant_4bit_nc": 3500.0, "kvarn_k4v2_g128": 4700.0}
+
+
+@register_engine("fake")
+class FakeEngine(Engine):
+    name = "fake"
+    modes = ("offline", "serve")
+    default_timeout_s = 30.0
+
+    def run(self, cell, timeout_s):
+        CALLS.append((cell.config.kv_dtype, cell.repeat))
+        Path(cell.log_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(cell.log_path).write_text("fake engine log\n")
+        if os.environ.get("FAKE_FAIL") == cell.config.kv_dtype:
+            raise RuntimeError("engine crashed")  # an engine bug must become a failed row
+        if cell.config.kv_dtype == "turboquant_k3v4_nc":
+            return EngineResult("failed", "RuntimeError: Triton compile failed")
+        tok = 100.0 if cell.config.kv_dtype == "auto" else 80.0
+        return EngineResult("ok", "", {"output_tok_s": tok, "total_tok_s": 2 * tok, "kv_tokens": KV[cell.config.kv_dtype],
+                                       "engine_start_s": 1.0})
+
+
+SLEEPER = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+           " open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(60)")
+
+
+@register_engine("sleepy")
+class SleepyEngine(Engine):
+    """Runs a worker that spawns a grandchild and sleeps: the timeout must end both."""
+    name = "sleepy"
+
+    def run(self, cell, timeout_s):
+        pidfile = Path(cell.log_path).with_suffix(".pid")
+        res = GroupRunner().run([sys.executable, "-c", SLEEPER, str(pidfile)], cell.log_path, timeout_s)
+        if res.timed_out:
+            return EngineResult("timeout", f"no result after {timeout_s:.0f} s", {"wall_s": res.elapsed_s})
+        return EngineResult("ok")
+
+
+def bench(tmp_path, *args, env=None):
+    CALLS.clear()
+    old = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        return main(["bench", "--engine", "fake", "--out", str(tmp_path / "res"), "--burst", "2k", "--requests", "4",
+                     *args])
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def test_dry_run_prints_plan_and_writes_nothing(tmp_path, capsys):
+    assert bench(tmp_path, "--dry-run", "--kv-dtype", "fp8,auto", "--repeat", "3", "--burst", "4k,2k") == 0
+    text = capsys.readouterr().out
+    assert "12 cells" in text and "dry run" in text and "4 x (512+3584)" in text and "4 x (256+1792)" in text
+    assert text.index("auto") < text.index("fp8")  # FP16 runs first so later rows get their ratios
+    assert not CALLS and not (tmp_path / "res").exists()
+
+
+def test_resume_skips_finished_cells_and_force_redoes_them(tmp_path, capsys):
+    kvs = "auto,fp8,turboquant_k3v4_nc"
+    assert bench(tmp_path, "--kv-dtype", kvs, "--repeat", "2") == 0
+    assert len(CALLS) == 6
+    df = ResultsStore(tmp_path / "res").read("bench")
+    assert len(df) == 6 and set(df.status) == {"ok", "failed"}
+    assert bench(tmp_path, "--kv-dtype", kvs, "--repeat", "2") == 0
+    assert CALLS == [("turboquant_k3v4_nc", 0), ("turboquant_k3v4_nc", 1)]  # only the failed cells again
+    assert "resuming: 4 of 6" in capsys.readouterr().out
+    assert bench(tmp_path, "--kv-dtype", kvs, "--repeat", "2", "--force") == 0
+    assert len(CALLS) == 6
+    assert bench(tmp_path, "--kv-dtype", "auto,fp8", "--repeat", "2") == 0 and CALLS == []
+    assert "already have an ok row" in capsys.readouterr().out
+
+
+def test_failing_configuration_is_a_row_and_the_rest_still_run(tmp_path, capsys):
+    rc = bench(tmp_path, "--kv-dtype", "auto,fp8,kvarn_k4v2_g128,turboquant_k3v4_nc", env={"FAKE_FAIL": "fp8"})
+    assert rc == 0
+    df = ResultsStore(tmp_path / "res").read("bench").set_index("kv_dtype")
+    assert df.loc["fp8", "status"] == "failed" and "engine crashed" in df.loc["fp8", "error"]
+    assert df.loc["turboquant_k3v4_nc", "status"] == "failed" and "Triton" in df.loc["turboquant_k3v4_nc", "error"]
+    assert df.loc["kvarn_k4v2_g128", "status"] == "ok"
+    # ratios vs the FP16 row of the same run, written with the row
+    assert df.loc["kvarn_k4v2_g128", "kv_ratio_vs_fp16"] == pytest.approx(4.7)
+    assert df.loc["kvarn_k4v2_g128", "output_tok_s_ratio_vs_fp16"] == pytest.approx(0.8)
+    assert df.loc["auto", "kv_ratio_vs_fp16"] == pytest.approx(1.0)
+    assert "2 ok, 2 not ok" in capsys.readouterr().out
+    # the summary table: medians, ratios vs FP16, the error of failed configurations
+    import io
+
+    from rich.console import Console
+
+    from kvarn.bench.view import summary_table
+
+    buf = io.StringIO()
+    Console(file=buf, width=300).print(summary_table(ResultsStore(tmp_path / "res").read("bench").to_dict("records")))
+    table = buf.getvalue()
+    assert "4.70x" in table and "0.80x" in table and "failed: RuntimeError: engine crashed" in table
+
+
+def test_parquet_schema_columns(tmp_path):
+    assert bench(tmp_path, "--kv-dtype", "auto,fp8", "--seed", "7") == 0
+    df = ResultsStore(tmp_path / "res").read("bench")
+    need = set(CORE_COLUMNS) | set(BENCH_METRICS) | {
+        "mode", "burst", "prompt_len", "output_len", "requests", "gpu_memory_utilization", "max_num_seqs",
+        "dummy_weights", "model_dtype", "engine_args", "log_path", "wall_s", "started_at"}
+    assert need <= set(df.columns), need - set(df.columns)
+    r = df.iloc[0]
+    assert r.kind == "bench" and r.engine == "fake" and r.seed == 7 and r.burst == 2048 and r.prompt_len == 256
+    assert r.model == "HuggingFaceTB/SmolLM2-135M-Instruct" and bool(r.dummy_weights)
+    assert Path(r.log_path).name == f"{r.config_hash}-r0.log" and Path(r.log_path).is_file()
+    assert df.config_hash.nunique() == 2 and r.schema_version == 1 and r.git_sha is not None
+    parts = list((tmp_path / "res" / "parts").glob("*.parquet"))
+    assert len(parts) == 2  # one atomic append per finished cell
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--burst", "16q"], "--burst '16q' is not a token count"),
+    (["--kv-dtype", "fp9"], "unknown kv dtype 'fp9'"),
+    (["--model", "nobody/NoSuchModel-7B"], "not in the local Hugging Face cache"),
+    (["--tp", "3", "--model", "qwen3-8b"], "--tp 3 does not divide"),
+    (["--burst", "64k"], "exceeds the 8192-token context"),
+    (["--mode", "batch"], "unknown --mode"),
+    (["--request-rate", "4"], "apply to --mode serve only"),
+    (["--prompt-len", "3000"], "leaves no output tokens"),
+    (["--engine", "tensorrt"], "unknown --engine"),
+])
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, args, msg):
+    assert bench(tmp_path, *args) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "res").exists() and not CALLS
+
+
+def test_vllm_engine_checks_visible_gpus_and_fp8_dtype(tmp_path, capsys, monkeypatch):
+    from kvarn.bench.engines import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
+    gpus = [{"index": "0", "name": "H200", "capability": "9.0"}, {"index": "1", "name": "H200", "capability": "9.0"}]
+    monkeypatch.setattr(vllm_engine, "visible_gpus", lambda: gpus)
+    common = ["bench", "--engine", "vllm", "--model", "qwen3-8b", "--out", str(tmp_path / "r"), "--dry-run"]
+    assert main([*common, "--tp", "4"]) == 2
+    assert "--tp 4 needs 4 GPUs but 2 are visible" in capsys.readouterr().err
+    assert main([*common, "--kv-dtype", "fp8", "--dtype", "float16"]) == 2
+    assert "'fp8' does not run with model dtype 'float16'" in capsys.readouterr().err
+    assert main([*common, "--tp", "1,2", "--kv-dtype", "auto,fp8,kvarn_k4v2_g128"]) == 0
+    text = capsys.readouterr().out
+    assert "engine: vllm" in text and "bfloat16" in text and "block_size" in text
+    monkeypatch.setattr(vllm_engine, "visible_gpus", lambda: [])
+    assert main([*common]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_timeout_becomes_a_row_and_kills_the_process_group(tmp_path, capsys):
+    rc = main(["bench", "--engine", "sleepy", "--kv-dtype", "auto", "--burst", "2k", "--timeout", "1.5",
+               "--out", str(tmp_path / "res")])
+    assert rc == 0
+    df = ResultsStore(tmp_path / "res").read("bench")
+    assert list(df.status) == ["timeout"] and "no result after" in df.error[0]
+    pid = int(Path(df.log_path[0]).with_suffix(".pid").read_text())
+    deadline = time.time() + 5
+    while _alive(pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the worker's child survived the timeout"
+    assert "timeout after" in Path(df.log_path[0]).read_text()
