@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from .engines.base import Engine, get_engine
 from .parsing import parse_engine_args, parse_goodput, parse_int_list, parse_token_list, parse_tokens
 
 DEFAULT_MODEL = "smollm2-135m"  # the embedded default: runs on a CPU with the `data` extra
+DEFAULT_MODEL_ENV = "KVARN_BENCH_DEFAULT_MODEL"  # test hook: a tiny local model instead of SmolLM2
 DEFAULT_KV_DTYPES = ("auto", "fp8", "kvarn_k4v2_g128", "turboquant_4bit_nc", "turboquant_k3v4_nc")
 # Per engine: the burst (and split) used when none is given. hf: a CPU-sized smoke run; vllm: a real burst.
 ENGINE_DEFAULTS = {
@@ -183,7 +185,7 @@ def build_plan(o: BenchOptions) -> Plan:
     if o.dtype and o.dtype not in ("float16", "bfloat16", "float32"):
         raise KvarnError(f"unknown --dtype {o.dtype!r}; accepted: float16, bfloat16, float32")
 
-    shape = resolve_model(o.model or DEFAULT_MODEL)
+    shape = resolve_model(o.model or os.environ.get(DEFAULT_MODEL_ENV) or DEFAULT_MODEL)
     engine_name, reason = choose_engine(o.engine, mode)
     engine = get_engine(engine_name)
     d = ENGINE_DEFAULTS.get(engine_name, FALLBACK_DEFAULTS)

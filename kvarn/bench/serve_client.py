@@ -104,7 +104,7 @@ class MetricsSampler(threading.Thread):
         self.host, self.port, self.interval_s = host, port, interval_s
         self.peak: dict[str, float] = {}
         self.last: dict[str, float] = {}
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def scrape(self) -> dict[str, float]:
         c = http.client.HTTPConnection(self.host, self.port, timeout=5)
@@ -118,9 +118,9 @@ class MetricsSampler(threading.Thread):
         return vals
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             self.sample()
-            self._stop.wait(self.interval_s)
+            self._halt.wait(self.interval_s)
 
     def sample(self) -> None:
         try:
@@ -132,7 +132,7 @@ class MetricsSampler(threading.Thread):
             self.peak[k] = max(self.peak.get(k, v), v)
 
     def stop(self) -> dict:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=10)
         self.sample()
         return {

@@ -83,6 +83,13 @@ def _cache_for(kv_dtype: str, model):
     return KVCodecCache(fmt.name, config=model.config), ""
 
 
+def _cache_kwarg(model) -> str:
+    """transformers >= 5.2x names the forward's cache argument `cache` (past_key_values is deprecated)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _cache_bytes(cache) -> float:
     if hasattr(cache, "memory_bytes"):
         return float(cache.memory_bytes()["total"])
@@ -164,7 +171,8 @@ class HfEngine(Engine):
                 ids = torch.tensor(chunk, dtype=torch.long, device=device)
                 t_send = time.perf_counter()  # later batches queue from the burst start, as in an engine
                 recs = [RequestRecord(prompt_len=len(p), start=start) for p in chunk]
-                out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+                ckw = _cache_kwarg(model)
+                out = model(input_ids=ids, use_cache=True, **{ckw: cache})
                 nxt = out.logits[:, -1].argmax(-1)
                 now = time.perf_counter()
                 for r in recs:
@@ -173,7 +181,7 @@ class HfEngine(Engine):
                     if time.monotonic() > deadline:
                         return EngineResult("timeout", f"no result after {timeout_s:.0f} s (hf engine stopped "
                                                        f"between decode steps)", {"wall_s": time.perf_counter() - start})
-                    out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+                    out = model(input_ids=nxt[:, None], use_cache=True, **{ckw: cache})
                     nxt = out.logits[:, -1].argmax(-1)
                     now = time.perf_counter()
                     for r in recs:

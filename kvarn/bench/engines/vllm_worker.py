@@ -39,13 +39,13 @@ class GpuMemSampler(threading.Thread):
 
     def __init__(self, interval_s: float = 0.5):
         super().__init__(daemon=True)
-        self.interval_s, self.peak, self._stop = interval_s, float("nan"), threading.Event()
+        self.interval_s, self.peak, self._halt = interval_s, float("nan"), threading.Event()
         self.ok = shutil.which("nvidia-smi") is not None
         vis = os.environ.get("CUDA_VISIBLE_DEVICES")
         self.ids = [x for x in vis.split(",") if x.strip()] if vis else None
 
     def run(self):
-        while self.ok and not self._stop.is_set():
+        while self.ok and not self._halt.is_set():
             try:
                 cmd = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
                 out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
@@ -56,10 +56,10 @@ class GpuMemSampler(threading.Thread):
                         self.peak = gib if self.peak != self.peak else max(self.peak, gib)
             except (OSError, ValueError, subprocess.SubprocessError):
                 pass
-            self._stop.wait(self.interval_s)
+            self._halt.wait(self.interval_s)
 
     def stop(self) -> float:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=15)
         return self.peak
 

