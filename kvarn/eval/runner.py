@@ -298,6 +298,9 @@ def _strip(text: str, thinking: bool | None) -> str:
     return strip_thinking(text) if thinking is not False else text
 
 
+_HF_ENGINES: dict = {}
+
+
 def _make_engine(p: Plan, o: EvalOptions):
     from .engines import HFEngine, VLLMConfig, VLLMEngine, load_tokenizer, model_source
 
@@ -305,7 +308,10 @@ def _make_engine(p: Plan, o: EvalOptions):
     if p.engine == "hf":
         if o.tp != 1:
             raise KvarnError("--engine hf runs on one device; --tp > 1 needs --engine vllm")
-        return HFEngine(src)
+        if src not in _HF_ENGINES:  # one load per process (suites and tests call eval repeatedly)
+            _HF_ENGINES.clear()
+            _HF_ENGINES[src] = HFEngine(src)
+        return _HF_ENGINES[src]
     from ..shapes import bundled_models
 
     if src.lower() in bundled_models() and not Path(src).exists():
