@@ -107,6 +107,8 @@ def register(app: typer.Typer) -> None:
         if df.empty:
             out.print(f"no rows match in {directory} ({len(store.read())} rows stored)")
             return
+        if not columns:  # default view: leave out columns empty in every selected row (e.g. serve-only metrics)
+            cols = [c for c in cols if df[c].notna().any() and (df[c].astype(str) != "").any()]
         t = Table(title=f"{len(df)} rows in {directory}")
         for c in cols:
             t.add_column(c, overflow="fold")
