@@ -1,0 +1,107 @@
+"""The vllm eval engine with vLLM mocked at its boundary (a fake `vllm` package on PYTHONPATH): the subprocess per
+kv dtype, LLM kwargs (KVarN block size, chunked-prefill budget), streamed results, prompt-logprob perplexity,
+crashes and timeouts as rows."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import textwrap
+
+import pytest
+
+from kvarn.eval import runner as R
+from kvarn.eval.engines import VLLMConfig, VLLMEngine
+from kvarn.results import ResultsStore
+from test_eval_runner import FakeTok
+
+FAKE = textwrap.dedent('''
+    import json, os, sys, time
+
+    class SamplingParams:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    class _O:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    class _Lp:
+        def __init__(self, v):
+            self.logprob = v
+
+    class LLM:
+        def __init__(self, **kw):
+            with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+                f.write(json.dumps(kw) + "\\n")
+            if kw["kv_cache_dtype"] == "kvarn_k2v2_g128":
+                print("torch.OutOfMemoryError: CUDA out of memory", file=sys.stderr)
+                sys.exit(1)
+            if kw["kv_cache_dtype"] == "kvarn_k4v4_g128":
+                time.sleep(60)
+            self.q = kw["kv_cache_dtype"] != "auto"
+
+        def generate(self, prompts, sps, use_tqdm=False):
+            sps = sps if isinstance(sps, list) else [sps] * len(prompts)
+            outs = []
+            for p, sp in zip(prompts, sps):
+                ids = p["prompt_token_ids"]
+                if getattr(sp, "prompt_logprobs", None) is not None:
+                    lp = -1.5 if self.q else -1.0
+                    outs.append(_O(prompt_logprobs=[None] + [{t: _Lp(lp), t + 1: _Lp(-9.0)} for t in ids[1:]],
+                                   outputs=[]))
+                else:
+                    outs.append(_O(outputs=[_O(text=" 1234567.", token_ids=[5, 6, 7], finish_reason="stop")]))
+            return outs
+''')
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    pkg = tmp_path / "fakevllm" / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE)
+    log = tmp_path / "llm.jsonl"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fakevllm"), root,
+                                                      os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    return log
+
+
+def _engine(tmp_path, timeout_s=60.0):
+    return VLLMEngine(VLLMConfig(model="/models/m", timeout_s=timeout_s, log_dir=str(tmp_path / "logs")), FakeTok())
+
+
+def test_vllm_ppl_chunked_prefill_and_rows(tmp_path, fake_vllm):
+    o = R.EvalOptions(task="ppl", engine="hf", context="64", limit=3, kv_dtypes="kvarn_k4v2_g128",
+                      out=str(tmp_path / "res"))
+    rows = R.run_eval(o, engine_obj=_engine(tmp_path))
+    calls = [json.loads(x) for x in fake_vllm.read_text().splitlines()]
+    assert [c["kv_cache_dtype"] for c in calls] == ["auto", "kvarn_k4v2_g128"]
+    k = calls[1]
+    assert k["block_size"] == 128 and k["max_num_batched_tokens"] == 128 and k["enable_chunked_prefill"]
+    assert k["max_num_seqs"] == 1 and k["max_model_len"] == 64
+    b, q = rows
+    assert b["ppl"] == pytest.approx(math.e) and q["ppl"] == pytest.approx(math.exp(1.5))
+    assert q["n"] == 3 and q["delta_vs_fp16"] == pytest.approx(math.exp(1.5) - math.e)
+
+
+def test_vllm_generate_stream_and_failures(tmp_path, fake_vllm):
+    o = R.EvalOptions(task="niah", engine="hf", context="300", limit=2,
+                      kv_dtypes="kvarn_k4v2_g128,kvarn_k2v2_g128", out=str(tmp_path / "res"))
+    rows = R.run_eval(o, engine_obj=_engine(tmp_path))
+    by = {r["kv_dtype"]: r for r in rows}
+    assert by["auto"]["status"] == "ok" and by["auto"]["n"] == 2 and by["auto"]["mean_gen_tokens"] == 3
+    assert by["kvarn_k2v2_g128"]["status"] == "oom" and "out of memory" in by["kvarn_k2v2_g128"]["error"]
+    calls = [json.loads(x) for x in fake_vllm.read_text().splitlines()]
+    assert calls[0]["max_model_len"] >= 300 and "max_num_batched_tokens" in calls[0]  # niah: 512-token chunks
+    s = ResultsStore(tmp_path / "res").read("sample")
+    assert len(s) == 4 and set(s["finish_reason"]) == {"stop"}
+
+
+def test_vllm_timeout_is_a_row(tmp_path, fake_vllm):
+    o = R.EvalOptions(task="ppl", engine="hf", context="64", limit=1, kv_dtypes="kvarn_k4v4_g128",
+                      out=str(tmp_path / "res"))
+    rows = R.run_eval(o, engine_obj=_engine(tmp_path, timeout_s=4))
+    assert [r["status"] for r in rows] == ["ok", "timeout"]
