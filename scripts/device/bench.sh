@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# `kvarn bench` on the lent H200 (issue 6). Assumes PYTHONPATH=/tmp/kvarn-site:/tmp/site (vLLM 0.26 + kvarn) and
+# VLLM_USE_FLASHINFER_SAMPLER=0, as scripts/device/run.sh sets them:
+#   KVARN_PART_TIMEOUT=500 bash scripts/device/run.sh bench                 (offline matrix, ~8 min)
+#   KVARN_BENCH_PART=serve KVARN_PART_TIMEOUT=300 bash scripts/device/run.sh bench   (serve-mode check, ~4 min)
+# offline: Qwen3-8B shape, dummy weights, 64 x (1024 + 512) burst for auto, fp8, kvarn_k4v2_g128 (if the plugin
+#   imports), turboquant_k3v4_nc, turboquant_4bit_nc; each cell a fresh engine process with a 300 s timeout (the
+#   first TurboQuant start compiles for minutes). The issue's showcase (96 x (14336 + 2048)) is the same command
+#   with --burst 16k --requests 96 --prompt-len 14336; it needs ~25 min for five formats.
+# serve: Qwen3-0.6B shape, `vllm serve` + streamed /v1/completions, 32 x (1024 + 256), goodput SLOs.
+# Results: $OUT/bench (Parquet parts + logs/<config_hash>-r<k>.log). Last: the summary table with ratios vs FP16.
+set -uo pipefail
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false COLUMNS=220
+BUDGET="${KVARN_BENCH_BUDGET:-450}"   # seconds for kvarn bench; the table is printed after it in any case
+RES="$OUT/bench"
+KVARN="kvarn"; command -v kvarn >/dev/null 2>&1 || KVARN="python3 -m kvarn_cli.app"
+
+if [ "${KVARN_BENCH_PART:-offline}" = serve ]; then
+  timeout -k 20 "$BUDGET" $KVARN bench --engine vllm --mode serve --model qwen3-0.6b --dummy-weights \
+    --kv-dtype auto,turboquant_4bit_nc --burst 1280 --prompt-len 1024 --requests 32 --timeout 200 \
+    --goodput "ttft:2000 tpot:50" --gpu-memory-utilization 0.5 --out "$RES" 2>&1 | tail -n 40
+else
+  kv="auto,fp8"
+  if python3 -c "import kvarn.vllm_plugin" >/dev/null 2>&1; then kv="$kv,kvarn_k4v2_g128"; else
+    echo "kvarn vLLM plugin does not import: kvarn_k4v2_g128 left out"; fi
+  kv="$kv,turboquant_k3v4_nc,turboquant_4bit_nc"
+  $KVARN bench --engine vllm --model qwen3-8b --kv-dtype "$kv" --burst 1536 --prompt-len 1024 --requests 64 \
+    --dummy-weights --timeout 300 --out "$RES" --dry-run 2>&1 | tail -n 15
+  timeout -k 20 "$BUDGET" $KVARN bench --engine vllm --model qwen3-8b --kv-dtype "$kv" --burst 1536 --prompt-len 1024 \
+    --requests 64 --dummy-weights --timeout 300 --out "$RES" > "$OUT/bench_cli.log" 2>&1
+  echo "kvarn bench rc=$? (124 = budget spent; unfinished cells resume on the next run)"
+  grep -E "^(ok|failed|timeout|oom|skipped) " "$OUT/bench_cli.log" | tail -n 10
+fi
+# leftover engines of an interrupted cell keep GPU memory
+for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+
+python3 - "$RES" <<'PY'
+import sys
+from rich.console import Console
+from kvarn.bench.view import summary_table
+from kvarn.results import ResultsStore
+df = ResultsStore(sys.argv[1]).read("bench")
+if df.empty:
+    print("no bench rows were written"); sys.exit(0)
+for r in df[df.status != "ok"].to_dict("records"):
+    print(f"{r['kv_dtype']}: {r['status']}: {r['error']}")
+Console(width=220).print(summary_table(df.to_dict("records"), title="kvarn bench on the H200"))
+PY
