@@ -20,7 +20,7 @@ from ..formats import KVFormat, get_format, parse_formats
 from ..results import ResultsStore, config_hash
 from . import stats as S
 from .data import file_digest
-from .engines import EngineError, GenParams, GenRequest, pick_engine
+from .engines import EngineError, GenParams, GenRequest, model_source, pick_engine
 from .tasks import Item, LoadOptions, TaskSpec, get_task
 
 FLUSH_ROWS = 8  # sample rows per append (and at least every FLUSH_S seconds)
@@ -216,7 +216,11 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
         rep.info(f"ppl: {len(items)} windows x {p.contexts[0]} tokens from {source}, fed in chunks of {p.chunk}")
 
     if hasattr(eng, "cfg") and getattr(eng.cfg, "max_model_len", 0) is None:
-        eng.cfg.max_model_len = need
+        cap = _model_max_len(model_source(o.model, o.weights))
+        if cap and need > cap:
+            rep.info(f"max_model_len capped at the model's {cap} tokens (prompt + --max-tokens wants {need}); "
+                     "answers that reach it count as truncated")
+        eng.cfg.max_model_len = min(need, cap) if cap else need
     per_format: dict[str, dict] = {}
     for fmt in p.formats:
         cfg = {"task": spec.name, "model": o.model, "weights": o.weights, "kv_dtype": fmt.name, "engine": p.engine,
@@ -299,6 +303,15 @@ def _strip(text: str, thinking: bool | None) -> str:
 
 
 _HF_ENGINES: dict = {}
+
+
+def _model_max_len(src: str) -> int | None:
+    try:
+        from ..shapes import resolve_model
+
+        return resolve_model(src).max_context
+    except Exception:  # noqa: BLE001 - unknown shape: let vLLM decide
+        return None
 
 
 def _make_engine(p: Plan, o: EvalOptions):
