@@ -2,7 +2,7 @@
 
 A program serves one request, one block of BQ query tokens and one KV head (times a split of the context):
 its M rows are (query token, query head of the GQA group) pairs, so every packed tile is read and unpacked
-once for the whole group, and the two dot products per tile run on tensor cores (tl.dot, M padded to 16).
+once for the whole group, and the dot products run on tensor cores (tl.dot, M padded to 16).
 
 Per row r the visible length L[r] is its position + 1 (decode: the whole seq_len). Tiles 0 .. seq_len//g - 1
 come from records via the block table; the seq_len % g newest tokens come from the tail buffer. The scales fold
@@ -11,10 +11,22 @@ out of the inner loop (kvarn-method.md):
     score[r, t] = rK[t] * ( sum_d (q_r[r, d] * sK[d]) * qK[d, t]  +  sum_d q_r[r, d] * zK[d] )
     o_r[r, d]   = cV[d] * ( sum_t (p[r, t] * sV[t]) * qV[t, d]    +  sum_t p[r, t] * zV[t] )
 
-where q_r = q @ Hn (fp32, in the prologue). Codes (0..15) are exact in bf16; the fp32 left operands are split into
-bf16 hi + lo parts (two MMAs, ~16 mantissa bits) so the result matches fp32 math to ~1e-5. The tail tile is
-in the unrotated basis: its scores use q itself and its output goes to a second accumulator, so the final output
-is (acc_rot @ Hn + acc_tail) / l in one softmax. Rows with nothing visible produce zeros.
+Layout of the work (planar packing, docs/format.md, makes every piece a plain 2-D load + shift/mask):
+* keys: byte plane j of PK holds channels j*DP .. (j+1)*DP - 1 (DP = D*kb/8). The rotated query is produced
+  directly as PERK = 8/kb column blocks q_j = q @ H[:, j*DP:(j+1)*DP] (prologue), so the score of a token block is
+  sum_j dot(q_j * sK_j, plane_j) with no reshape/interleave of the codes.
+* values: byte plane j of PV holds tokens j*BT .. (j+1)*BT - 1 (BT = g*vb/8). A tile is processed in PERV = 8/vb
+  token sub-blocks of BT tokens (32 for k4v2_g128): the keys of sub-block j are the BT-column slice of PK, its
+  values are plane j of the (once-loaded) PV bytes.
+* codes are turned into fp16 (exact: 0..15) by shift/mask; on the GPU either by Triton casts (UNPACK 0), the
+  0x6400 exponent trick (UNPACK 1: (c | 0x6400) as fp16 is 1024 + c, minus 1024 exactly) or inline PTX doing the
+  same for 4 codes per instruction group (UNPACK 2: prmt + lop3 + sub.f16x2).
+* left operands are fp16 with fp32 accumulation. The query planes are normalised once per program by their max
+  |q| so q*sK never leaves the fp16 range (|q*sK| <= |sK| <= 65504); the norm is multiplied back into rK.
+  KSPLIT/VSPLIT = 2 adds an fp16 lo part (a = hi + lo, ~22 mantissa bits) for keys / values.
+* softmax is online per tile (scores of all sub-blocks first, one rescale of the accumulator per tile).
+The tail tile is in the unrotated basis: its scores use q itself and its output goes to a second accumulator,
+so the final output is (acc_rot @ Hn + acc_tail) / l in one softmax. Rows with nothing visible produce zeros.
 """
 from __future__ import annotations
 
@@ -23,48 +35,143 @@ import os
 import triton
 import triton.language as tl
 
-from .rotate import hadamard_pm1, x_times_h
+from .rotate import hadamard_pm1, hadamard_pm1_cols, x_times_h
 
 LOG2E = 1.4426950408889634
 
 
 def mma_bf16() -> bool:
-    """bf16 tensor-core dots on a real GPU; exact fp32 dots under the Triton interpreter (no bf16 matmul there)."""
+    """Compiled GPU path (bf16/fp16 tensor-core dots, inline PTX allowed); False under the Triton interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
 
 
 @triton.jit
-def _unpack_codes(packed, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr, MMA_BF16: tl.constexpr):
-    # planar layout: byte[i, c] holds code[i + j*ROWS/PER, c] in bits [j*BITS, (j+1)*BITS)
-    PER: tl.constexpr = 8 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
-    shifts = (tl.arange(0, PER) * BITS)[:, None, None]
-    codes = (packed.to(tl.int32)[None, :, :] >> shifts) & MASK
-    codes = tl.reshape(codes, [ROWS, COLS])
-    if MMA_BF16:
-        return codes.to(tl.bfloat16)
+def _asm_plane(packed, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    # 4 packed bytes per register -> 4 fp16 codes in 2 registers: prmt spreads bytes 0,1 (2,3) to the two halves,
+    # shift + lop3 keep one code per half and set the fp16 exponent of 1024, sub.f16x2 removes the 1024 (exact).
+    if BITS == 4:
+        if SHIFT == 0:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t0, t1, k; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+                "lop3.b32 t0, t0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 t1, t1, 0x000F000F, 0x64006400, 0xEA; "
+                "mov.b32 k, 0x64006400; sub.f16x2 $0, t0, k; sub.f16x2 $1, t1, k; }",
+                "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t0, t1, k; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+                "shr.b32 t0, t0, 4; shr.b32 t1, t1, 4; "
+                "lop3.b32 t0, t0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 t1, t1, 0x000F000F, 0x64006400, 0xEA; "
+                "mov.b32 k, 0x64006400; sub.f16x2 $0, t0, k; sub.f16x2 $1, t1, k; }",
+                "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
     else:
-        return codes.to(tl.float32)
+        tl.static_assert(BITS == 2, "codes are 2 or 4 bits")
+        if SHIFT == 0:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t0, t1, k; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+                "lop3.b32 t0, t0, 0x00030003, 0x64006400, 0xEA; lop3.b32 t1, t1, 0x00030003, 0x64006400, 0xEA; "
+                "mov.b32 k, 0x64006400; sub.f16x2 $0, t0, k; sub.f16x2 $1, t1, k; }",
+                "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
+        elif SHIFT == 2:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t0, t1, k; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+                "shr.b32 t0, t0, 2; shr.b32 t1, t1, 2; "
+                "lop3.b32 t0, t0, 0x00030003, 0x64006400, 0xEA; lop3.b32 t1, t1, 0x00030003, 0x64006400, 0xEA; "
+                "mov.b32 k, 0x64006400; sub.f16x2 $0, t0, k; sub.f16x2 $1, t1, k; }",
+                "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
+        elif SHIFT == 4:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t0, t1, k; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+                "shr.b32 t0, t0, 4; shr.b32 t1, t1, 4; "
+                "lop3.b32 t0, t0, 0x00030003, 0x64006400, 0xEA; lop3.b32 t1, t1, 0x00030003, 0x64006400, 0xEA; "
+                "mov.b32 k, 0x64006400; sub.f16x2 $0, t0, k; sub.f16x2 $1, t1, k; }",
+                "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t0, t1, k; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+                "shr.b32 t0, t0, 6; shr.b32 t1, t1, 6; "
+                "lop3.b32 t0, t0, 0x00030003, 0x64006400, 0xEA; lop3.b32 t1, t1, 0x00030003, 0x64006400, 0xEA; "
+                "mov.b32 k, 0x64006400; sub.f16x2 $0, t0, k; sub.f16x2 $1, t1, k; }",
+                "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit
-def _dot_split(a, b, MMA_BF16: tl.constexpr):
-    # fp32 a @ exact-bf16 codes b with ~16-bit precision on a: a = hi + lo, two bf16 MMAs, fp32 accumulation.
-    # (The Triton interpreter has no bf16 matmul: there b is fp32 and one exact fp32 dot is used.)
-    if MMA_BF16:
-        hi = a.to(tl.bfloat16)
-        lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
-        acc = tl.dot(hi, b, out_dtype=tl.float32)
-        return tl.dot(lo, b, acc=acc, out_dtype=tl.float32)
+def _plane(packed, SHIFT: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr):
+    """Codes of one bit plane of uint8 `packed` as exact fp16 (0 .. 2^BITS - 1)."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if UNPACK == 2:
+        return _asm_plane(packed, SHIFT, BITS)
+    elif UNPACK == 1:
+        x = ((packed.to(tl.int16) >> SHIFT) & MASK) | 0x6400
+        return x.to(tl.float16, bitcast=True) - 1024.0
     else:
-        return tl.dot(a, b, input_precision="ieee")
+        return ((packed >> SHIFT) & MASK).to(tl.float16)
+
+
+@triton.jit
+def _split16(a, SPLIT: tl.constexpr):
+    hi = a.to(tl.float16)
+    if SPLIT == 2:
+        lo = (a - hi.to(tl.float32)).to(tl.float16)
+    else:
+        lo = hi
+    return hi, lo
+
+
+@triton.jit
+def _dot16(hi, lo, c, acc, SPLIT: tl.constexpr):
+    acc = tl.dot(hi, c, acc=acc, out_dtype=tl.float32)
+    if SPLIT == 2:
+        acc = tl.dot(lo, c, acc=acc, out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _key_plane(qj, sk_ptr, zk_ptr, DP: tl.constexpr, KSPLIT: tl.constexpr):
+    # fold sK into the (normalised) query plane; the zK term is a per-row constant of the tile
+    i = tl.arange(0, DP)
+    sk = tl.load(sk_ptr + i).to(tl.float32)
+    zk = tl.load(zk_ptr + i).to(tl.float32)
+    hi, lo = _split16(qj * sk[None, :], KSPLIT)
+    return hi, lo, tl.sum(qj * zk[None, :], axis=1)
+
+
+@triton.jit
+def _sub_scores(pk_ptr, rk_ptr, J: tl.constexpr, a0, l0, a1, l1, a2, l2, a3, l3, qz, qnorm, tok0, L,
+                BM: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
+                UNPACK: tl.constexpr, KSPLIT: tl.constexpr):
+    """exp2-domain scores [BM, BT] of tokens J*BT .. (J+1)*BT - 1 of a tile (masked by the visible length)."""
+    PERK: tl.constexpr = 8 // KB
+    dp = tl.arange(0, DP)
+    bt = tl.arange(0, BT)
+    pk = tl.load(pk_ptr + dp[:, None] * G + (J * BT + bt)[None, :])  # [DP, BT] bytes, tokens contiguous
+    s = tl.zeros([BM, BT], dtype=tl.float32)
+    s = _dot16(a0, l0, _plane(pk, 0, KB, UNPACK), s, KSPLIT)
+    s = _dot16(a1, l1, _plane(pk, KB, KB, UNPACK), s, KSPLIT)
+    if PERK == 4:
+        s = _dot16(a2, l2, _plane(pk, 2 * KB, KB, UNPACK), s, KSPLIT)
+        s = _dot16(a3, l3, _plane(pk, 3 * KB, KB, UNPACK), s, KSPLIT)
+    rk = tl.load(rk_ptr + J * BT + bt).to(tl.float32) * qnorm
+    s = (s + qz[:, None]) * rk[None, :]
+    return tl.where((tok0 + J * BT + bt)[None, :] < L[:, None], s, float("-inf"))
+
+
+@triton.jit
+def _sub_values(p, pv, sv_ptr, zv_ptr, acc, pz, J: tl.constexpr, BT: tl.constexpr, VB: tl.constexpr,
+                UNPACK: tl.constexpr, VSPLIT: tl.constexpr):
+    bt = tl.arange(0, BT)
+    sv = tl.load(sv_ptr + J * BT + bt).to(tl.float32)
+    zv = tl.load(zv_ptr + J * BT + bt).to(tl.float32)
+    hi, lo = _split16(p * sv[None, :], VSPLIT)
+    acc = _dot16(hi, lo, _plane(pv, J * VB, VB, UNPACK), acc, VSPLIT)
+    return acc, pz + tl.sum(p * zv[None, :], axis=1)
 
 
 @triton.jit
 def kvarn_attention_kernel(
     q_ptr, cache_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
-    tail_k_ptr, tail_v_ptr, tail_slots_ptr, hn_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    tail_k_ptr, tail_v_ptr, tail_slots_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
+    num_splits,  # context splits per (request, KV head): a run-time value (no recompile per split count)
     stride_qn, stride_qh, stride_btb, stride_cb, stride_ch,
     stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg,
     stride_on, stride_oh, HQ,
@@ -72,12 +179,13 @@ def kvarn_attention_kernel(
     G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IS_PREFILL: tl.constexpr, MMA_BF16: tl.constexpr,
+    IS_PREFILL: tl.constexpr, MMA_BF16: tl.constexpr,
+    UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
 ):
     b = tl.program_id(0)
     qblk = tl.program_id(1)
-    kvh = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    kvh = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
 
     S = tl.load(seq_lens_ptr + b)
     if IS_PREFILL:
@@ -94,63 +202,109 @@ def kvarn_attention_kernel(
     L = tl.where(row_ok, tl.maximum(S - qlen + tok + 1, 0), 0)
     Lmax = tl.max(L, axis=0)
 
+    PERK: tl.constexpr = 8 // KB
+    DP: tl.constexpr = D // PERK  # channels per key byte plane
+    PERV: tl.constexpr = 8 // VB
+    BT: tl.constexpr = G // PERV  # tokens per value byte plane = token sub-block
+
     di = tl.arange(0, D)
     gi = tl.arange(0, G)
     head = kvh * GROUP + hq
     q_off = (q0 + tok).to(tl.int64) * stride_qn + head * stride_qh
     q = tl.load(q_ptr + q_off[:, None] + di[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     q = q * qk_scale
-    hpm = hadamard_pm1(D, MMA_BF16)  # +-1 Hadamard, generated in registers (hn_ptr is unused)
-    q_r = x_times_h(q, hpm, D, MMA_BF16)  # rotated query, fp32-accurate
+    # rotated query, directly as the key byte planes' column blocks (fp32-accurate)
+    qr0 = x_times_h(q, hadamard_pm1_cols(D, DP, 0, MMA_BF16), D, MMA_BF16)
+    qr1 = x_times_h(q, hadamard_pm1_cols(D, DP, 1, MMA_BF16), D, MMA_BF16)
+    qmax = tl.maximum(tl.max(tl.max(tl.abs(qr0), axis=1), axis=0), tl.max(tl.max(tl.abs(qr1), axis=1), axis=0))
+    if PERK == 4:
+        qr2 = x_times_h(q, hadamard_pm1_cols(D, DP, 2, MMA_BF16), D, MMA_BF16)
+        qr3 = x_times_h(q, hadamard_pm1_cols(D, DP, 3, MMA_BF16), D, MMA_BF16)
+        qmax = tl.maximum(qmax, tl.maximum(tl.max(tl.max(tl.abs(qr2), axis=1), axis=0),
+                                           tl.max(tl.max(tl.abs(qr3), axis=1), axis=0)))
+    else:
+        qr2 = qr0
+        qr3 = qr0
+    # normalise so |q_r * sK| <= |sK| stays in fp16; the norm goes back in with rK
+    qnorm = tl.where(qmax > 0.0, qmax, 1.0)
+    qinv = 1.0 / qnorm
+    qr0 = qr0 * qinv
+    qr1 = qr1 * qinv
+    qr2 = qr2 * qinv
+    qr3 = qr3 * qinv
 
     n_full = S // G
     n_tiles = (Lmax + G - 1) // G
-    per_split = (n_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    per_split = (n_tiles + num_splits - 1) // num_splits
     t_begin = split * per_split
     t_end = tl.minimum(t_begin + per_split, n_tiles)
 
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc_r = tl.zeros([BM, D], dtype=tl.float32)  # rotated basis (records)
-    acc_t = tl.zeros([BM, D], dtype=tl.float32)  # unrotated basis (tail)
 
-    PERK: tl.constexpr = 8 // KB
-    PERV: tl.constexpr = 8 // VB
-    ik = tl.arange(0, D // PERK)
-    iv = tl.arange(0, G // PERV)
+    bt = tl.arange(0, BT)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    for t in range(t_begin, tl.minimum(t_end, n_full)):
+    for t in tl.range(t_begin, tl.minimum(t_end, n_full), num_stages=STAGES):
         blk = tl.load(bt_row + t).to(tl.int64)
         rec = blk * stride_cb + kvh * stride_ch
         rec16 = rec // 2
-        # ---- keys: scores with folded scales
-        pk = tl.load(cache_ptr + rec + OFF_PK + ik[:, None] * G + gi[None, :])
-        ck = _unpack_codes(pk, D, G, KB, MMA_BF16)
-        sk = tl.load(cache16_ptr + rec16 + OFF_SK // 2 + di).to(tl.float32)
-        zk = tl.load(cache16_ptr + rec16 + OFF_ZK // 2 + di).to(tl.float32)
-        rk = tl.load(cache16_ptr + rec16 + OFF_RK // 2 + gi).to(tl.float32)
-        s = _dot_split(q_r * sk[None, :], ck, MMA_BF16)
-        qz = tl.sum(q_r * zk[None, :], axis=1)
-        s = (s + qz[:, None]) * rk[None, :]
-        s = tl.where((t * G + gi)[None, :] < L[:, None], s, float("-inf"))
-        # ---- online softmax (exp2 domain); fully masked rows stay at m = -inf without NaN
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # ---- keys: fold sK into the query planes (per tile), zK into a per-row constant
+        sk_ptr = cache16_ptr + rec16 + OFF_SK // 2
+        zk_ptr = cache16_ptr + rec16 + OFF_ZK // 2
+        a0, l0, qz = _key_plane(qr0, sk_ptr, zk_ptr, DP, KSPLIT)
+        a1, l1, z1 = _key_plane(qr1, sk_ptr + DP, zk_ptr + DP, DP, KSPLIT)
+        qz += z1
+        if PERK == 4:
+            a2, l2, z2 = _key_plane(qr2, sk_ptr + 2 * DP, zk_ptr + 2 * DP, DP, KSPLIT)
+            a3, l3, z3 = _key_plane(qr3, sk_ptr + 3 * DP, zk_ptr + 3 * DP, DP, KSPLIT)
+            qz += z2 + z3
+        else:
+            a2 = a0
+            l2 = l0
+            a3 = a0
+            l3 = l0
+        pk_ptr = cache_ptr + rec + OFF_PK
+        rk_ptr = cache16_ptr + rec16 + OFF_RK // 2
+        tok0 = t * G
+        s0 = _sub_scores(pk_ptr, rk_ptr, 0, a0, l0, a1, l1, a2, l2, a3, l3, qz, qnorm, tok0, L,
+                         BM, DP, BT, G, KB, UNPACK, KSPLIT)
+        s1 = _sub_scores(pk_ptr, rk_ptr, 1, a0, l0, a1, l1, a2, l2, a3, l3, qz, qnorm, tok0, L,
+                         BM, DP, BT, G, KB, UNPACK, KSPLIT)
+        m_t = tl.maximum(tl.max(s0, axis=1), tl.max(s1, axis=1))
+        if PERV == 4:
+            s2 = _sub_scores(pk_ptr, rk_ptr, 2, a0, l0, a1, l1, a2, l2, a3, l3, qz, qnorm, tok0, L,
+                             BM, DP, BT, G, KB, UNPACK, KSPLIT)
+            s3 = _sub_scores(pk_ptr, rk_ptr, 3, a0, l0, a1, l1, a2, l2, a3, l3, qz, qnorm, tok0, L,
+                             BM, DP, BT, G, KB, UNPACK, KSPLIT)
+            m_t = tl.maximum(m_t, tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1)))
+        # ---- online softmax, one rescale per tile (exp2 domain); fully masked rows stay at -inf without NaN
+        m_new = tl.maximum(m_i, m_t)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p0 = tl.exp2(s0 - m_safe[:, None])
+        p1 = tl.exp2(s1 - m_safe[:, None])
+        psum = tl.sum(p0, axis=1) + tl.sum(p1, axis=1)
+        # ---- values: plane j of the tile's PV bytes is token sub-block j
+        pv = tl.load(cache_ptr + rec + OFF_PV + bt[:, None] * D + di[None, :])  # [BT, D] bytes
+        sv_ptr = cache16_ptr + rec16 + OFF_SV // 2
+        zv_ptr = cache16_ptr + rec16 + OFF_ZV // 2
+        o = tl.zeros([BM, D], dtype=tl.float32)
+        pz = tl.zeros([BM], dtype=tl.float32)
+        o, pz = _sub_values(p0, pv, sv_ptr, zv_ptr, o, pz, 0, BT, VB, UNPACK, VSPLIT)
+        o, pz = _sub_values(p1, pv, sv_ptr, zv_ptr, o, pz, 1, BT, VB, UNPACK, VSPLIT)
+        if PERV == 4:
+            p2 = tl.exp2(s2 - m_safe[:, None])
+            p3 = tl.exp2(s3 - m_safe[:, None])
+            psum += tl.sum(p2, axis=1) + tl.sum(p3, axis=1)
+            o, pz = _sub_values(p2, pv, sv_ptr, zv_ptr, o, pz, 2, BT, VB, UNPACK, VSPLIT)
+            o, pz = _sub_values(p3, pv, sv_ptr, zv_ptr, o, pz, 3, BT, VB, UNPACK, VSPLIT)
+        l_i = l_i * alpha + psum
         m_i = m_new
-        # ---- values with folded scales
-        pv = tl.load(cache_ptr + rec + OFF_PV + iv[:, None] * D + di[None, :])
-        cvv = _unpack_codes(pv, G, D, VB, MMA_BF16)
-        sv = tl.load(cache16_ptr + rec16 + OFF_SV // 2 + gi).to(tl.float32)
-        zv = tl.load(cache16_ptr + rec16 + OFF_ZV // 2 + gi).to(tl.float32)
         cv = tl.load(cache16_ptr + rec16 + OFF_CV // 2 + di).to(tl.float32)
-        o = _dot_split(p * sv[None, :], cvv, MMA_BF16)
-        o = o + tl.sum(p * zv[None, :], axis=1)[:, None]
-        acc_r = acc_r * alpha[:, None] + o * cv[None, :]
-        acc_t = acc_t * alpha[:, None]
+        acc_r = acc_r * alpha[:, None] + (o + pz[:, None]) * cv[None, :]
 
+    acc_t = tl.zeros([BM, D], dtype=tl.float32)  # unrotated basis (tail), only touched after the loop
     n_tail = S - n_full * G
     if (n_full >= t_begin) & (n_full < t_end) & (n_tail > 0):
         slot = tl.load(tail_slots_ptr + b).to(tl.int64)
@@ -168,19 +322,22 @@ def kvarn_attention_kernel(
         tv = tl.load(tail_v_ptr + slot * stride_tvs + kvh * stride_tvh + gi[:, None] * stride_tvg + di[None, :],
                      mask=tmask[:, None], other=0.0).to(tl.float32)  # [g, D]
         acc_r = acc_r * alpha[:, None]
-        acc_t = acc_t * alpha[:, None] + tl.dot(p, tv, input_precision="ieee")
+        acc_t = tl.dot(p, tv, input_precision="ieee")
 
     # rotate back once; rows that saw nothing (l = 0) give exact zeros
-    o = x_times_h(acc_r, hpm, D, MMA_BF16) + acc_t
+    o = x_times_h(acc_r, hadamard_pm1(D, MMA_BF16), D, MMA_BF16) + acc_t
     has = l_i > 0.0
     o = o / tl.where(has, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if IS_PREFILL:
+        o_off = (q0 + tok).to(tl.int64) * stride_on + head * stride_oh
+        tl.store(out_ptr + o_off[:, None] + di[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    elif num_splits == 1:
         o_off = (q0 + tok).to(tl.int64) * stride_on + head * stride_oh
         tl.store(out_ptr + o_off[:, None] + di[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        # partials [B, Hq, NUM_SPLITS, D] and log2-sum-exp [B, Hq, NUM_SPLITS]; empty splits carry -inf
+        # partials [B, Hq, num_splits, D] and log2-sum-exp [B, Hq, num_splits]; empty splits carry -inf
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        prow = (b.to(tl.int64) * HQ + head) * NUM_SPLITS + split
+        prow = (b.to(tl.int64) * HQ + head) * num_splits + split
         tl.store(part_o_ptr + prow[:, None] * D + di[None, :], o, mask=row_ok[:, None])
         tl.store(part_lse_ptr + prow, lse, mask=row_ok)
 
@@ -202,3 +359,11 @@ def merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_on, stride_oh,
     den = tl.sum(w, axis=0)
     res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
     tl.store(out_ptr + b.to(tl.int64) * stride_on + h * stride_oh + di, res.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def unpack_selftest_kernel(src_ptr, out_ptr, N: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """Inline-PTX unpack of N bytes (one plane), for the once-per-device self-check."""
+    i = tl.arange(0, N)
+    x = tl.load(src_ptr + i)
+    tl.store(out_ptr + i, _asm_plane(x, SHIFT, BITS))

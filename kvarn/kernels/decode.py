@@ -3,7 +3,7 @@
 Public API (stable; the vLLM backend calls exactly this):
 
     decode_attention(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, scale,
-                     num_splits=None, out=None) -> out
+                     num_splits=None, out=None, *, config=None) -> out
         q           [B, Hq, D] fp16/bf16, NOT rotated (the kernel rotates it in its prologue)
         cache       uint8 [num_blocks, Hk, record_bytes(D)]
         block_table int32 [B, max_blocks]: record row of each full tile of request b
@@ -11,17 +11,26 @@ Public API (stable; the vLLM backend calls exactly this):
                     seq_len % g tokens from tail_k / tail_v [S, Hk, g, D] at row tail_slots[b] (int32 [B]),
                     position pos % g. seq_len 0 rows (CUDA-graph padding) produce zeros.
         scale       softmax scale (python float)
-        num_splits  context splits per (request, KV head), merged with log-sum-exp; None: a heuristic from B, Hk,
-                    block_table.shape[1] and the SM count (host values only, never device data)
+        num_splits  context splits per (request, KV head), merged with log-sum-exp; None: tuned / heuristic from
+                    B, Hk, block_table.shape[1] and the SM count (host values only, never device data)
         out         optional [B, Hq, D] output (q's dtype, or fp32 for tests); allocated when None
+        config      optional DecodeConfig (kernel variant, warps, pipeline depth); None: the tuned / default one
 
-Grid (B, 1, Hk * num_splits) + (B, Hq) for the merge: fixed from shapes, no host sync -> CUDA-graph capturable
-(call kvarn.kernels.prepare(D, device) once before capture; with num_splits > 1 the partial buffers are
-allocated per call from torch's caching allocator, which graph capture supports).
+Grid (B, 1, Hk * num_splits) + (B, Hq) for the merge: fixed from shapes, no host sync -> CUDA-graph capturable.
+
+Self-tuning (CUDA only): the first *eager* call for a key (D, g, kb, vb, group, dtype, context bucket =
+block_table.shape[1] rounded up to a power of two, B*Hk bucket) times a few candidate (config, num_splits) pairs
+with CUDA events on the caller's real inputs and keeps the fastest for that key. vLLM makes these eager calls
+during its warm-up / profile runs, before graph capture; a call made while a stream is capturing never tunes (it
+uses the tuned entry if present, else the default), so capture never sees a sync. KVARN_AUTOTUNE=0 turns tuning
+off (default config + heuristic splits). kvarn.kernels.prepare(D, device) also checks the inline-PTX code
+unpacker once on the device (falls back to the pure-Triton one if it disagrees) before capture.
 """
 from __future__ import annotations
 
 import functools
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -29,7 +38,41 @@ import triton
 from ..errors import KvarnError
 from ..formats import KVFormat
 from .attention import LOG2E, kvarn_attention_kernel, merge_splits_kernel, mma_bf16
-from .common import as_format, check_cache, f16_view, hadamard_fp32, layout
+from .common import as_format, check_cache, f16_view, layout
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One compiled variant of the attention kernel (see kvarn.kernels.attention for the knobs)."""
+
+    unpack: int = 2  # codes -> fp16: 0 Triton casts, 1 exponent trick in Triton, 2 inline PTX (prmt/lop3/f16x2)
+    ksplit: int = 2  # 2: fp16 hi + lo of q*sK (two key MMAs, ~22-bit operand; rel. err ~1e-4);
+    #                  1: fp16 only (~1.3e-3 rel. err in the interpreter: over the 1e-3 bar, timing reference only)
+    vsplit: int = 1  # same for p*sV
+    num_warps: int = 4
+    num_stages: int = 2  # software pipelining depth of the tile loop (1: none)
+    split_mult: float = 1.0  # multiplier on the heuristic split count (tuning candidates)
+
+    @property
+    def name(self) -> str:
+        return (f"u{self.unpack}k{self.ksplit}v{self.vsplit}w{self.num_warps}s{self.num_stages}"
+                f"x{self.split_mult:g}")
+
+
+DEFAULT_CONFIG = DecodeConfig()
+# the --sweep table (every entry a separate compile, ~5-10 s each on the device)
+SWEEP_CONFIGS = [
+    DecodeConfig(2, 2, 1, 4, 2), DecodeConfig(2, 2, 1, 4, 3), DecodeConfig(2, 2, 1, 8, 2),
+    DecodeConfig(2, 2, 1, 4, 1), DecodeConfig(1, 2, 1, 4, 2), DecodeConfig(0, 2, 1, 4, 2),
+    DecodeConfig(2, 1, 1, 4, 2),  # fp16-only keys: what the precision split costs
+]
+# candidates the run-time tuner times on the first eager call per key (compiles shared with the sweep)
+TUNE_CONFIGS = [DecodeConfig(2, 2, 1, 4, 2), DecodeConfig(2, 2, 1, 4, 3), DecodeConfig(2, 2, 1, 8, 2),
+                DecodeConfig(1, 2, 1, 4, 2)]
+TUNE_SPLIT_MULTS = (0.5, 1.0, 2.0)
+
+_ASM_OK: dict[int, bool] = {}  # device index -> inline-PTX unpack verified
+_TUNED: dict[tuple, tuple[DecodeConfig, int]] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,11 +81,12 @@ def _sm_count(device_index: int) -> int:
 
 
 def default_num_splits(batch: int, kv_heads: int, max_blocks: int, device: torch.device) -> int:
-    """Enough programs for ~2 waves on the GPU, never more splits than tiles (host-only arithmetic)."""
+    """~4 programs per SM (enough resident programs to hide memory latency), at least ~4 tiles per split,
+    never more than 64 splits (host-only arithmetic)."""
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
     programs = max(1, batch * kv_heads)
-    splits = max(1, -(-2 * sms // programs))
-    return int(max(1, min(splits, max_blocks + 1, 64)))
+    splits = -(-4 * sms // programs)
+    return int(max(1, min(splits, max(1, max_blocks // 4), 64)))
 
 
 def group_geometry(hq: int, hk: int) -> tuple[int, int]:
@@ -60,9 +104,116 @@ def check_tail(tail_k, tail_v, hk: int, g: int, d: int) -> None:
         raise KvarnError("tail buffers must be contiguous along the head dim")
 
 
+def effective_config(cfg: DecodeConfig, device: torch.device) -> DecodeConfig:
+    """The interpreter has no inline PTX (and no pipelining): use the pure-Triton unpack there; on a GPU whose
+    inline-PTX self-check failed, too."""
+    if cfg.unpack == 2 and (not mma_bf16() or device.type != "cuda" or not asm_unpack_ok(device)):
+        return DecodeConfig(1, cfg.ksplit, cfg.vsplit, cfg.num_warps, cfg.num_stages, cfg.split_mult)
+    return cfg
+
+
+def asm_unpack_ok(device: torch.device) -> bool:
+    """Check the inline-PTX unpack against the pure-Triton one on every byte value (once per device; syncs, so it
+    is skipped, and trusted only if already checked, while a stream is capturing)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx in _ASM_OK:
+        return _ASM_OK[idx]
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    from .attention import unpack_selftest_kernel
+
+    ok = True
+    try:
+        src = torch.arange(256, dtype=torch.uint8, device=device).repeat(4)
+        for bits in (2, 4):
+            for shift in range(0, 8, bits):
+                got = torch.empty(src.shape, dtype=torch.float16, device=device)
+                unpack_selftest_kernel[(1,)](src, got, N=src.numel(), SHIFT=shift, BITS=bits)
+                want = ((src.to(torch.int32) >> shift) & ((1 << bits) - 1)).to(torch.float16)
+                ok = ok and bool(torch.equal(got, want))
+    except Exception:  # noqa: BLE001 - a PTX the driver rejects means: do not use it
+        ok = False
+    _ASM_OK[idx] = ok
+    if not ok:
+        import warnings
+
+        warnings.warn("kvarn: inline-PTX code unpack failed its self-check; using the Triton unpack")
+    return ok
+
+
+def _launch(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, out, lay, group, gp, scale, splits,
+            cfg: DecodeConfig):
+    B, Hq, D = q.shape
+    Hk = cache.shape[1]
+    if splits > 1:
+        part_o = torch.empty(B * Hq * splits * D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(B * Hq * splits, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    kvarn_attention_kernel[(B, 1, Hk * splits)](
+        q, cache, f16_view(cache), block_table, seq_lens, seq_lens,
+        tail_k, tail_v, tail_slots, out, part_o, part_lse,
+        float(scale) * LOG2E, splits,
+        q.stride(0), q.stride(1), block_table.stride(0), cache.stride(0), cache.stride(1),
+        tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_v.stride(0), tail_v.stride(1), tail_v.stride(2),
+        out.stride(0), out.stride(1), Hq,
+        GROUP=group, GP=gp, BQ=1, BM=max(16, gp), G=lay.g, D=D, KB=lay.kb, VB=lay.vb,
+        OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
+        OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
+        IS_PREFILL=False, MMA_BF16=mma_bf16(),
+        UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        merge_splits_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1), HQ=Hq,
+                                     NUM_SPLITS=splits, SP=triton.next_power_of_2(splits), D=D, num_warps=4)
+    return out
+
+
+def _tune_key(q, cache, block_table, lay, group):
+    B, _, D = q.shape
+    return (D, lay.g, lay.kb, lay.vb, group, q.dtype, triton.next_power_of_2(max(1, block_table.shape[1])),
+            triton.next_power_of_2(max(1, B * cache.shape[1])), q.device.index)
+
+
+def _autotune(args, lay, group, gp, scale, base_splits, max_blocks, key):
+    """Time TUNE_CONFIGS x split multipliers on the real inputs (eager, before capture); keep the fastest."""
+    q = args[0]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    best = None
+    for cfg0 in TUNE_CONFIGS:
+        cfg = effective_config(cfg0, q.device)
+        for mult in TUNE_SPLIT_MULTS:
+            splits = int(max(1, min(64, max_blocks, round(base_splits * mult))))
+            try:
+                fn = functools.partial(_launch, *args, out, lay, group, gp, scale, splits, cfg)
+                fn()  # compile
+                torch.cuda.synchronize(q.device)
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                ev[0].record()
+                for _ in range(5):
+                    fn()
+                ev[1].record()
+                ev[1].synchronize()
+                ms = ev[0].elapsed_time(ev[1]) / 5
+            except Exception:  # noqa: BLE001 - a variant that does not compile here is simply not a candidate
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, cfg, splits)
+    if best is not None:
+        _TUNED[key] = (best[1], best[2])
+    return _TUNED.get(key)
+
+
+def tuned_entries() -> dict:
+    """The tuner's choices so far: {key: (config name, num_splits)} (for logs / microbench)."""
+    return {k: (c.name, s) for k, (c, s) in _TUNED.items()}
+
+
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor, fmt: KVFormat | str,
-                     scale: float, num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, num_splits: int | None = None, out: torch.Tensor | None = None, *,
+                     config: DecodeConfig | None = None) -> torch.Tensor:
     fmt = as_format(fmt)
     if q.dim() != 3:
         raise KvarnError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -80,31 +231,22 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
         q = q.contiguous()
     if B == 0:
         return out
-    if num_splits is None:
-        num_splits = default_num_splits(B, Hk, block_table.shape[1], q.device)
-    num_splits = int(max(1, num_splits))
-    bm = max(16, gp)
-    hn = hadamard_fp32(D, q.device)
-    if num_splits > 1:
-        part_o = torch.empty(B * Hq * num_splits * D, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(B * Hq * num_splits, dtype=torch.float32, device=q.device)
+    max_blocks = block_table.shape[1]
+    base_splits = default_num_splits(B, Hk, max_blocks, q.device)
+    args = (q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots)
+    if config is None:
+        cfg, splits = DEFAULT_CONFIG, base_splits
+        if q.device.type == "cuda" and mma_bf16():
+            key = _tune_key(q, cache, block_table, lay, group)
+            hit = _TUNED.get(key)
+            if hit is None and os.environ.get("KVARN_AUTOTUNE", "1") != "0" \
+                    and not torch.cuda.is_current_stream_capturing():
+                hit = _autotune(args, lay, group, gp, scale, base_splits, max_blocks, key)
+            if hit is not None:
+                cfg, splits = hit
     else:
-        part_o = part_lse = out  # unused
-    kvarn_attention_kernel[(B, 1, Hk * num_splits)](
-        q, cache, f16_view(cache), block_table, seq_lens, seq_lens,
-        tail_k, tail_v, tail_slots, hn, out, part_o, part_lse,
-        float(scale) * LOG2E,
-        q.stride(0), q.stride(1), block_table.stride(0), cache.stride(0), cache.stride(1),
-        tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_v.stride(0), tail_v.stride(1), tail_v.stride(2),
-        out.stride(0), out.stride(1), Hq,
-        GROUP=group, GP=gp, BQ=1, BM=bm, G=lay.g, D=D, KB=lay.kb, VB=lay.vb,
-        OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
-        OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-        NUM_SPLITS=num_splits, IS_PREFILL=False, MMA_BF16=mma_bf16(),
-        num_warps=8 if D * lay.g > 8192 else 4,
-    )
-    if num_splits > 1:
-        merge_splits_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1), HQ=Hq,
-                                     NUM_SPLITS=num_splits, SP=triton.next_power_of_2(num_splits), D=D,
-                                     num_warps=4)
-    return out
+        cfg = config
+        splits = int(max(1, min(64, max_blocks, round(base_splits * cfg.split_mult))))
+    if num_splits is not None:
+        splits = int(max(1, num_splits))
+    return _launch(*args, out, lay, group, gp, scale, splits, effective_config(cfg, q.device))
