@@ -8,7 +8,7 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 test -d /tmp/stage || { echo "RESTAGE: /tmp/stage missing"; exit 3; }
 cp .device/c5/* /tmp/stage/ 2>/dev/null || true
 bash .device/bin/assemble.sh > "$OUT/assemble.log" 2>&1 || { tail -20 "$OUT/assemble.log"; exit 3; }
-export PATH=/tmp/kvarn-site/bin:$PATH PYTHONPATH=/tmp/kvarn-site:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+export KVARN_SUITES=$PWD/suites PATH=/tmp/kvarn-site/bin:$PATH PYTHONPATH=/tmp/kvarn-site:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kvarn-site . > "$OUT/install.log" 2>&1 \
   || { tail -20 "$OUT/install.log"; exit 3; }
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
