@@ -178,3 +178,31 @@ def test_timeout_becomes_a_row_and_kills_the_process_group(tmp_path, capsys):
         time.sleep(0.1)
     assert not _alive(pid), "the worker's child survived the timeout"
     assert "timeout after" in Path(df.log_path[0]).read_text()
+
+
+def test_interrupt_kills_the_worker_group(tmp_path):
+    """SIGTERM to kvarn bench (a CI cancel) ends the cell in flight and its children, writes no row, exits 130."""
+    import signal
+    import subprocess
+
+    script = (
+        "import sys, tests.test_bench_runner\n"  # registers the sleepy engine in this process
+        "from kvarn_cli.app import main\n"
+        f"sys.exit(main(['bench', '--engine', 'sleepy', '--kv-dtype', 'auto', '--burst', '2k', '--out', r'{tmp_path / 'res'}']))\n")
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    logs = tmp_path / "res" / "logs"
+    deadline = time.time() + 30
+    while time.time() < deadline and not list(logs.glob("*.pid")):
+        time.sleep(0.1)
+    pidfile = next(logs.glob("*.pid"))
+    while time.time() < deadline and not pidfile.read_text().strip():
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) == 130
+    deadline = time.time() + 5
+    while _alive(child) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+    assert not (tmp_path / "res" / "parts").exists()  # nothing written for the interrupted cell

@@ -149,6 +149,10 @@ class GroupRunner:
                 # workers can leave children behind (a crashed engine core): end the rest of the group too
                 leftovers = kill_group(self.proc, grace_s=2.0) if session_members(self.proc.pid) else []
                 return ProcResult(rc, False, time.monotonic() - t0, leftovers)
+            except KeyboardInterrupt:  # Ctrl-C / SIGTERM of kvarn bench: free the GPU before leaving
+                kill_group(self.proc)
+                log.write(b"\n[kvarn] interrupted: process group killed\n")
+                raise
             except subprocess.TimeoutExpired:
                 killed = kill_group(self.proc)
                 log.write(f"\n[kvarn] timeout after {timeout_s:.0f} s: killed process group {self.proc.pid} "
