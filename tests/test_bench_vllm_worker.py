@@ -18,6 +18,7 @@ class SamplingParams:
     def __init__(self, **kw):
         assert kw["ignore_eos"] is True and kw["detokenize"] is False
         self.max_tokens = kw["max_tokens"]
+        self.output_kind = "cumulative"
 
 class _Metric:
     def __init__(self, name, value):
@@ -31,6 +32,7 @@ class _Engine:
                                          kv_cache_size_tokens=1000 * kw.get("block_size", 16)),
             model_config=SimpleNamespace(get_vocab_size=lambda: 50))
     def add_request(self, rid, prompt, params):
+        self.delta = params.output_kind == "delta"
         assert all(0 <= t < 50 for t in prompt["prompt_token_ids"])
         self.reqs[rid + "-x"] = [0, params.max_tokens]
         return rid + "-x"
@@ -42,8 +44,9 @@ class _Engine:
         for rid, st in self.reqs.items():
             if st[0] < st[1]:
                 st[0] += 1
+                ids = [7] if self.delta else list(range(st[0]))
                 outs.append(SimpleNamespace(request_id=rid, finished=st[0] == st[1],
-                                            outputs=[SimpleNamespace(token_ids=list(range(st[0])))]))
+                                            outputs=[SimpleNamespace(token_ids=ids)]))
         return outs
 
 class LLM:
@@ -58,11 +61,13 @@ class LLM:
 '''
 
 
-@pytest.fixture
-def fake_vllm(tmp_path, monkeypatch):
+@pytest.fixture(params=["delta", "cumulative"])
+def fake_vllm(tmp_path, monkeypatch, request):
     pkg = tmp_path / "site" / "vllm"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
+    if request.param == "delta":  # vLLM's RequestOutputKind: the worker asks for only new tokens per step
+        (pkg / "sampling_params.py").write_text("class RequestOutputKind:\n    DELTA = 'delta'\n")
     root = Path(__file__).resolve().parents[1]
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'site'}:{root}")
     monkeypatch.setenv("FAKE_VLLM_KWARGS", str(tmp_path / "kwargs.txt"))

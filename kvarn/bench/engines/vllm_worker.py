@@ -96,6 +96,14 @@ def run_offline(spec: dict) -> dict:
     prompts = random_prompts(spec["requests"], spec["prompt_len"], vocab, spec["seed"])
     params = SamplingParams(ignore_eos=True, max_tokens=spec["output_len"], detokenize=False,
                             temperature=1.0, top_p=1.0)
+    delta = False
+    try:  # only new tokens per step: no O(n^2) copying of cumulative token lists in the output processor
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.DELTA
+        delta = True
+    except (ImportError, AttributeError):
+        pass
     engine = llm.llm_engine
     recs: dict[str, RequestRecord] = {}
     peak_running = peak_waiting = kv_usage = 0.0
@@ -118,6 +126,8 @@ def run_offline(spec: dict) -> dict:
             if r is None:
                 continue
             n = len(o.outputs[0].token_ids) if o.outputs else 0
+            if delta:
+                n += r.output_tokens
             if n > r.output_tokens:  # several tokens in one step (multi-step/spec decode) count as one chunk
                 if r.output_tokens == 0:
                     r.ttft = now - r.start
