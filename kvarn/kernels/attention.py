@@ -167,14 +167,55 @@ def _sub_values(p, pv, sv_ptr, zv_ptr, acc, pz, J: tl.constexpr, BT: tl.constexp
 
 
 @triton.jit
+def rotate_rows_kernel(x_ptr, y_ptr, R, scale, stride_xn, stride_xh, HQ: tl.constexpr, D: tl.constexpr,
+                       BR: tl.constexpr, MMA_BF16: tl.constexpr):
+    """y[r] = (x[n, h] * scale) @ Hn for the R = N*HQ rows r = n*HQ + h; y fp32 [R, D] contiguous."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    di = tl.arange(0, D)
+    ok = r < R
+    off = (r // HQ).to(tl.int64) * stride_xn + (r % HQ) * stride_xh
+    x = tl.load(x_ptr + off[:, None] + di[None, :], mask=ok[:, None], other=0.0).to(tl.float32) * scale
+    y = x_times_h(x, hadamard_pm1(D, MMA_BF16), D, MMA_BF16)
+    tl.store(y_ptr + r.to(tl.int64)[:, None] * D + di[None, :], y, mask=ok[:, None])
+
+
+@triton.jit
+def finish_kernel(po_r_ptr, po_t_ptr, plse_ptr, out_ptr, R, num_splits, stride_on, stride_oh, HQ: tl.constexpr,
+                  D: tl.constexpr, BR: tl.constexpr, MMA_BF16: tl.constexpr):
+    """Merge the record-split partials (rotated basis) and the tail partial (unrotated) of R rows with
+    log2-sum-exp weights, rotating back once: out = (sum_s w_s o_s) @ Hn + w_t o_t; all-empty rows give zeros."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    di = tl.arange(0, D)
+    ok = r < R
+    r64 = r.to(tl.int64)
+    lbase = r64 * (num_splits + 1)
+    m = tl.full([BR], float("-inf"), dtype=tl.float32)
+    for sp in range(0, num_splits + 1):
+        m = tl.maximum(m, tl.load(plse_ptr + lbase + sp, mask=ok, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    acc_r = tl.zeros([BR, D], dtype=tl.float32)
+    den = tl.zeros([BR], dtype=tl.float32)
+    for sp in range(0, num_splits):
+        w = tl.exp2(tl.load(plse_ptr + lbase + sp, mask=ok, other=float("-inf")) - m_safe)
+        acc_r += w[:, None] * tl.load(po_r_ptr + (r64 * num_splits + sp)[:, None] * D + di[None, :],
+                                      mask=ok[:, None], other=0.0)
+        den += w
+    w = tl.exp2(tl.load(plse_ptr + lbase + num_splits, mask=ok, other=float("-inf")) - m_safe)
+    den += w
+    o = x_times_h(acc_r, hadamard_pm1(D, MMA_BF16), D, MMA_BF16)
+    o += w[:, None] * tl.load(po_t_ptr + r64[:, None] * D + di[None, :], mask=ok[:, None], other=0.0)
+    o = o / tl.where(den > 0.0, den, 1.0)[:, None]
+    o_off = (r // HQ).to(tl.int64) * stride_on + (r % HQ) * stride_oh
+    tl.store(out_ptr + o_off[:, None] + di[None, :], o.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
 def kvarn_attention_kernel(
-    q_ptr, cache_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
-    tail_k_ptr, tail_v_ptr, tail_slots_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
+    qr_ptr, cache_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
+    po_r_ptr, plse_ptr,  # (the tail is tail_attention_kernel's)
+    qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain (already in qr)
     num_splits,  # context splits per (request, KV head): a run-time value (no recompile per split count)
-    stride_qn, stride_qh, stride_btb, stride_cb, stride_ch,
-    stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg,
-    stride_on, stride_oh, HQ,
+    stride_btb, stride_cb, stride_ch, HQ,
     GROUP: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr,
     G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
@@ -208,18 +249,17 @@ def kvarn_attention_kernel(
     BT: tl.constexpr = G // PERV  # tokens per value byte plane = token sub-block
 
     di = tl.arange(0, D)
-    gi = tl.arange(0, G)
+    dp = tl.arange(0, DP)
     head = kvh * GROUP + hq
-    q_off = (q0 + tok).to(tl.int64) * stride_qn + head * stride_qh
-    q = tl.load(q_ptr + q_off[:, None] + di[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q = q * qk_scale
-    # rotated query, directly as the key byte planes' column blocks (fp32-accurate)
-    qr0 = x_times_h(q, hadamard_pm1_cols(D, DP, 0, MMA_BF16), D, MMA_BF16)
-    qr1 = x_times_h(q, hadamard_pm1_cols(D, DP, 1, MMA_BF16), D, MMA_BF16)
+    row = (q0 + tok).to(tl.int64) * HQ + head  # flattened (query token, head) row
+    # rotated, scaled query (rotate_rows_kernel), loaded directly as the key byte planes' column blocks
+    qr_rows = qr_ptr + row[:, None] * D + dp[None, :]
+    qr0 = tl.load(qr_rows, mask=row_ok[:, None], other=0.0)
+    qr1 = tl.load(qr_rows + DP, mask=row_ok[:, None], other=0.0)
     qmax = tl.maximum(tl.max(tl.max(tl.abs(qr0), axis=1), axis=0), tl.max(tl.max(tl.abs(qr1), axis=1), axis=0))
     if PERK == 4:
-        qr2 = x_times_h(q, hadamard_pm1_cols(D, DP, 2, MMA_BF16), D, MMA_BF16)
-        qr3 = x_times_h(q, hadamard_pm1_cols(D, DP, 3, MMA_BF16), D, MMA_BF16)
+        qr2 = tl.load(qr_rows + 2 * DP, mask=row_ok[:, None], other=0.0)
+        qr3 = tl.load(qr_rows + 3 * DP, mask=row_ok[:, None], other=0.0)
         qmax = tl.maximum(qmax, tl.maximum(tl.max(tl.max(tl.abs(qr2), axis=1), axis=0),
                                            tl.max(tl.max(tl.abs(qr3), axis=1), axis=0)))
     else:
@@ -304,61 +344,77 @@ def kvarn_attention_kernel(
         cv = tl.load(cache16_ptr + rec16 + OFF_CV // 2 + di).to(tl.float32)
         acc_r = acc_r * alpha[:, None] + (o + pz[:, None]) * cv[None, :]
 
-    acc_t = tl.zeros([BM, D], dtype=tl.float32)  # unrotated basis (tail), only touched after the loop
-    n_tail = S - n_full * G
-    if (n_full >= t_begin) & (n_full < t_end) & (n_tail > 0):
-        slot = tl.load(tail_slots_ptr + b).to(tl.int64)
-        tmask = gi < n_tail
-        tk = tl.load(tail_k_ptr + slot * stride_tks + kvh * stride_tkh + gi[None, :] * stride_tkg + di[:, None],
-                     mask=tmask[None, :], other=0.0).to(tl.float32)  # [D, g]
-        s = tl.dot(q, tk, input_precision="ieee")
-        s = tl.where(((n_full * G + gi)[None, :] < L[:, None]) & tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-        tv = tl.load(tail_v_ptr + slot * stride_tvs + kvh * stride_tvh + gi[:, None] * stride_tvg + di[None, :],
-                     mask=tmask[:, None], other=0.0).to(tl.float32)  # [g, D]
-        acc_r = acc_r * alpha[:, None]
-        acc_t = tl.dot(p, tv, input_precision="ieee")
-
-    # rotate back once; rows that saw nothing (l = 0) give exact zeros
-    o = x_times_h(acc_r, hadamard_pm1(D, MMA_BF16), D, MMA_BF16) + acc_t
+    # partials (finish_kernel merges the splits + the tail partial and rotates back once): o / l in the rotated
+    # basis and log2-sum-exp at [row, split] of [R, num_splits + 1]; empty rows/splits carry lse = -inf and zeros
     has = l_i > 0.0
-    o = o / tl.where(has, l_i, 1.0)[:, None]
-    if IS_PREFILL:
-        o_off = (q0 + tok).to(tl.int64) * stride_on + head * stride_oh
-        tl.store(out_ptr + o_off[:, None] + di[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    elif num_splits == 1:
-        o_off = (q0 + tok).to(tl.int64) * stride_on + head * stride_oh
-        tl.store(out_ptr + o_off[:, None] + di[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        # partials [B, Hq, num_splits, D] and log2-sum-exp [B, Hq, num_splits]; empty splits carry -inf
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        prow = (b.to(tl.int64) * HQ + head) * num_splits + split
-        tl.store(part_o_ptr + prow[:, None] * D + di[None, :], o, mask=row_ok[:, None])
-        tl.store(part_lse_ptr + prow, lse, mask=row_ok)
+    inv_l = 1.0 / tl.where(has, l_i, 1.0)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(po_r_ptr + (row * num_splits + split)[:, None] * D + di[None, :], acc_r * inv_l[:, None],
+             mask=row_ok[:, None])
+    tl.store(plse_ptr + row * (num_splits + 1) + split, lse, mask=row_ok)
 
 
 @triton.jit
-def merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_on, stride_oh, HQ: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
-    """Log-sum-exp merge of the split partials of one (request, query head); all-empty rows give zeros."""
+def tail_attention_kernel(
+    q_ptr, seq_lens_ptr, qsl_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, po_t_ptr, plse_ptr,
+    qk_scale, num_splits,
+    stride_qn, stride_qh, stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg, HQ,
+    GROUP: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    IS_PREFILL: tl.constexpr, TT: tl.constexpr,
+):
+    """Attention of the same rows over the 16-bit tail (unrotated, fp32 dots, TT tokens at a time): the partial
+    o / l goes to po_t [R, D], its log2-sum-exp to plse[row, num_splits] (the extra 'split')."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    si = tl.arange(0, SP)
+    qblk = tl.program_id(1)
+    kvh = tl.program_id(2)
+    S = tl.load(seq_lens_ptr + b)
+    if IS_PREFILL:
+        q0 = tl.load(qsl_ptr + b)
+        qlen = tl.load(qsl_ptr + b + 1) - q0
+    else:
+        q0 = b
+        qlen = 1
+    m_idx = tl.arange(0, BM)
+    tok = qblk * BQ + m_idx // GP
+    hq = m_idx % GP
+    row_ok = (hq < GROUP) & (m_idx < BQ * GP) & (tok < qlen)
+    L = tl.where(row_ok, tl.maximum(S - qlen + tok + 1, 0), 0)
     di = tl.arange(0, D)
-    row = (b.to(tl.int64) * HQ + h) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row + si, mask=si < NUM_SPLITS, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)
-    o = tl.load(part_o_ptr + (row + si)[:, None] * D + di[None, :], mask=(si < NUM_SPLITS)[:, None], other=0.0)
-    den = tl.sum(w, axis=0)
-    res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
-    tl.store(out_ptr + b.to(tl.int64) * stride_on + h * stride_oh + di, res.to(out_ptr.dtype.element_ty))
+    head = kvh * GROUP + hq
+    row = (q0 + tok).to(tl.int64) * HQ + head
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc_t = tl.zeros([BM, D], dtype=tl.float32)
+    n_full = S // G
+    n_tail = S - n_full * G
+    if (qblk * BQ < qlen) & (n_tail > 0):
+        q_off = (q0 + tok).to(tl.int64) * stride_qn + head * stride_qh
+        q = tl.load(q_ptr + q_off[:, None] + di[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q = q * qk_scale
+        slot = tl.load(tail_slots_ptr + b).to(tl.int64)
+        tk_base = tail_k_ptr + slot * stride_tks + kvh * stride_tkh
+        tv_base = tail_v_ptr + slot * stride_tvs + kvh * stride_tvh
+        ti = tl.arange(0, TT)
+        for c0 in range(0, n_tail, TT):
+            tmask = (c0 + ti) < n_tail
+            tk = tl.load(tk_base + (c0 + ti)[None, :] * stride_tkg + di[:, None], mask=tmask[None, :],
+                         other=0.0).to(tl.float32)  # [D, TT]
+            s = tl.dot(q, tk, input_precision="ieee")
+            s = tl.where(((n_full * G + c0 + ti)[None, :] < L[:, None]) & tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+            tv = tl.load(tv_base + (c0 + ti)[:, None] * stride_tvg + di[None, :], mask=tmask[:, None],
+                         other=0.0).to(tl.float32)  # [TT, D]
+            acc_t = acc_t * alpha[:, None] + tl.dot(p, tv, input_precision="ieee")
+    has = l_i > 0.0
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(po_t_ptr + row[:, None] * D + di[None, :], acc_t / tl.where(has, l_i, 1.0)[:, None],
+             mask=row_ok[:, None])
+    tl.store(plse_ptr + row * (num_splits + 1) + num_splits, lse, mask=row_ok)
 
 
 @triton.jit

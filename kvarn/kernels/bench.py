@@ -222,7 +222,10 @@ def _baseline_decode(B, ctx, Hq, Hk, D, dtype, dev, scale, q):
 
 
 def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="auto", check=False, iters=None,
-                 num_splits=None, dtype=torch.bfloat16) -> BenchResult:
+                 num_splits=None, dtype=torch.bfloat16, sweep=False) -> BenchResult:
+    """Time decode_attention (tuned/default config) against the 16-bit baseline. sweep=True also times every
+    entry of kvarn.kernels.decode.SWEEP_CONFIGS (each checked against the reference when check=True) and, for the
+    fastest, a few split counts; the rows go to extra['sweep'] (ms, GB/s, rel. error, splits)."""
     dev = resolve_device(device)
     _check_heads(q_heads, kv_heads, head_dim)
     fmt = _kv_format(kv_dtype)
@@ -258,6 +261,47 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
                          st["tail_slots"], fmt, scale, num_splits=num_splits, out=out32)
         err = _rel(out32[:rows], ref)
         check_extra = {"rel_err_in_q_dtype": _rel(out[:rows], ref)}
+    from .decode import SWEEP_CONFIGS, DecodeConfig, default_num_splits, tuned_entries
+
+    check_extra["tuned"] = str(tuned_entries()) if dev.type == "cuda" else None
+    check_extra["heuristic_splits"] = default_num_splits(B, Hk, st["block_table"].shape[1], dev)
+    if sweep:
+        rows_out = []
+        ref_rows = torch.stack(_reference_out(st, fmt, D, q, scale, min(B, 4))) if check else None
+
+        def one(cfg, splits=None):
+            def fn():
+                decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                                 st["tail_slots"], fmt, scale, num_splits=splits, out=out, config=cfg)
+            row = {"config": cfg.name, "splits": splits}
+            try:
+                t0 = time.perf_counter()
+                fn()
+                _sync(dev)
+                row["first_call_s"] = time.perf_counter() - t0  # compile + one run
+                row["ms"] = time_ms(fn, dev, iters, warmup=2)
+                row["gbps"] = nbytes / (row["ms"] * 1e-3) / 1e9
+                if ref_rows is not None:
+                    o32 = torch.empty(q.shape, dtype=torch.float32, device=dev)
+                    decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                                     st["tail_slots"], fmt, scale, num_splits=splits, out=o32, config=cfg)
+                    row["rel_err"] = _rel(o32[:ref_rows.shape[0]], ref_rows)
+            except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            rows_out.append(row)
+            return row
+
+        for cfg in SWEEP_CONFIGS:
+            one(cfg)
+        ok = [r for r in rows_out if "ms" in r and r.get("rel_err", 0.0) < 1e-3]
+        if ok:
+            best = min(ok, key=lambda r: r["ms"])
+            cfg = next(c for c in SWEEP_CONFIGS if c.name == best["config"])
+            h = check_extra["heuristic_splits"]
+            for sp in sorted({1, max(1, h // 2), 2 * h, 4 * h} - {h}):
+                one(DecodeConfig(cfg.unpack, cfg.ksplit, cfg.vsplit, cfg.num_warps, cfg.num_stages, 1.0, cfg.maxnreg),
+                    sp)
+        check_extra["sweep"] = rows_out
     return BenchResult("decode", str(dev), dev.type == "cpu", fmt.name, B, ctx, Hq, Hk, D, ms, bname, bms,
                        ms / bms if bms else None, nbytes, gbps, copy, gbps / copy, err,
                        {"num_splits": num_splits, "ideal_ratio_bytes": fmt.record_bytes(D) / (fmt.group * 4 * D),

@@ -75,8 +75,16 @@ def hadamard_fp32(d: int, device) -> torch.Tensor:
 
 
 def prepare(head_dim: int, device) -> None:
-    """Warm the per-device constants (the Hadamard matrix) for one head dim; call once before graph capture."""
+    """Warm the per-device state for one head dim; call once before graph capture: the Hadamard matrix, and on a
+    GPU the once-per-device check of the inline-PTX code unpack (kvarn.kernels.decode.asm_unpack_ok; it syncs)."""
     hadamard_fp32(head_dim, device)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        from .attention import mma_bf16
+        from .decode import asm_unpack_ok
+
+        if mma_bf16():
+            asm_unpack_ok(dev)
 
 
 def check_cache(cache: torch.Tensor, lay: RecordLayout, name: str = "cache") -> None:

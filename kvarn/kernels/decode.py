@@ -16,7 +16,8 @@ Public API (stable; the vLLM backend calls exactly this):
         out         optional [B, Hq, D] output (q's dtype, or fp32 for tests); allocated when None
         config      optional DecodeConfig (kernel variant, warps, pipeline depth); None: the tuned / default one
 
-Grid (B, 1, Hk * num_splits) + (B, Hq) for the merge: fixed from shapes, no host sync -> CUDA-graph capturable.
+Launches (fixed from shapes, no host sync -> CUDA-graph capturable): query rotation (B*Hq/16 programs), attention
+over the records (B, 1, Hk * num_splits), over the 16-bit tail (B, 1, Hk), merge + rotation back (B*Hq/16).
 
 Self-tuning (CUDA only): the first *eager* call for a key (D, g, kb, vb, group, dtype, context bucket =
 block_table.shape[1] rounded up to a power of two, B*Hk bucket) times a few candidate (config, num_splits) pairs
@@ -37,7 +38,8 @@ import triton
 
 from ..errors import KvarnError
 from ..formats import KVFormat
-from .attention import LOG2E, kvarn_attention_kernel, merge_splits_kernel, mma_bf16
+from .attention import (LOG2E, finish_kernel, kvarn_attention_kernel, mma_bf16, rotate_rows_kernel,
+                        tail_attention_kernel)
 from .common import as_format, check_cache, f16_view, layout
 
 
@@ -50,25 +52,29 @@ class DecodeConfig:
     #                  1: fp16 only (~1.3e-3 rel. err in the interpreter: over the 1e-3 bar, timing reference only)
     vsplit: int = 1  # same for p*sV
     num_warps: int = 4
-    num_stages: int = 2  # software pipelining depth of the tile loop (1: none)
+    num_stages: int = 1  # software pipelining depth of the tile loop (1: none; latency hidden by resident programs)
     split_mult: float = 1.0  # multiplier on the heuristic split count (tuning candidates)
+    maxnreg: int | None = None  # register cap per thread (more resident programs per SM, maybe spills)
 
     @property
     def name(self) -> str:
         return (f"u{self.unpack}k{self.ksplit}v{self.vsplit}w{self.num_warps}s{self.num_stages}"
-                f"x{self.split_mult:g}")
+                f"x{self.split_mult:g}" + (f"r{self.maxnreg}" if self.maxnreg else ""))
 
 
 DEFAULT_CONFIG = DecodeConfig()
 # the --sweep table (every entry a separate compile, ~5-10 s each on the device)
+# (offline sm_90 compile, k4v2_g128 D=128: stages 1 -> 168 registers, no spills; stages 2 -> 246: the pipeliner
+#  keeps the next tile in registers; 8 warps stages 2 -> 210)
 SWEEP_CONFIGS = [
-    DecodeConfig(2, 2, 1, 4, 2), DecodeConfig(2, 2, 1, 4, 3), DecodeConfig(2, 2, 1, 8, 2),
-    DecodeConfig(2, 2, 1, 4, 1), DecodeConfig(1, 2, 1, 4, 2), DecodeConfig(0, 2, 1, 4, 2),
-    DecodeConfig(2, 1, 1, 4, 2),  # fp16-only keys: what the precision split costs
+    DecodeConfig(2, 2, 1, 4, 1), DecodeConfig(2, 2, 1, 4, 2), DecodeConfig(2, 2, 1, 4, 3),
+    DecodeConfig(2, 2, 1, 8, 1), DecodeConfig(2, 2, 1, 8, 2), DecodeConfig(2, 2, 1, 4, 1, maxnreg=128),
+    DecodeConfig(1, 2, 1, 4, 1), DecodeConfig(0, 2, 1, 4, 1),
+    DecodeConfig(2, 1, 1, 4, 1),  # fp16-only keys: what the precision split costs (rel. err ~1e-3: not a default)
 ]
 # candidates the run-time tuner times on the first eager call per key (compiles shared with the sweep)
-TUNE_CONFIGS = [DecodeConfig(2, 2, 1, 4, 2), DecodeConfig(2, 2, 1, 4, 3), DecodeConfig(2, 2, 1, 8, 2),
-                DecodeConfig(1, 2, 1, 4, 2)]
+TUNE_CONFIGS = [DecodeConfig(2, 2, 1, 4, 1), DecodeConfig(2, 2, 1, 4, 2), DecodeConfig(2, 2, 1, 8, 2),
+                DecodeConfig(2, 2, 1, 4, 1, maxnreg=128)]
 TUNE_SPLIT_MULTS = (0.5, 1.0, 2.0)
 
 _ASM_OK: dict[int, bool] = {}  # device index -> inline-PTX unpack verified
@@ -108,7 +114,7 @@ def effective_config(cfg: DecodeConfig, device: torch.device) -> DecodeConfig:
     """The interpreter has no inline PTX (and no pipelining): use the pure-Triton unpack there; on a GPU whose
     inline-PTX self-check failed, too."""
     if cfg.unpack == 2 and (not mma_bf16() or device.type != "cuda" or not asm_unpack_ok(device)):
-        return DecodeConfig(1, cfg.ksplit, cfg.vsplit, cfg.num_warps, cfg.num_stages, cfg.split_mult)
+        return DecodeConfig(1, cfg.ksplit, cfg.vsplit, cfg.num_warps, cfg.num_stages, cfg.split_mult, cfg.maxnreg)
     return cfg
 
 
@@ -141,33 +147,50 @@ def asm_unpack_ok(device: torch.device) -> bool:
     return ok
 
 
-def _launch(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, out, lay, group, gp, scale, splits,
-            cfg: DecodeConfig):
-    B, Hq, D = q.shape
+def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slots, out, lay, group, gp, scale,
+                  splits, cfg: DecodeConfig, *, prefill: bool, bq: int = 1, q_blocks: int = 1):
+    """The four launches shared by decode and prefill: rotate the query rows (fp32), the attention over the
+    records (partials per split, rotated basis), the attention over the 16-bit tail (unrotated partial), the
+    merge + rotate-back. Grids from shapes only; scratch from torch's caching allocator (graph-safe)."""
+    N, Hq, D = q.shape
+    B = seq_lens.shape[0]
     Hk = cache.shape[1]
-    if splits > 1:
-        part_o = torch.empty(B * Hq * splits * D, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(B * Hq * splits, dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out  # unused
-    kvarn_attention_kernel[(B, 1, Hk * splits)](
-        q, cache, f16_view(cache), block_table, seq_lens, seq_lens,
-        tail_k, tail_v, tail_slots, out, part_o, part_lse,
-        float(scale) * LOG2E, splits,
-        q.stride(0), q.stride(1), block_table.stride(0), cache.stride(0), cache.stride(1),
-        tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_v.stride(0), tail_v.stride(1), tail_v.stride(2),
-        out.stride(0), out.stride(1), Hq,
-        GROUP=group, GP=gp, BQ=1, BM=max(16, gp), G=lay.g, D=D, KB=lay.kb, VB=lay.vb,
+    R = N * Hq
+    dev = q.device
+    qk = float(scale) * LOG2E
+    mma = mma_bf16()
+    qr = torch.empty(R, D, dtype=torch.float32, device=dev)
+    po_r = torch.empty(R * splits * D, dtype=torch.float32, device=dev)
+    po_t = torch.empty(R * D, dtype=torch.float32, device=dev)
+    plse = torch.empty(R * (splits + 1), dtype=torch.float32, device=dev)
+    rotate_rows_kernel[(triton.cdiv(R, 16),)](q, qr, R, qk, q.stride(0), q.stride(1), HQ=Hq, D=D, BR=16,
+                                               MMA_BF16=mma, num_warps=4)
+    bm = max(16, bq * gp)
+    kvarn_attention_kernel[(B, q_blocks, Hk * splits)](
+        qr, cache, f16_view(cache), block_table, seq_lens, qsl, po_r, plse, qk, splits,
+        block_table.stride(0), cache.stride(0), cache.stride(1), Hq,
+        GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, KB=lay.kb, VB=lay.vb,
         OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
         OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-        IS_PREFILL=False, MMA_BF16=mma_bf16(),
+        IS_PREFILL=prefill, MMA_BF16=mma,
         UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}),
     )
-    if splits > 1:
-        merge_splits_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1), HQ=Hq,
-                                     NUM_SPLITS=splits, SP=triton.next_power_of_2(splits), D=D, num_warps=4)
+    tail_attention_kernel[(B, q_blocks, Hk)](
+        q, seq_lens, qsl, tail_k, tail_v, tail_slots, po_t, plse, qk, splits,
+        q.stride(0), q.stride(1), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
+        tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), Hq,
+        GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, IS_PREFILL=prefill, TT=16, num_warps=4)
+    finish_kernel[(triton.cdiv(R, 16),)](po_r, po_t, plse, out, R, splits, out.stride(0), out.stride(1), HQ=Hq, D=D,
+                                         BR=16, MMA_BF16=mma, num_warps=4)
     return out
+
+
+def _launch(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, out, lay, group, gp, scale, splits,
+            cfg: DecodeConfig):
+    return run_attention(q, cache, block_table, seq_lens, seq_lens, tail_k, tail_v, tail_slots, out, lay, group, gp,
+                         scale, splits, cfg, prefill=False)
 
 
 def _tune_key(q, cache, block_table, lay, group):

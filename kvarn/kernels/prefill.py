@@ -15,7 +15,8 @@ Public API (stable):
 
 It is the decode kernel (kvarn.kernels.attention) with BQ query tokens per program: M = BQ x (padded GQA group)
 rows share each unpacked tile, and the causal mask is per row. No split-K (the query block already gives enough
-programs). Grid (B, cdiv(max_query_len, BQ), Hk): fixed from host ints, no sync.
+programs). Grid (B, cdiv(max_query_len, BQ), Hk) + the query-rotation and rotate-back launches: fixed from host
+ints, no sync.
 """
 from __future__ import annotations
 
@@ -24,12 +25,11 @@ import triton
 
 from ..errors import KvarnError
 from ..formats import KVFormat
-from .attention import LOG2E, kvarn_attention_kernel, mma_bf16
-from .common import as_format, check_cache, f16_view, layout
-from .decode import DecodeConfig, check_tail, effective_config, group_geometry
+from .common import as_format, check_cache, layout
+from .decode import DecodeConfig, check_tail, effective_config, group_geometry, run_attention
 
 ROWS_PER_PROGRAM = 64  # M rows (query tokens x group heads) per program
-PREFILL_CONFIG = DecodeConfig(unpack=2, ksplit=2, vsplit=1, num_warps=4, num_stages=2)
+PREFILL_CONFIG = DecodeConfig(unpack=2, ksplit=2, vsplit=1, num_warps=4, num_stages=1)
 
 
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
@@ -58,21 +58,6 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.T
         return out
     bq = max(1, ROWS_PER_PROGRAM // gp)
     bq = min(bq, triton.next_power_of_2(int(max_query_len)))
-    bm = max(16, bq * gp)
     cfg = effective_config(PREFILL_CONFIG, q.device)
-    grid = (B, triton.cdiv(int(max_query_len), bq), Hk)
-    kvarn_attention_kernel[grid](
-        q, cache, f16_view(cache), block_table, seq_lens, query_start_loc,
-        tail_k, tail_v, tail_slots, out, out, out,
-        float(scale) * LOG2E, 1,
-        q.stride(0), q.stride(1), block_table.stride(0), cache.stride(0), cache.stride(1),
-        tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_v.stride(0), tail_v.stride(1), tail_v.stride(2),
-        out.stride(0), out.stride(1), Hq,
-        GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, KB=lay.kb, VB=lay.vb,
-        OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
-        OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-        IS_PREFILL=True, MMA_BF16=mma_bf16(),
-        UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return out
+    return run_attention(q, cache, block_table, seq_lens, query_start_loc, tail_k, tail_v, tail_slots, out, lay,
+                         group, gp, scale, 1, cfg, prefill=True, bq=bq, q_blocks=triton.cdiv(int(max_query_len), bq))

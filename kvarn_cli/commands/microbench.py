@@ -30,6 +30,8 @@ def register(app: typer.Typer) -> None:
         num_splits: int = typer.Option(None, "--num-splits", help="decode: context splits (default: heuristic)."),
         chunk: int = typer.Option(None, "--chunk", help="prefill: query tokens per request (GPU 512, CPU 16)."),
         model: str = typer.Option("qwen3-8b", "--model", help="store: the model whose layer count a flush spans."),
+        sweep: bool = typer.Option(False, "--sweep", help="decode: also time every kernel config (table; with "
+                                                         "--check each is checked) and split counts for the best."),
     ) -> None:
         """Time the KVarN store / decode / prefill kernel and the FP16 baseline in the same run."""
         if target not in TARGET_NAMES:
@@ -42,7 +44,7 @@ def register(app: typer.Typer) -> None:
                     kv_heads=kv_heads or d["kv_heads"], head_dim=head_dim or d["head_dim"], kv_dtype=kv_dtype,
                     device=str(dev), check=check, iters=iters)
         if target == "decode":
-            r = bench.bench_decode(**args, num_splits=num_splits)
+            r = bench.bench_decode(**args, num_splits=num_splits, sweep=sweep)
         elif target == "prefill":
             r = bench.bench_prefill(**args, chunk=chunk)
         else:
@@ -67,8 +69,19 @@ def _print(r) -> None:
     if r.rel_err is not None:
         t.add_row("rel. error vs reference", f"{r.rel_err:.2e}")
     for k, v in r.extra.items():
-        if v is not None:
+        if v is not None and k != "sweep":
             t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
     out.print(t)
+    if r.extra.get("sweep"):
+        s = Table(title="decode config sweep (u: unpack 0 cast/1 exponent trick/2 PTX; k/v: fp16 split; w warps; "
+                        "s stages; r register cap)")
+        for c in ("config", "splits", "ms", "GB/s", "rel err", "first call s", "error"):
+            s.add_column(c, justify="left" if c in ("config", "error") else "right")
+        for row in r.extra["sweep"]:
+            s.add_row(row["config"], str(row.get("splits") or "auto"), f"{row['ms']:.4f}" if "ms" in row else "-",
+                      f"{row['gbps']:.0f}" if "gbps" in row else "-",
+                      f"{row['rel_err']:.1e}" if "rel_err" in row else "-",
+                      f"{row['first_call_s']:.1f}" if "first_call_s" in row else "-", row.get("error", ""))
+        out.print(s)
     if r.interpreter:
         out.print("CPU: kernels ran through the Triton interpreter at small sizes; times are not performance.")
