@@ -45,5 +45,8 @@ def register() -> None:
             return
         from . import patches
 
+        # The kernels' run-time tuner would compile and time variants at the first decode of each new shape,
+        # mid-serving (attention runs eagerly between piecewise graphs): serve with the tuned defaults instead.
+        os.environ.setdefault("KVARN_AUTOTUNE", "0")
         _STATE["applied"] = patches.apply()
         log.debug("kvarn: plugin registered (%s)", ", ".join(_STATE["applied"]))
