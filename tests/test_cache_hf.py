@@ -112,3 +112,11 @@ def test_turboquant_boundary_layers_identity(tiny):
     c = KVCodecCache("turboquant_3bit_nc", config=cfg)
     kinds = [type(layer.codec).__name__ for layer in c.layers]
     assert kinds == ["IdentityCodec"] * 2 + ["TurboQuantCodec"] * 2 + ["IdentityCodec"] * 2
+
+
+def test_keep_decoded_gives_identical_logits(tiny):
+    m, cfg, ids = tiny
+    a = _chunked(m, ids, KVCodecCache("kvarn_k4v2_g128", config=cfg))
+    c = KVCodecCache("kvarn_k4v2_g128", config=cfg, keep_decoded=True)
+    assert torch.equal(_chunked(m, ids, c), a)
+    assert c.memory_bytes()["decoded"] > 0

@@ -181,7 +181,8 @@ def chunked_eval(model, ids: torch.Tensor, codecs: list[Codec], chunk: int, sink
     cfg = model.config
     ref = KVCodecCache(IdentityCodec("auto", codecs[0].fmt), config=cfg, sink_tokens=0)
     quant = [c for c in codecs if not isinstance(c, IdentityCodec)]
-    caches = {c.name: KVCodecCache(c, config=cfg, sink_tokens=sink) for c in quant}
+    # keep_decoded: identical numbers (decoding is deterministic), each unit decoded once instead of every chunk
+    caches = {c.name: KVCodecCache(c, config=cfg, sink_tokens=sink, keep_decoded=True) for c in quant}
     acc = {c.name: {"nll_sum": 0.0, "n": 0, "kl_sum": 0.0, "top1": 0} for c in [*codecs, REF]}
     t = ids.shape[-1]
     with torch.no_grad():
@@ -204,8 +205,8 @@ def chunked_eval(model, ids: torch.Tensor, codecs: list[Codec], chunk: int, sink
                     a["kl_sum"] += (lp_ref.exp() * (lp_ref - lp)).sum().item()
                     a["top1"] += int((lp.argmax(-1) == top_ref).sum())
                 a["n"] += m
-            if progress:
-                progress(e, t)
+            if progress and (e // chunk) % 8 == 0 or e == t:
+                progress and progress(f"  {e}/{t} tokens")
     return acc
 
 
@@ -275,7 +276,7 @@ def run_fidelity(model: str = SYNTHETIC, kv_dtypes: str | None = None, context: 
         acc = {c.name: {"nll_sum": 0.0, "n": 0, "kl_sum": 0.0, "top1": 0} for c in [*codecs, REF]}
         for w, ids_w in enumerate(windows_ids):
             log(f"chunked perplexity, window {w + 1}/{len(windows_ids)} ...")
-            part = chunked_eval(lm, ids_w, codecs, chunk, sink)
+            part = chunked_eval(lm, ids_w, codecs, chunk, sink, progress=log)
             for name, a in part.items():
                 for k in a:
                     acc[name][k] += a[k]

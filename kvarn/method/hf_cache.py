@@ -27,10 +27,14 @@ def _nbytes(t) -> int:
 class CodecLayer(DynamicLayer):
     is_croppable = False
 
-    def __init__(self, codec: Codec, sink_tokens: int = 0):
+    def __init__(self, codec: Codec, sink_tokens: int = 0, keep_decoded: bool = False):
         super().__init__()
         self.codec = codec
         self.sink_tokens = int(sink_tokens)
+        # keep_decoded: also hold each unit's decoded copy so it is decoded once, not on every step. Decoding is
+        # deterministic, so results are identical; it trades the memory saving for speed (fidelity runs).
+        self.keep_decoded = keep_decoded
+        self.decoded: list[tuple] = []
         self.payloads: list[dict] = []
         self.sink_k = self.sink_v = None
         self.length = 0
@@ -67,10 +71,16 @@ class CodecLayer(DynamicLayer):
     def read(self):
         """The whole cache as the attention sees it: decoded units + 16-bit tail (+ 16-bit sink)."""
         ks, vs = [], []
-        for p in self.payloads:
-            k, v = self.codec.decode(p)
-            ks.append(k.to(self.dtype))
-            vs.append(v.to(self.dtype))
+        for i, p in enumerate(self.payloads):
+            if i < len(self.decoded):
+                k, v = self.decoded[i]
+            else:
+                k, v = self.codec.decode(p)
+                k, v = k.to(self.dtype), v.to(self.dtype)
+                if self.keep_decoded:
+                    self.decoded.append((k, v))
+            ks.append(k)
+            vs.append(v)
         k = torch.cat(ks + [self.keys], -2)
         v = torch.cat(vs + [self.values], -2)
         if self.sink_k is not None:
@@ -83,12 +93,13 @@ class CodecLayer(DynamicLayer):
         return self.length
 
     def reset(self) -> None:
-        self.payloads, self.sink_k, self.sink_v, self.length = [], None, None, 0
+        self.payloads, self.decoded, self.sink_k, self.sink_v, self.length = [], [], None, None, 0
         self.keys = self.values = None
         self.is_initialized = False
 
     def memory_bytes(self) -> dict:
         return {"packed": sum(payload_bytes(p) for p in self.payloads),
+                "decoded": sum(_nbytes(k) + _nbytes(v) for k, v in self.decoded),
                 "tail": _nbytes(self.keys) + _nbytes(self.values),
                 "sink": _nbytes(self.sink_k) + _nbytes(self.sink_v)}
 
@@ -102,7 +113,8 @@ class CodecLayer(DynamicLayer):
 class KVCodecCache(Cache):
     """Cache for `num_layers` decoder layers storing K/V with `codec` (a name or a Codec)."""
 
-    def __init__(self, codec: str | Codec, num_layers: int | None = None, config=None, sink_tokens: int | None = None):
+    def __init__(self, codec: str | Codec, num_layers: int | None = None, config=None, sink_tokens: int | None = None,
+                 keep_decoded: bool = False):
         if isinstance(codec, str):
             codec = get_codec(codec)
         if num_layers is None:
@@ -115,13 +127,14 @@ class KVCodecCache(Cache):
             raise KvarnError(f"sink tokens must be >= 0, got {sink_tokens}")
         self.codec, self.sink_tokens = codec, int(sink_tokens)
         ident = IdentityCodec("auto", codec.fmt)
-        layers = [CodecLayer(ident if codec.is_16bit_layer(i, num_layers) else codec, self.sink_tokens)
+        layers = [CodecLayer(ident if codec.is_16bit_layer(i, num_layers) else codec, self.sink_tokens, keep_decoded)
                   for i in range(num_layers)]
         super().__init__(layers=layers)
 
     def memory_bytes(self) -> dict:
-        """Bytes held now: packed (encoded units), tail (16-bit unfinished tile), sink, total."""
-        out = {"packed": 0, "tail": 0, "sink": 0}
+        """Bytes held now: packed (encoded units), tail (16-bit unfinished tile), sink, decoded (keep_decoded
+        copies; 0 by default), total."""
+        out = {"packed": 0, "decoded": 0, "tail": 0, "sink": 0}
         for layer in self.layers:
             for k, b in layer.memory_bytes().items():
                 out[k] += b

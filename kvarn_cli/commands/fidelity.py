@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
         perplexity through a quantized transformers cache, its change vs fp16, next-token KL and top-1 agreement."""
         from kvarn.method.fidelity import run_fidelity
 
-        log = None if json_ else (lambda m: err(m))
+        log = lambda m: err(m)  # noqa: E731  progress goes to stderr, JSON to stdout
         results, info = run_fidelity(model=model, kv_dtypes=kv_dtype, context=context, chunk=chunk, text=text,
                                      device=device, sink=sink, windows=windows, start_char=start_char, log=log)
         if out_dir:
