@@ -28,7 +28,7 @@ def test_every_registry_name_and_ablation_has_a_codec():
     for n in REGISTRY:
         assert n in names
         assert get_codec(n).fmt is get_format(n)
-    for suffix in ("norot", "nobal", "lastiter"):
+    for suffix in ("norot", "nobal", "lastiter", "konly", "vonly"):
         c = get_codec(f"kvarn_k4v2_g128-{suffix}")
         assert c.fmt.name == "kvarn_k4v2_g128" and c.name.endswith(suffix)
         assert f"kvarn_k4v2_g128-{suffix}" not in REGISTRY  # ablations are not vLLM dtypes
@@ -130,6 +130,10 @@ def test_ablations_lose_where_their_part_matters():
     assert _rel(vf, v) < 0.8 * _rel(vr, v)
     kl, _ = get_codec("kvarn_k2v2_g128-lastiter").roundtrip(k, v)
     assert kl.shape == k.shape
+    ko, vo = get_codec("kvarn_k2v2_g128-konly").roundtrip(k, v)
+    assert torch.equal(ko, kf) and torch.equal(vo, v)
+    ko, vo = get_codec("kvarn_k2v2_g128-vonly").roundtrip(k, v)
+    assert torch.equal(ko, k) and torch.equal(vo, vf)
 
 
 def test_bit_packing_roundtrip():

@@ -6,7 +6,8 @@ A codec turns K/V `[..., T, D]` into a stored payload (real packed bytes) and ba
 partial tile 16-bit (as in serving). `bytes_per_token_per_head(D)` is vLLM's page accounting (kvarn.formats).
 
 Names: every kvarn.formats name (and alias), plus ablations of KVarN that are not vLLM dtypes:
-`kvarn_k4v2_g128-norot`, `-nobal`, `-lastiter` (any KVarN preset accepts these suffixes).
+`kvarn_k4v2_g128-norot`, `-nobal`, `-lastiter`, and the diagnostics `-konly` / `-vonly` (only keys / only
+values quantized); any KVarN preset accepts these suffixes.
 TurboQuant follows vLLM 0.26 (facts, not code): Hadamard rotation of the unit-normalized key, per-coordinate
 Lloyd-Max centroids for N(0, 1/D), fp16 norm, optional norm correction (`_nc`), fp8 keys for k8v4, values
 uniform asymmetric per head vector with fp16 scale and zero, no QJL; first/last 2 layers stay 16-bit.
@@ -23,7 +24,9 @@ from ..formats import REGISTRY, KVFormat, get_format
 from .hadamard import hadamard
 from .reference import dequantize_tiles, quantize_tiles, sanitize
 
-ABLATIONS = {"norot": dict(rotate=False), "nobal": dict(balance=False), "lastiter": dict(keep_best=False)}
+ABLATIONS = {"norot": dict(rotate=False), "nobal": dict(balance=False), "lastiter": dict(keep_best=False),
+             # diagnostics: quantize only the keys (values stay as given) or only the values
+             "konly": dict(only="k"), "vonly": dict(only="v")}
 FP8_MAX = 448.0  # e4m3fn; vLLM's fp8 cache write saturates (scale 1.0)
 
 
@@ -170,9 +173,10 @@ class TurboQuantCodec(Codec):
 
 
 class KvarnCodec(Codec):
-    def __init__(self, name, fmt, **opts):
+    def __init__(self, name, fmt, only: str | None = None, **opts):
         super().__init__(name, fmt)
         self.tile = fmt.group
+        self.only = only  # "k" / "v": the other tensor is kept as given (diagnostic ablations)
         self.opts = opts  # ablation switches of quantize_tiles
         self.rotated_decode = opts.get("rotate", True) is False  # no rotation: records hold the original basis
 
@@ -180,13 +184,21 @@ class KvarnCodec(Codec):
         *lead, t, d = k.shape
         n, g = t // self.tile, self.tile
         rec = quantize_tiles(k.reshape(*lead, n, g, d), v.reshape(*lead, n, g, d), self.fmt, **self.opts)
-        return {"rec": rec, "d": d}
+        p = {"rec": rec, "d": d}
+        if self.only:
+            p["raw"] = v if self.only == "k" else k
+        return p
 
     def decode(self, p):
         rec, d = p["rec"], p["d"]
         k, v = dequantize_tiles(rec, self.fmt, d, rotated=self.rotated_decode)
         lead = rec.shape[:-2]
-        return k.reshape(*lead, -1, d), v.reshape(*lead, -1, d)
+        k, v = k.reshape(*lead, -1, d), v.reshape(*lead, -1, d)
+        if self.only == "k":
+            v = p["raw"].float()
+        elif self.only == "v":
+            k = p["raw"].float()
+        return k, v
 
 
 def codec_names() -> list[str]:
