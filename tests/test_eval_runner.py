@@ -224,6 +224,9 @@ def test_plan_validation():
     (["eval", "gsm8k", "--samples", "0"], "--samples must be >= 1"),
     (["eval", "aime25", "--engine", "hf"], "--data aime25.jsonl"),
     (["eval", "ppl", "--harness", "nope"], "unknown --harness"),
+    (["eval"], "give a task"),
+    (["eval", "ppl", "--kv-dtype", "int3"], "unknown kv dtype"),
+    (["eval", "ppl", "--samples", "4"], "--samples applies to generation tasks"),
 ])
 def test_cli_bad_input_exit_2(args, needle, tmp_path):
     r = run_cli(*args, "--out", str(tmp_path), env={"HF_HUB_OFFLINE": "1"})
