@@ -95,7 +95,8 @@ def test_vllm_generate_stream_and_failures(tmp_path, fake_vllm):
     assert by["auto"]["status"] == "ok" and by["auto"]["n"] == 2 and by["auto"]["mean_gen_tokens"] == 3
     assert by["kvarn_k2v2_g128"]["status"] == "oom" and "out of memory" in by["kvarn_k2v2_g128"]["error"]
     calls = [json.loads(x) for x in fake_vllm.read_text().splitlines()]
-    assert calls[0]["max_model_len"] >= 300 and "max_num_batched_tokens" in calls[0]  # niah: 512-token chunks
+    assert calls[0]["max_model_len"] >= 300 and calls[0]["max_num_batched_tokens"] == 512  # niah: 512-token chunks
+    assert calls[0]["max_num_seqs"] <= calls[0]["max_num_batched_tokens"]
     s = ResultsStore(tmp_path / "res").read("sample")
     assert len(s) == 4 and set(s["finish_reason"]) == {"stop"}
 

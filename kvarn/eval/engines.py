@@ -260,9 +260,12 @@ class VLLMEngine:
         if self.cfg.max_model_len:
             a["max_model_len"] = self.cfg.max_model_len
         if chunk:
+            # vLLM requires max_num_batched_tokens >= max_num_seqs: a small prefill budget caps the batch too
+            seqs = max_num_seqs or min(256, chunk)
             a["enable_chunked_prefill"] = True
-            a["max_num_batched_tokens"] = max(chunk, max_num_seqs or 1)
-        if max_num_seqs:
+            a["max_num_batched_tokens"] = max(chunk, seqs)
+            a["max_num_seqs"] = seqs
+        elif max_num_seqs:
             a["max_num_seqs"] = max_num_seqs
         a.update(self.cfg.extra)
         return a

@@ -19,8 +19,10 @@ free_gpu() { for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,nohea
 step() {  # name, seconds, kvarn eval args...
   local name=$1 secs=$2; shift 2
   log "$name: kvarn eval $*"
+  # each kv dtype's engine gets half the step minus a margin, so a stuck engine becomes a timeout row
+  local per; per=$(awk -v s="$secs" 'BEGIN { printf "%.2f", (s - 12) / 2 / 60 }')
   timeout -k 5 "$secs" python3 -m kvarn_cli.app eval "$@" --model smollm2-135m --weights "$SMOL" --out "$RES" \
-    --timeout-min 3 >"$OUT/eval_$name.out" 2>"$OUT/eval_$name.err"
+    --timeout-min "$per" >"$OUT/eval_$name.out" 2>"$OUT/eval_$name.err"
   local rc=$?
   echo "$name rc=$rc $(( $(date +%s) - T0 ))s" >>"$OUT/eval_status.txt"
   tail -n 3 "$OUT/eval_$name.err" | sed "s/^/  [$name] /"
