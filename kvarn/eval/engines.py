@@ -241,6 +241,24 @@ class VLLMConfig:
     extra: dict = field(default_factory=dict)
 
 
+def _end_group(proc: subprocess.Popen, leftovers_only: bool = False) -> None:
+    """End the worker's process group (and its GPU processes), with the bench engine's helper when present."""
+    try:
+        from ..bench.process import kill_group, session_members
+    except ImportError:
+        kill_group = session_members = None
+    if kill_group is not None:
+        if not leftovers_only or session_members(proc.pid):
+            kill_group(proc, grace_s=2.0)
+        return
+    if leftovers_only:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 class VLLMEngine:
     """One `python -m kvarn.eval.vllm_worker` subprocess per kv dtype; results stream back line by line."""
 
@@ -287,10 +305,7 @@ class VLLMEngine:
 
             def kill():
                 timed_out.set()
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                _end_group(proc)
 
             timer = threading.Timer(self.cfg.timeout_s, kill)
             timer.start()
@@ -303,9 +318,10 @@ class VLLMEngine:
                 proc.wait()
             finally:
                 timer.cancel()
-                if proc.poll() is None:
-                    kill()
-                    proc.wait()
+                if proc.poll() is None:  # interrupted (Ctrl-C) or the stream broke: free the GPU before leaving
+                    _end_group(proc)
+                proc.wait()
+                _end_group(proc, leftovers_only=True)  # an engine core left behind keeps GPU memory
         if timed_out.is_set():
             raise EngineError(f"vLLM run for {fmt.name} passed its {self.cfg.timeout_s:.0f} s limit (log: {log})",
                               "timeout")
