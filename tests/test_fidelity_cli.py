@@ -60,3 +60,16 @@ def test_attention_metrics_order_on_synthetic():
     assert info["layers"] == 8 and info["context"] == 256
     lay = synthetic_kv(layers=1, t=200)[0]
     assert lay.q.shape[1] == len(lay.pos) and int(lay.pos.min()) >= 128 and int(lay.pos.max()) == 199
+
+
+def test_text_loader(tmp_path):
+    from kvarn.errors import KvarnError
+    from kvarn.method.textdata import load_text
+
+    t = load_text()
+    assert t.startswith("CHAPTER 1. Loomings.") and 59_000 < len(t) <= 60_000
+    f = tmp_path / "t.txt"
+    f.write_text("hello", encoding="utf-8")
+    assert load_text(f) == "hello"
+    with pytest.raises(KvarnError):
+        load_text(tmp_path / "missing.txt")

@@ -66,13 +66,13 @@ def load_model(name_or_path: str, device: str = "cpu", dtype=None):
         import transformers  # noqa: F401
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError:
-        raise KvarnError(f"loading a model needs transformers; install it with: {DATA_FIX}") from None
+        raise KvarnError(f"loading a model needs transformers; install it with: {PIP_FIX}") from None
     kw = {}
     if name_or_path.strip().lower() in (SMOLLM2, "smollm2", "smollm2-135m-instruct"):
         f = smollm2_gguf()
         src, kw["gguf_file"] = str(f.parent), f.name
         if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
-            raise KvarnError(f"loading a GGUF model needs the packages gguf and accelerate; install them with: {DATA_FIX}")
+            raise KvarnError(f"loading a GGUF model needs the packages gguf and accelerate; install them with: {PIP_FIX}")
     else:
         p = Path(name_or_path)
         if not (p.is_dir() and (p / "config.json").is_file()):
