@@ -34,8 +34,9 @@ class _Engine:
     def add_request(self, rid, prompt, params):
         self.delta = params.output_kind == "delta"
         assert all(0 <= t < 50 for t in prompt["prompt_token_ids"])
-        self.reqs[rid + "-x"] = [0, params.max_tokens]
-        return rid + "-x"
+        # like vLLM 0.26: an internal id with a random suffix is returned, outputs carry the caller's id
+        self.reqs[rid] = [0, params.max_tokens]
+        return rid + "-1a2b3c4d"
     def has_unfinished_requests(self):
         return any(n < m for n, m in self.reqs.values())
     def step(self):
@@ -45,7 +46,8 @@ class _Engine:
             if st[0] < st[1]:
                 st[0] += 1
                 ids = [7] if self.delta else list(range(st[0]))
-                outs.append(SimpleNamespace(request_id=rid, finished=st[0] == st[1],
+                shown = "lost" if os.environ.get("FAKE_VLLM_LOSE") and rid == "0" else rid
+                outs.append(SimpleNamespace(request_id=shown, finished=st[0] == st[1],
                                             outputs=[SimpleNamespace(token_ids=ids)]))
         return outs
 
@@ -96,6 +98,12 @@ def test_worker_offline_metrics_capacity_and_args(fake_vllm):
     log = Path(_cell(fake_vllm).log_path).read_text()
     assert "[kvarn] LLM(" in log
     assert not (Path(_cell(fake_vllm).log_path).parent / f"{Path(_cell(fake_vllm).log_path).stem}.work" / "model").exists()
+
+
+def test_lost_requests_fail_the_row(fake_vllm, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_LOSE", "1")
+    res = VllmEngine().run(_cell(fake_vllm), timeout_s=60)
+    assert res.status == "failed" and "only 2 of 3 requests completed" in res.error
 
 
 def test_worker_oom_becomes_an_oom_row(fake_vllm, monkeypatch):

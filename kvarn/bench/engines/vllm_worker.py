@@ -110,8 +110,9 @@ def run_offline(spec: dict) -> dict:
     start = time.perf_counter()
     try:
         for i, p in enumerate(prompts):  # the whole burst at once, as LLM.generate would submit it
-            rid = engine.add_request(str(i), {"prompt_token_ids": p}, params)
-            recs[str(rid)] = RequestRecord(prompt_len=len(p), start=start)
+            engine.add_request(str(i), {"prompt_token_ids": p}, params)
+            # keyed by our (external) id: vLLM returns an internal id with a random suffix, outputs carry ours
+            recs[str(i)] = RequestRecord(prompt_len=len(p), start=start)
     except (TypeError, AttributeError, NotImplementedError) as e:
         if recs:
             raise
@@ -122,7 +123,7 @@ def run_offline(spec: dict) -> dict:
         outs = engine.step()
         now = time.perf_counter()
         for o in outs:
-            r = recs.get(str(o.request_id))
+            r = recs.get(str(o.request_id)) or recs.get(str(o.request_id).rsplit("-", 1)[0])
             if r is None:
                 continue
             n = len(o.outputs[0].token_ids) if o.outputs else 0
@@ -149,6 +150,10 @@ def run_offline(spec: dict) -> dict:
     metrics.update(peak_running=peak_running, peak_waiting=peak_waiting, kv_usage_peak=kv_usage,
                    preemptions=vals.get("vllm:num_preemptions", vals.get("vllm:num_preemptions_total", float("nan"))))
     info["vllm_kwargs"] = json.dumps(kwargs, default=str, sort_keys=True)
+    done = sum(r.success for r in recs.values())
+    if done < len(recs):  # a run that lost requests must not pass as a throughput figure
+        return {"status": "failed", "error": f"only {done} of {len(recs)} requests completed", "metrics": metrics,
+                "info": info}
     return {"status": "ok", "error": "", "metrics": metrics, "info": info}
 
 
