@@ -222,10 +222,11 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
                  "timeout_min": b.get("timeout_min"), "args": [str(a) for a in b.get("args", []) or []]}
         for m in models:
             ctx = resolve_model(m["name"]).max_context
-            for burst in bench["bursts"]:
-                if burst + bench["output_len"] > ctx:
-                    raise KvarnError(f"{where}: bench burst {burst} + output_len {bench['output_len']} exceeds "
-                                     f"{m['name']}'s context of {ctx} tokens")
+            for burst in bench["bursts"]:  # a burst is the whole context per request (prompt + output), as in bench
+                if burst > ctx:
+                    raise KvarnError(f"{where}: bench burst {burst} exceeds {m['name']}'s context of {ctx} tokens")
+                if bench["output_len"] >= burst:
+                    raise KvarnError(f"{where}: bench output_len {bench['output_len']} leaves no prompt in burst {burst}")
     ev = None
     if data.get("eval") is not None:
         e = data["eval"]
