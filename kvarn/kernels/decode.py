@@ -62,7 +62,9 @@ class DecodeConfig:
                 f"x{self.split_mult:g}" + (f"r{self.maxnreg}" if self.maxnreg else ""))
 
 
-DEFAULT_CONFIG = DecodeConfig()
+# H200 sweep, 2026-11-29 (B=64, ctx 16384, 32/8 heads, D=128, k4v2_g128): w4 s1 1.97 ms, + register cap 128 1.39 ms
+# (more resident programs per SM), s3 1.45 ms, w8 2.80-3.90 ms; split count 1/4/8/auto within 8%.
+DEFAULT_CONFIG = DecodeConfig(maxnreg=128)
 # the --sweep table (every entry a separate compile, ~5-10 s each on the device)
 # (offline sm_90 compile, k4v2_g128 D=128: stages 1 -> 168 registers, no spills; stages 2 -> 246: the pipeliner
 #  keeps the next tile in registers; 8 warps stages 2 -> 210)
