@@ -20,6 +20,8 @@ ints, no sync.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 
@@ -29,7 +31,34 @@ from .common import as_format, check_cache, layout
 from .decode import DecodeConfig, check_tail, effective_config, group_geometry, run_attention
 
 ROWS_PER_PROGRAM = 64  # M rows (query tokens x group heads) per program
-PREFILL_CONFIG = DecodeConfig(unpack=2, ksplit=2, vsplit=1, num_warps=8, num_stages=1)  # offline sm_90: 255 regs, 92 B spill (w4: 964 B)
+# 4 warps: one Hopper warpgroup for the 64-row wgmma tiles (offline sm_90 compile: 255 regs, ~950 B spill). 8 warps
+# at 64 rows (e0de6e5) make Triton (3.6 and 3.9) lay the chained QK/PV dots out as warpsPerCTA [8, 1] over 64 rows
+# (the second warpgroup a broadcast copy of the first) with a [4, 2] layout for the last PV dot and mma -> mma
+# conversions between them; the H200 microbench (compiled) gave rel. err 1.09 with it while the 16-row decode tiles
+# (mma.sync, no wgmma) were right. The interpreter has no layouts, so only the GPU tests can show it (see
+# max_warps_for_rows, tests/test_kernels_gpu.py::test_gpu_prefill_microbench_shape*).
+PREFILL_CONFIG = DecodeConfig(unpack=2, ksplit=2, vsplit=1, num_warps=4, num_stages=1)
+
+
+def max_warps_for_rows(bm: int) -> int:
+    """Most warps a program of `bm` rows may use: every warp owns >= 16 distinct rows of the dot tiles (Triton puts
+    the warps of chained dots along M, 16 rows each; more warps than bm/16 broadcast whole warpgroups over the same
+    rows, the layout suspected of the wrong H200 prefill output). Below 64 rows (mma.sync, decode's 16-row
+    tiles) 4 warps."""
+    return max(4, bm // 16)
+
+
+def prefill_geometry(max_query_len: int, gp: int, cfg: DecodeConfig = PREFILL_CONFIG,
+                     rows_per_program: int = ROWS_PER_PROGRAM) -> tuple[int, int, DecodeConfig]:
+    """(BQ query tokens per program, BM rows, config with num_warps capped by max_warps_for_rows(BM)) for a
+    prefill launch; host ints only."""
+    bq = max(1, rows_per_program // gp)
+    bq = min(bq, triton.next_power_of_2(max(1, int(max_query_len))))
+    bm = max(16, bq * gp)
+    warps = min(cfg.num_warps, max_warps_for_rows(bm))
+    if warps != cfg.num_warps:
+        cfg = replace(cfg, num_warps=warps)
+    return bq, bm, cfg
 
 
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
@@ -56,8 +85,15 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.T
         q = q.contiguous()
     if B == 0 or Nq == 0 or max_query_len <= 0:
         return out
-    bq = max(1, ROWS_PER_PROGRAM // gp)
-    bq = min(bq, triton.next_power_of_2(int(max_query_len)))
-    cfg = effective_config(PREFILL_CONFIG, q.device)
+    return _launch_prefill(q, cache, block_table, query_start_loc, seq_lens, tail_k, tail_v, tail_slots, out, lay,
+                           group, gp, scale, max_query_len, PREFILL_CONFIG, ROWS_PER_PROGRAM)
+
+
+def _launch_prefill(q, cache, block_table, query_start_loc, seq_lens, tail_k, tail_v, tail_slots, out, lay, group,
+                    gp, scale, max_query_len, cfg: DecodeConfig, rows_per_program: int, *, cap_warps: bool = True):
+    """The launches behind prefill_attention with an explicit config / rows per program (GPU tests compare
+    variants; cap_warps=False reproduces an uncapped layout for diagnosis only)."""
+    bq, bm, capped = prefill_geometry(max_query_len, gp, cfg, rows_per_program)
+    cfg = effective_config(capped if cap_warps else cfg, q.device)
     return run_attention(q, cache, block_table, seq_lens, query_start_loc, tail_k, tail_v, tail_slots, out, lay,
                          group, gp, scale, 1, cfg, prefill=True, bq=bq, q_blocks=triton.cdiv(int(max_query_len), bq))
