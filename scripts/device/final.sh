@@ -5,7 +5,8 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 COLUMNS=200
-timeout 60 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k prefill -p no:cacheprovider -x 2>&1 | tail -n 4
+timeout 60 python3 -m pytest -q -m gpu -rsx -p no:cacheprovider "tests/test_kernels_gpu.py::test_gpu_prefill_microbench_shape" \
+  "tests/test_kernels_gpu.py::test_gpu_prefill_microbench_shape_e0de6e5_diagnosis[2]" 2>&1 | tail -n 6
 timeout 45 kvarn microbench decode --batch 64 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 \
   --kv-dtype kvarn_k4v2_g128 --check --json 2>"$OUT/mb_decode.err" | tail -n 1 > "$OUT/mb_decode.json"
 timeout 30 kvarn microbench prefill --batch 4 --context 8192 --q-heads 32 --kv-heads 8 --head-dim 128 --chunk 512 \
