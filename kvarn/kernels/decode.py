@@ -235,25 +235,32 @@ def tuned_entries() -> dict:
     return {k: (c.name, s) for k, (c, s) in _TUNED.items()}
 
 
-def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                     tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor, fmt: KVFormat | str,
-                     scale: float, num_splits: int | None = None, out: torch.Tensor | None = None, *,
-                     config: DecodeConfig | None = None) -> torch.Tensor:
-    fmt = as_format(fmt)
+
+def check_attention_args(q, cache, block_table, tail_k, tail_v, fmt, batch: int, out, rows: str):
+    """Checks shared by decode and prefill; returns (q contiguous in D, out, layout, Hk, group, padded group)."""
     if q.dim() != 3:
-        raise KvarnError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
-    B, Hq, D = q.shape
-    lay = layout(fmt, D)
+        raise KvarnError(f"q must be [{rows}, Hq, D], got {tuple(q.shape)}")
+    _, Hq, D = q.shape
+    lay = layout(as_format(fmt), D)
     check_cache(cache, lay)
     Hk = cache.shape[1]
     group, gp = group_geometry(Hq, Hk)
     check_tail(tail_k, tail_v, Hk, lay.g, D)
-    if block_table.dim() != 2 or block_table.shape[0] != B:
-        raise KvarnError(f"block_table must be [B={B}, max_blocks], got {tuple(block_table.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise KvarnError(f"block_table must be [B={batch}, max_blocks], got {tuple(block_table.shape)}")
     if out is None:
         out = torch.empty_like(q)
     if q.stride(-1) != 1:
         q = q.contiguous()
+    return q, out, lay, Hk, group, gp
+
+
+def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor, fmt: KVFormat | str,
+                     scale: float, num_splits: int | None = None, out: torch.Tensor | None = None, *,
+                     config: DecodeConfig | None = None) -> torch.Tensor:
+    B = q.shape[0] if q.dim() == 3 else -1
+    q, out, lay, Hk, group, gp = check_attention_args(q, cache, block_table, tail_k, tail_v, fmt, B, out, "B")
     if B == 0:
         return out
     max_blocks = block_table.shape[1]

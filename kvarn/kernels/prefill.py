@@ -27,8 +27,7 @@ import triton
 
 from ..errors import KvarnError
 from ..formats import KVFormat
-from .common import as_format, check_cache, layout
-from .decode import DecodeConfig, check_tail, effective_config, group_geometry, run_attention
+from .decode import DecodeConfig, check_attention_args, effective_config, run_attention
 
 ROWS_PER_PROGRAM = 64  # M rows (query tokens x group heads) per program
 # 4 warps: one Hopper warpgroup for the 64-row wgmma tiles (offline sm_90 compile: 255 regs, ~950 B spill). 8 warps
@@ -65,24 +64,11 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.T
                       seq_lens: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor,
                       fmt: KVFormat | str, scale: float, max_query_len: int,
                       out: torch.Tensor | None = None) -> torch.Tensor:
-    fmt = as_format(fmt)
-    if q.dim() != 3:
-        raise KvarnError(f"q must be [Nq, Hq, D], got {tuple(q.shape)}")
-    Nq, Hq, D = q.shape
-    lay = layout(fmt, D)
-    check_cache(cache, lay)
-    Hk = cache.shape[1]
-    group, gp = group_geometry(Hq, Hk)
-    check_tail(tail_k, tail_v, Hk, lay.g, D)
     B = seq_lens.shape[0]
     if query_start_loc.shape != (B + 1,):
         raise KvarnError(f"query_start_loc must be [B+1={B + 1}], got {tuple(query_start_loc.shape)}")
-    if block_table.dim() != 2 or block_table.shape[0] != B:
-        raise KvarnError(f"block_table must be [B={B}, max_blocks], got {tuple(block_table.shape)}")
-    if out is None:
-        out = torch.empty_like(q)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, out, lay, Hk, group, gp = check_attention_args(q, cache, block_table, tail_k, tail_v, fmt, B, out, "Nq")
+    Nq = q.shape[0]
     if B == 0 or Nq == 0 or max_query_len <= 0:
         return out
     return _launch_prefill(q, cache, block_table, query_start_loc, seq_lens, tail_k, tail_v, tail_slots, out, lay,
