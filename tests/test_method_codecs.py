@@ -60,7 +60,7 @@ def test_roundtrip_shapes_errors_and_bytes(name):
     p = c.encode(k, v)
     per = payload_bytes(p) / (2 * 3 * 256)
     if c.fmt.family == "fp16":
-        assert per == 2 * 64 * 4  # identity keeps the fp32 input as given
+        assert per == 2 * 64 * 2 == c.bytes_per_token_per_head(64)  # 16-bit, even when the input is fp32
     elif c.fmt.family == "turboquant":
         assert per + (per % 2) == c.bytes_per_token_per_head(64)  # vLLM pads the slot to an even size
     else:

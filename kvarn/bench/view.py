@@ -81,7 +81,8 @@ def _median(vals):
     return statistics.median(vals) if vals else float("nan")
 
 
-def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians over ok repeats)") -> Table:
+def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians over ok repeats)",
+                  width: int | None = None) -> Table:
     """One line per configuration: status counts, medians, ratios vs the FP16 row of the same group."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
@@ -101,21 +102,39 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
         ref = m if m["kv_dtype"] in FP16_NAMES else fp16_reference({**m, "run_id": None}, med)
         m.update(ratios(m, ref))
     models = sorted({str(m["model"]) for m in med})
-    one = len(models) == 1
-    t = Table(title=title + (f": {models[0]}" if one else ""))
-    cols = (() if one else ("model",)) + ("TP", "burst", "kv dtype", "ok/runs", "out tok/s", "total tok/s", "x fp16 tok/s", "KV tokens",
-            "x fp16 KV", "max reqs@burst", "peak running", "preempt", "TTFT p50 ms", "TPOT p50 ms", "start s", "error")
-    for c in cols:
-        t.add_column(c, justify="left" if c in ("model", "kv dtype", "error") else "right",
-                     no_wrap=c not in ("error", "model"), overflow="fold")
+    rows_out = []
     for m in med:
         kv = _f(m.get("kv_tokens"), "{:,.0f}")
         if kv == "-" and _f(m.get("kv_cache_gib")) != "-":
             kv = f"{float(m['kv_cache_gib']) * 1024:,.1f} MiB"
-        t.add_row(*(() if one else (str(m["model"]).split("/")[-1],)), str(m["tp"]), f"{m['burst']:,}", m["kv_dtype"],
-                  f"{m['n_ok']}/{m['n']}", _f(m["output_tok_s"]), _f(m["total_tok_s"]),
-                  _f(m["output_tok_s_ratio_vs_fp16"], "{:.2f}x"), kv, _f(m["kv_ratio_vs_fp16"], "{:.2f}x"),
-                  _f(m["max_concurrency"]), _f(m["peak_running"], "{:.0f}"), _f(m["preemptions"], "{:.0f}"),
-                  _f(m["ttft_ms_p50"]), _f(m["tpot_ms_p50"], "{:.2f}"), _f(m["engine_start_s"]),
-                  "" if m["status"] == "ok" else f"{m['status']}: {m.get('error', '')}"[:120])
+        rows_out.append({
+            "model": str(m["model"]).split("/")[-1], "TP": str(m["tp"]), "burst": f"{m['burst']:,}",
+            "kv dtype": m["kv_dtype"], "ok/runs": f"{m['n_ok']}/{m['n']}", "out tok/s": _f(m["output_tok_s"]),
+            "total tok/s": _f(m["total_tok_s"]), "x fp16 tok/s": _f(m["output_tok_s_ratio_vs_fp16"], "{:.2f}x"),
+            "KV tokens": kv, "x fp16 KV": _f(m["kv_ratio_vs_fp16"], "{:.2f}x"),
+            "max reqs@burst": _f(m["max_concurrency"]), "peak running": _f(m["peak_running"], "{:.0f}"),
+            "preempt": _f(m["preemptions"], "{:.0f}"), "TTFT p50 ms": _f(m["ttft_ms_p50"]),
+            "TPOT p50 ms": _f(m["tpot_ms_p50"], "{:.2f}"), "start s": _f(m["engine_start_s"]),
+            "error": "" if m["status"] == "ok" else f"{m['status']}: {m.get('error', '')}"[:120]})
+    # what is the same on every row goes in the title, what is empty everywhere is left out: the table stays
+    # readable in an 80-column terminal
+    fixed = [c for c in ("model", "TP", "burst") if len({r[c] for r in rows_out}) == 1]
+    title += "".join(f" | {c} {rows_out[0][c]}" for c in fixed) if rows_out else ""
+    cols = [c for c in (rows_out[0] if rows_out else {}) if c not in fixed
+            and any(r[c] not in ("-", "") for r in rows_out)]
+    if all(r["ok/runs"] == "1/1" for r in rows_out) and "ok/runs" in cols:
+        cols.remove("ok/runs")
+    # a narrow terminal drops the least-read columns first rather than folding every cell
+    need = lambda cs: sum(max(len(c), *(len(r[c]) for r in rows_out)) + 3 for c in cs) + 1  # noqa: E731
+    for c in ("start s", "preempt", "peak running", "max reqs@burst", "TTFT p50 ms", "total tok/s", "ok/runs"):
+        if width is None or not rows_out or need(cols) <= width:
+            break
+        if c in cols:
+            cols.remove(c)
+    t = Table(title=title)
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("model", "kv dtype", "error") else "right",
+                     no_wrap=c not in ("error", "model"), overflow="fold")
+    for r in rows_out:
+        t.add_row(*(r[c] for c in cols))
     return t

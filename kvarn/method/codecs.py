@@ -30,8 +30,17 @@ ABLATIONS = {"norot": dict(rotate=False), "nobal": dict(balance=False), "lastite
 FP8_MAX = 448.0  # e4m3fn; vLLM's fp8 cache write saturates (scale 1.0)
 
 
+def storage_bytes(t: torch.Tensor | None) -> int:
+    """Bytes a tensor occupies in the format: floating data wider than 16 bits counts as 16-bit (every format
+    here stores 16-bit or narrower; fp32 only appears because a CPU model computes in fp32)."""
+    if t is None:
+        return 0
+    size = min(t.element_size(), 2) if t.is_floating_point() else t.element_size()
+    return t.numel() * size
+
+
 def payload_bytes(payload: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in payload.values() if torch.is_tensor(t))
+    return sum(storage_bytes(t) for t in payload.values() if torch.is_tensor(t))
 
 
 def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:

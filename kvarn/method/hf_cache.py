@@ -17,11 +17,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..errors import KvarnError
-from .codecs import Codec, IdentityCodec, get_codec, payload_bytes
-
-
-def _nbytes(t) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+from .codecs import Codec, IdentityCodec, get_codec, payload_bytes, storage_bytes as _nbytes
 
 
 class CodecLayer(DynamicLayer):

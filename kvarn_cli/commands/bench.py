@@ -110,7 +110,7 @@ def register(app: typer.Typer) -> None:
             latest[(r["config_hash"], int(r["repeat"]))] = r  # an ok row wins over an older failure
         order = {(c.hash, c.repeat): i for i, c in enumerate(plan.cells)}
         final = sorted(latest.values(), key=lambda r: order[(r["config_hash"], int(r["repeat"]))])
-        out.print(summary_table(final))
+        out.print(summary_table(final, width=out.width))
         bad = [r for r in final if r["status"] != "ok"]
         out.print(f"{len(final) - len(bad)} ok, {len(bad)} not ok; rows in {plan.out}/parts, "
                   f"engine logs in {plan.out}/logs; `kvarn results {plan.out}` lists them")
