@@ -7,7 +7,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 
 from kvarn.errors import KvarnError  # noqa: E402
 from kvarn.method.codecs import get_codec  # noqa: E402
-from kvarn.method.fidelity import _cache_kwarg  # noqa: E402
+from kvarn.method.hf_cache import cache_kwarg as _cache_kwarg  # noqa: E402
 from kvarn.method.hf_cache import KVCodecCache  # noqa: E402
 
 

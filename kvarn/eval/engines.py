@@ -132,10 +132,9 @@ class HFEngine:
 
             model, tokenizer = load_model(src, device=self.device)
         self.model, self.tokenizer = model, tokenizer
-        import inspect
+        from ..method.hf_cache import cache_kwarg
 
-        params = inspect.signature(model.forward).parameters
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache_kw = cache_kwarg(model)
 
     def new_cache(self, fmt: KVFormat):
         try:

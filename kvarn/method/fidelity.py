@@ -12,7 +12,6 @@ Two measurements, all formats on identical tensors (kvarn.method.codecs):
 """
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import torch
 
 from ..errors import KvarnError
 from .codecs import Codec, IdentityCodec, parse_codecs
-from .hf_cache import KVCodecCache
+from .hf_cache import KVCodecCache, cache_kwarg
 
 DEFAULT_KV = ("auto", "fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
               "kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k2v2_g128")
@@ -107,12 +106,6 @@ def synthetic_kv(layers: int = 8, t: int = 1024, hkv: int = 2, hq: int = 8, d: i
     return out
 
 
-def _cache_kwarg(model) -> str:
-    """transformers 5.2x renamed `past_key_values` to `cache`; use whichever the model takes."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def capture_kv(model, ids: torch.Tensor, first: int = 128) -> list[LayerKV]:
     """One fp16-cache forward of ids [1, T]; Q (sampled positions), K, V of every attention layer."""
     from transformers import AttentionInterface
@@ -177,7 +170,7 @@ def chunked_eval(model, ids: torch.Tensor, codecs: list[Codec], chunk: int, sink
                  progress=None) -> dict[str, dict]:
     """Chunked perplexity of ids [1, T] for each codec, all in lockstep with the fp16 (identity) cache.
     Returns {name: {nll_sum, n, kl_sum, top1}} (sums over predicted positions); REF holds the fp16 cache's."""
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     cfg = model.config
     ref = KVCodecCache(IdentityCodec("auto", codecs[0].fmt), config=cfg, sink_tokens=0)
     quant = [c for c in codecs if not isinstance(c, IdentityCodec)]

@@ -20,6 +20,14 @@ from ..errors import KvarnError
 from .codecs import Codec, IdentityCodec, get_codec, payload_bytes, storage_bytes as _nbytes
 
 
+
+def cache_kwarg(model) -> str:
+    """The forward's cache argument: transformers 5.2x renamed `past_key_values` to `cache`."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class CodecLayer(DynamicLayer):
     is_croppable = False
 

@@ -83,11 +83,16 @@ def _cache_for(kv_dtype: str, model):
     return KVCodecCache(fmt.name, config=model.config), ""
 
 
-def _cache_kwarg(model) -> str:
-    """transformers >= 5.2x names the forward's cache argument `cache` (past_key_values is deprecated)."""
-    import inspect
+def _hf_cache():  # transformers is an extra: import the cache module only when the hf engine runs
+    from ...method import hf_cache
 
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return hf_cache
+
+
+def _codecs():
+    from ...method import codecs
+
+    return codecs
 
 
 def _cache_bytes(cache) -> float:
@@ -97,7 +102,7 @@ def _cache_bytes(cache) -> float:
     for layer in getattr(cache, "layers", []):
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
             if t is not None and hasattr(t, "numel"):
-                total += t.numel() * t.element_size()
+                total += _codecs().storage_bytes(t)
     return float(total)
 
 
@@ -171,7 +176,7 @@ class HfEngine(Engine):
                 ids = torch.tensor(chunk, dtype=torch.long, device=device)
                 t_send = time.perf_counter()  # later batches queue from the burst start, as in an engine
                 recs = [RequestRecord(prompt_len=len(p), start=start) for p in chunk]
-                ckw = _cache_kwarg(model)
+                ckw = _hf_cache().cache_kwarg(model)
                 out = model(input_ids=ids, use_cache=True, **{ckw: cache})
                 nxt = out.logits[:, -1].argmax(-1)
                 now = time.perf_counter()
