@@ -126,7 +126,8 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
         cols.remove("ok/runs")
     # a narrow terminal drops the least-read columns first rather than folding every cell
     need = lambda cs: sum(max(len(c), *(len(r[c]) for r in rows_out)) + 3 for c in cs) + 1  # noqa: E731
-    for c in ("start s", "preempt", "peak running", "max reqs@burst", "TTFT p50 ms", "total tok/s", "ok/runs"):
+    for c in ("start s", "preempt", "peak running", "max reqs@burst", "TTFT p50 ms", "total tok/s", "ok/runs",
+              "TPOT p50 ms"):
         if width is None or not rows_out or need(cols) <= width:
             break
         if c in cols:
