@@ -134,7 +134,8 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
             cols.remove(c)
     t = Table(title=title)
     for c in cols:
-        t.add_column(c, justify="left" if c in ("model", "kv dtype", "error") else "right",
+        header = "KV cache" if c == "KV tokens" and all(r[c].endswith("MiB") for r in rows_out) else c  # hf: bytes
+        t.add_column(header, justify="left" if c in ("model", "kv dtype", "error") else "right",
                      no_wrap=c not in ("error", "model"), overflow="fold")
     for r in rows_out:
         t.add_row(*(r[c] for c in cols))
