@@ -40,7 +40,7 @@ KNOWN_TASKS = ("ppl", "niah", "aime25", "gsm8k", "ruler")  # used only when kvar
 # How a suite field becomes a flag of `kvarn bench` / `kvarn eval` (one place to adapt if their CLIs change).
 BENCH_FLAGS = {"model": "--model", "weights": "--weights", "kv_dtype": "--kv-dtype", "tp": "--tp", "mode": "--mode",
                "burst": "--burst", "output_len": "--output-len", "requests": "--requests", "repeats": "--repeats",
-               "out": "--out", "resume": "--resume"}
+               "out": "--out"}  # bench always resumes finished cells (--force redoes them): no flag to pass
 EVAL_FLAGS = {"model": "--model", "weights": "--weights", "kv_dtype": "--kv-dtype", "tp": "--tp", "task": "--task",
               "samples": "--samples", "limit": "--limit", "context": "--context", "out": "--out", "resume": "--resume"}
 
@@ -279,8 +279,6 @@ def plan(suite: Suite, out: str | Path | None = None, *, resume: bool = False, o
                     argv += [f["kv_dtype"], kvs, f["tp"], str(tp), f["mode"], b["mode"], f["burst"], str(burst),
                              f["output_len"], str(b["output_len"]), f["requests"], str(b["requests"]),
                              f["repeats"], str(b["repeats"]), f["out"], out]
-                    if resume:
-                        argv.append(f["resume"])
                     argv += b["args"]
                     steps.append(Step("bench", f"bench {m['name']} TP={tp} burst {burst}", argv,
                                       len(suite.formats), len(suite.formats) * b["repeats"],

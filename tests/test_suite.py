@@ -31,7 +31,8 @@ def test_plan_is_the_cartesian_product():
     bench = [x for x in steps if x.kind == "bench"]
     evals = [x for x in steps if x.kind == "eval"]
     assert len(bench) == 3 * 2 and len(evals) == 3 * 2  # one subprocess per (model, TP, burst) / (model, TP, task)
-    assert bench[0].argv[:3] == ["bench", "--model", "qwen3-0.6b"] and "--resume" in bench[0].argv
+    assert bench[0].argv[:3] == ["bench", "--model", "qwen3-0.6b"] and "--resume" not in bench[0].argv  # its default
+    assert all("--resume" in e.argv for e in evals)
     assert bench[0].argv[bench[0].argv.index("--kv-dtype") + 1] == "auto,fp8,kvarn_k4v2_g128"
     assert sum(x.runs for x in bench) == s.bench_cells() * 3
     aime = [x for x in evals if "aime25" in x.argv]
@@ -61,7 +62,8 @@ def test_cli_dry_run_and_bad_file(tmp_path):
     assert r.returncode == 0, r.stderr
     cmds = [line for line in r.stdout.splitlines() if line.startswith("kvarn ")]
     assert len(cmds) == 3 and cmds[0].startswith("kvarn bench --model qwen3-0.6b")
-    assert all("--resume" in c and str(tmp_path / "o") in c for c in cmds)
+    assert all(str(tmp_path / "o") in c for c in cmds)
+    assert all("--resume" in c for c in cmds if c.startswith("kvarn eval"))
     assert not (tmp_path / "o").exists()  # a dry run writes nothing
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({**GOOD, "formats": ["kvarn_k9v9"]}))
@@ -102,3 +104,11 @@ def test_run_records_steps_and_failures(tmp_path):
     fake.write_text(FAKE.replace("--burst ", ""))
     with pytest.raises(KvarnError, match="does not accept --burst"):
         preflight(steps, [sys.executable, str(fake)])
+
+
+@pytest.mark.parametrize("name", ["nightly", "paper"])
+def test_shipped_suites_pass_preflight_against_the_real_cli(name):
+    """Every flag a shipped suite passes exists in the real `kvarn bench/eval --help`."""
+    from kvarn.suite import load_suite, plan, preflight
+
+    preflight(plan(load_suite(name), "out", resume=True), [sys.executable, "-m", "kvarn_cli.app"])
