@@ -261,9 +261,15 @@ def _gate_perf(new_b: pd.DataFrame, base_b: pd.DataFrame, policy: dict, v: _Verd
             v.invalid_runs.append(entry)
         if len(bad) and invalid_route == UNUSABLE:
             v.problem(f"{label}: {len(bad)} of {n} runs invalid ({bad['invalid_reason'].iloc[0]})", cell=cell)
+        n_valid = len(raw) - len(bad)
         if n < rep["min"] or (rep["odd"] and n % 2 == 0):
             v.problem(f"{label}: {n} repeat(s); the policy needs an odd number >= {rep['min']} so the median is "
                       "one real run", cell=cell)
+        elif (not len(bad) or invalid_route == "ignore") and n_valid != n and (
+                n_valid < rep["min"] or (rep["odd"] and n_valid % 2 == 0)):
+            # the median runs over the valid rows: a repeat run twice or an ignored invalid run changes their count
+            v.problem(f"{label}: the median would run over {n_valid} valid runs for {n} repeat(s); the policy "
+                      f"needs an odd number >= {rep['min']} so the median is one real run", cell=cell)
         if len(bad) and invalid_route == REGRESSION:
             v.checks.append({"kind": "validity", "cell": cell, "label": label, "metric": "valid runs",
                              "rule": "every raw run ok and complete", "new": len(raw) - len(bad), "repeats": n,
@@ -344,11 +350,15 @@ def _perf_check(rule, cell, label, metric, new_val, base_val, rec) -> dict:
 def _gate_accuracy(new_e: pd.DataFrame, base_e: pd.DataFrame, policy: dict, v: _Verdict) -> None:
     ev = eval_summary(new_e)
     failed = new_e[new_e["status"] != "ok"]
-    ok_keys = set(zip(ev["model"], ev["tp"].astype(int), ev["task"], ev["kv_dtype"])) if not ev.empty else set()
+    ok_at = ({(r["model"], int(r["tp"]), r["task"], r["kv_dtype"]): r.get("created_at") for r in ev.to_dict("records")}
+             if not ev.empty else {})
     for r in failed.to_dict("records"):
         tp = int(r["tp"]) if _isnum(r.get("tp")) else 1
-        if (r.get("model"), tp, r.get("task"), r.get("kv_dtype")) in ok_keys:
-            continue  # a later retry succeeded
+        key = (r.get("model"), tp, r.get("task"), r.get("kv_dtype"))
+        if key in ok_at:
+            ok_t, fail_t = ok_at[key], r.get("created_at")
+            if not (isinstance(ok_t, str) and isinstance(fail_t, str)) or ok_t > fail_t:
+                continue  # a later retry succeeded (ev holds the latest ok row of each key)
         label = cell_label({**r, "tp": tp})
         entry = {"cell": {"model": r.get("model"), "tp": tp, "task": r.get("task"), "kv_dtype": r.get("kv_dtype")},
                  "label": label, "repeat": None, "status": r.get("status"), "reason": str(r.get("error") or ""),

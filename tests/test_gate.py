@@ -167,3 +167,38 @@ def test_cli_exit_codes_and_outputs(tmp_path, baseline):
     bad.write_text("repeats: {min: 3}\nwhatever: 1\n")
     r = run_cli("gate", str(baseline), "--baseline", str(baseline), "--policy", str(bad))
     assert r.returncode == 2 and "unknown key 'whatever'" in r.stderr
+
+
+def test_eval_failure_after_an_ok_row_is_not_hidden(tmp_path, baseline):
+    """Only a *later* ok row supersedes a failed eval; an older ok row must not hide a newer failure."""
+    kv = "kvarn_k4v2_g128"
+    new = write_bench(tmp_path / "new", BASE_TPS)
+    ok = [eval_row(M, "auto", "aime25", accuracy=0.7, delta=0.0, delta_ci=(0.0, 0.0), created_at="2026-01-01T00:00:00+00:00"),
+          eval_row(M, kv, "aime25", accuracy=0.7, delta=0.0, delta_ci=(-0.01, 0.01), created_at="2026-01-01T00:00:00+00:00")]
+    ResultsStore(new).append(ok)
+    ResultsStore(new).append([eval_row(M, kv, "aime25", status="failed", error="engine died",
+                                       created_at="2026-01-02T00:00:00+00:00")])
+    v = run_gate(new, baseline)
+    assert v["exit_code"] == 1 and len(v["invalid_runs"]) == 1 and v["invalid_runs"][0]["status"] == "failed"
+    # a failure followed by a successful retry is superseded
+    retry = write_bench(tmp_path / "retry", BASE_TPS)
+    ResultsStore(retry).append([eval_row(M, kv, "aime25", status="failed", error="engine died",
+                                         created_at="2025-12-31T00:00:00+00:00")])
+    ResultsStore(retry).append(ok)
+    v = run_gate(retry, baseline)
+    assert v["exit_code"] == 0 and v["invalid_runs"] == [], markdown(v)
+
+
+def test_median_is_over_an_odd_number_of_runs(tmp_path, baseline):
+    """A repeat run twice (--force into the same directory) or an ignored invalid run leaves an even number of
+    runs behind the median: the median is then no real run, so the input is unusable."""
+    new = write_bench(tmp_path / "dup", BASE_TPS)
+    ResultsStore(new).append([bench_row(M, "kvarn_k4v2_g128", 1, repeat=0, output_tok_s=4000.0, kv_tokens=3_600_000,
+                                        burst=16384, run_id="r2")])
+    v = run_gate(new, baseline)
+    assert v["exit_code"] == 2 and any("kvarn_k4v2_g128" in p["message"] and "4 valid runs" in p["message"]
+                                       for p in v["problems"]), markdown(v)
+    bad = {("kvarn_k4v2_g128", 1): {"status": "oom", "error": "CUDA out of memory", "completed": 0}}
+    new = write_bench(tmp_path / "ignored", BASE_TPS, bad=bad)
+    v = run_gate(new, baseline, validate_policy({"invalid_runs": "ignore"}))
+    assert v["exit_code"] == 2 and any("2 valid runs" in p["message"] for p in v["problems"]), markdown(v)
