@@ -343,6 +343,25 @@ def test_config_checks_name_the_fix(fake_vllm):
         EA(kv_cache_dtype="kvarn_k4v2_g128", dtype="float32").create_engine_config()
     with pytest.raises(ValueError, match="speculative"):
         EA(kv_cache_dtype="kvarn_k4v2_g128", speculative_config={"n": 1}).create_engine_config()
+    # what would let a request start mid-tile from blocks it did not write is refused at start
+    from kvarn.vllm_plugin.patches import check_config_after
+
+    def built(**extra):
+        c = EA(kv_cache_dtype="kvarn_k4v2_g128").create_engine_config()
+        for k, v in extra.items():
+            obj, attr = k.split("__")
+            setattr(getattr(c, obj) if obj != "cfg" else c, attr, v)
+        return c
+
+    with pytest.raises(ValueError, match="--kv-transfer-config"):
+        check_config_after(built(cfg__kv_transfer_config={"kv_connector": "x"}))
+    with pytest.raises(ValueError, match="--prefix-match-unit.*got 16"):
+        check_config_after(built(cache_config__prefix_match_unit=16))
+    check_config_after(built(cache_config__prefix_match_unit=256))
+    with pytest.raises(ValueError, match="sliding-window"):
+        check_config_after(built(model_config__get_sliding_window=lambda: 4096))
+    check_config_after(built(model_config__get_sliding_window=lambda: 4096,
+                             scheduler_config__disable_hybrid_kv_cache_manager=True))
     # other dtypes untouched
     cfg = EA(kv_cache_dtype="fp8").create_engine_config()
     assert cfg.cache_config.block_size == 16 and cfg.scheduler_config.max_num_seqs == 1024

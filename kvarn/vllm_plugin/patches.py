@@ -272,6 +272,22 @@ def check_config_after(cfg) -> None:
         raise KvarnConfigError(f"--kv-cache-dtype {name} needs --block-size {get_format(name).group}, vLLM settled "
                                f"on {cfg.cache_config.block_size}")
     fmt = get_format(name)
+    # Each of these would let a request start mid-tile from blocks it did not write (its partial tile lives in a
+    # per-request 16-bit tail), so attention would read stale tails: refuse them at start rather than serve wrong.
+    if getattr(cfg, "kv_transfer_config", None):
+        raise KvarnConfigError(f"--kv-cache-dtype {name} does not support KV transfer / offloading connectors yet; "
+                               "drop --kv-transfer-config or use another kv cache dtype")
+    unit = getattr(cfg.cache_config, "prefix_match_unit", None)
+    if unit and unit % fmt.group:
+        raise KvarnConfigError(f"--kv-cache-dtype {name} needs --prefix-match-unit to be a multiple of its "
+                               f"{fmt.group}-token tile, got {unit}")
+    # Sliding-window layers fall back to 16-bit pages; the hybrid KV cache manager would have to pool them with
+    # KVarN pages, whose sizes are no multiple of each other (vLLM 0.26 kv_cache_utils: unify page sizes).
+    sliding = getattr(mc, "get_sliding_window", lambda: None)()
+    if sliding and not getattr(cfg.scheduler_config, "disable_hybrid_kv_cache_manager", False):
+        raise KvarnConfigError(f"--kv-cache-dtype {name}: this model has sliding-window layers, which kvarn serves "
+                               "16-bit and vLLM's hybrid KV cache manager cannot pool with KVarN pages; add "
+                               "--disable-hybrid-kv-cache-manager (untested) or use another kv cache dtype")
     _once("summary", "kvarn: %s: %d B per (tile, KV head) = %d B per token per head (fp16: %d); tail buffer for "
           "%d requests", fmt.name, fmt.record_bytes(hs or 128), fmt.slot_bytes(hs or 128), 4 * (hs or 128),
           cfg.scheduler_config.max_num_seqs)
