@@ -105,3 +105,16 @@ def test_ratios_pick_the_fp16_row_of_the_same_group():
     r = ratios(row, ref)
     assert r["kv_ratio_vs_fp16"] == pytest.approx(2.0) and r["output_tok_s_ratio_vs_fp16"] == pytest.approx(1.1)
     assert fp16_reference({**row, "burst": 1}, [fp16]) is None
+
+
+def test_ratios_find_a_stored_fp16_row_read_back_as_floats():
+    """A resumed bench compares with stored rows; Parquet gives their numeric columns back as floats (4096.0)
+    when any row lacks them, and that is still the same setting as this run's ints (4096)."""
+    fp16 = {"status": "ok", "kv_dtype": "auto", "model": "m", "tp": 1, "burst": 4096.0, "prompt_len": 512.0,
+            "output_len": 3584.0, "requests": 8.0, "engine": "vllm", "mode": "offline", "run_id": "old",
+            "repeat": 0, "kv_tokens": 1000.0, "output_tok_s": 100.0}
+    row = {**fp16, "kv_dtype": "fp8", "burst": 4096, "prompt_len": 512, "output_len": 3584, "requests": 8,
+           "run_id": "new", "kv_tokens": 2000.0}
+    assert fp16_reference(row, [fp16]) is fp16
+    assert fp16_reference({**row, "burst": 4097}, [fp16]) is None
+    assert fp16_reference({**row, "tp": 2.0}, [fp16]) is None

@@ -24,6 +24,16 @@ def _ok(x: float) -> bool:
     return not math.isnan(x) and x > 0
 
 
+def _same(a, b) -> bool:
+    """One setting value: numbers compare by value (a stored 4096.0 is this run's 4096), missing (None/NaN) alike."""
+    if isinstance(a, str) or isinstance(b, str):
+        return str(a) == str(b)
+    fa, fb = _num(a), _num(b)
+    if math.isnan(fa) or math.isnan(fb):
+        return math.isnan(fa) and math.isnan(fb)
+    return fa == fb
+
+
 def ratios(row: dict, ref: dict | None) -> dict:
     """kv_ratio_vs_fp16 (KV tokens, else inverse KV bytes on hf) and output_tok_s_ratio_vs_fp16."""
     out = {"kv_ratio_vs_fp16": float("nan"), "output_tok_s_ratio_vs_fp16": float("nan")}
@@ -45,7 +55,7 @@ def ratios(row: dict, ref: dict | None) -> dict:
 def fp16_reference(row: dict, candidates: list[dict]) -> dict | None:
     """The FP16 row to compare `row` with, from `candidates` (this run first, then stored rows)."""
     same = [c for c in candidates if c.get("status") == "ok" and c.get("kv_dtype") in FP16_NAMES
-            and all(str(c.get(k)) == str(row.get(k)) for k in MATCH)]
+            and all(_same(c.get(k), row.get(k)) for k in MATCH)]
     if not same:
         return None
     this_run = [c for c in same if c.get("run_id") == row.get("run_id")]
