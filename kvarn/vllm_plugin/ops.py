@@ -84,9 +84,101 @@ def _t(a, dtype, device) -> torch.Tensor | None:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device, non_blocking=True)
 
 
+def _ragged(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For segments i of counts[i] >= 0 values starts[i], starts[i] + 1, ...: (segment index, value) of every element,
+    segments in order (the concatenation of np.arange(starts[i], starts[i] + counts[i]))."""
+    seg = np.repeat(np.arange(len(counts)), counts)
+    first = np.cumsum(counts) - counts  # flat index of each segment's first element
+    return seg, np.asarray(starts, dtype=np.int64)[seg] + (np.arange(len(seg)) - first[seg])
+
+
 def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, block_table: torch.Tensor,
                group: int, device) -> StepPlan:
-    """qsl_cpu [>= R + 1], seq_lens_cpu [>= R] (host), tail_slots_np int32 [R], block_table [R, max_blocks]."""
+    """qsl_cpu [>= R + 1], seq_lens_cpu [>= R] (host), tail_slots_np int32 [R], block_table [R, max_blocks].
+
+    Vectorized over rows (numpy on the host arrays, no Python loop per row; the same non-blocking host->device copies
+    as before, no sync); the output equals `_build_plan_reference` (the per-row loop it replaced) field for field."""
+    g = group
+    R = int(num_reqs)
+    qsl = np.asarray(qsl_cpu[: R + 1], dtype=np.int64)
+    seq = np.asarray(seq_lens_cpu[:R], dtype=np.int64)
+    slots_r = np.asarray(tail_slots_np[:R], dtype=np.int64)
+    qlen = np.diff(qsl)
+    ctx = seq - qlen
+    n_tok = int(qsl[-1]) if R else 0
+    active = qlen > 0
+    act = np.nonzero(active)[0]
+    c, s, q0, slot = ctx[act], seq[act], qsl[:-1][act], slots_r[act]
+
+    # tiles [c // g, s // g) of each active row complete in this step, in row order then tile order
+    first, last_full = c // g, s // g
+    t_seg, t_cols = _ragged(first, np.maximum(last_full - first, 0))
+    n_tiles = len(t_seg)
+    tile_block_ids = None
+    new_dst = new_src = tl_dst = tl_slot = tl_pos = None
+    if n_tiles:
+        t_rows = act[t_seg]
+        rows_t = _t(t_rows, np.int64, device)
+        cols_t = _t(t_cols, np.int64, device)
+        tile_block_ids = block_table[rows_t, cols_t].to(torch.int32)
+        # offsets [0, old) of a tile were written in earlier steps (tail), [old, g) come from the new tokens
+        lo = t_cols * g
+        tc = c[t_seg]
+        old = np.maximum(0, tc - lo)
+        off = np.arange(g)[None, :]
+        dst = np.arange(n_tiles)[:, None] * g + off  # [T, g]
+        from_new = off >= old[:, None]
+        new_dst = dst[from_new]
+        new_src = ((q0[t_seg] + lo - tc)[:, None] + off)[from_new]
+        if not from_new.all():
+            from_tail = ~from_new
+            tl_dst = dst[from_tail]
+            tl_slot = np.broadcast_to(slot[t_seg][:, None], from_new.shape)[from_tail]
+            tl_pos = np.broadcast_to(off, from_new.shape)[from_tail]
+    # new tokens of the unfinished tile: positions [max(c, last_full * g), s) -> tail
+    start = np.maximum(c, last_full * g)
+    u_seg, pos = _ragged(start, np.maximum(s - start, 0))
+    tail_tok = tail_slot = tail_pos = None
+    if len(u_seg):
+        tail_tok = q0[u_seg] + (pos - c[u_seg])
+        tail_slot = slot[u_seg]
+        tail_pos = pos % g
+
+    raw_rows = np.nonzero(active & (ctx == 0))[0]
+    dec_rows = np.nonzero(active & (ctx > 0) & (qlen == 1))[0]
+    cont_rows = np.nonzero(active & (ctx > 0) & (qlen > 1))[0]
+
+    def tok_of(rows):
+        if len(rows) == 0:
+            return None, None, 0
+        lens = qlen[rows]
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        return _ragged(qsl[rows], lens)[1], cu, int(lens.max())
+
+    raw_tok, raw_cu, raw_max = tok_of(raw_rows)
+    dec_tok = qsl[dec_rows] if len(dec_rows) else None  # one token per decode row
+    cont_tok, cont_cu, cont_max = tok_of(cont_rows)
+    return StepPlan(
+        num_reqs=R, num_tokens=n_tok, group=g, qsl=qsl, seq_lens=seq, ctx_lens=ctx,
+        tail_slots_np=np.asarray(tail_slots_np[:R], dtype=np.int32),
+        num_tiles=n_tiles, tile_block_ids=tile_block_ids,
+        tile_new_dst=_t(new_dst, np.int64, device), tile_new_src=_t(new_src, np.int64, device),
+        tile_tail_dst=_t(tl_dst, np.int64, device), tile_tail_slot=_t(tl_slot, np.int64, device),
+        tile_tail_pos=_t(tl_pos, np.int64, device),
+        tail_tok=_t(tail_tok, np.int64, device), tail_slot=_t(tail_slot, np.int64, device),
+        tail_pos=_t(tail_pos, np.int64, device),
+        tail_slots=torch.from_numpy(np.asarray(tail_slots_np[:R], dtype=np.int32)).to(device, non_blocking=True),
+        raw_rows=raw_rows, raw_tok=_t(raw_tok, np.int64, device), raw_cu=_t(raw_cu, np.int32, device), raw_max=raw_max,
+        dec_rows=dec_rows, dec_rows_t=_t(dec_rows, np.int64, device), dec_tok=_t(dec_tok, np.int64, device),
+        cont_rows=cont_rows, cont_rows_t=_t(cont_rows, np.int64, device), cont_tok=_t(cont_tok, np.int64, device),
+        cont_qsl=_t(cont_cu, np.int32, device), cont_max_q=cont_max,
+    )
+
+
+def _build_plan_reference(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, block_table: torch.Tensor,
+               group: int, device) -> StepPlan:
+    """The original per-row loop builder, kept as the oracle of `build_plan` (tests) and for timing."""
     g = group
     R = int(num_reqs)
     qsl = np.asarray(qsl_cpu[: R + 1], dtype=np.int64)
