@@ -7,7 +7,7 @@ import typer
 
 from kvarn.errors import KvarnError
 
-from .commands import bench, capacity, data, env, eval as eval_cmd, fidelity, gate, microbench, report, results, suite
+from .commands import bench, capacity, data, env, eval as eval_cmd, fidelity, gate, microbench, profile, report, results, suite
 from .console import err
 
 app = typer.Typer(
@@ -19,7 +19,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-for module in (capacity, env, bench, eval_cmd, fidelity, microbench, report, gate, suite, results, data):
+for module in (capacity, env, bench, eval_cmd, fidelity, microbench, profile, report, gate, suite, results, data):
     module.register(app)
 
 
