@@ -23,7 +23,6 @@ import re
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import KvarnError
