@@ -4,11 +4,13 @@ metadata shaped like a real step. Not a test: `python scripts/time_plan.py [--de
 Cases (g = 128, the default preset's tile): pure decode of B = 64 / 256 rows with contexts 4K-16K (some rows
 completing a tile this step), and a mixed batch (a first prefill chunk, a continuation chunk spanning tiles, a
 prefix-cache hit on a tile boundary, decodes, padded rows). `--ref` also times the old per-row loop builder
-(`ops._build_plan_reference`) for a before/after comparison. The block-table gather and the host->device copies
+(`build_plan_reference`) for a before/after comparison. The block-table gather and the host->device copies
 are part of the timed call (no-ops / cheap on CPU)."""
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 import statistics
 import time
 
@@ -16,6 +18,9 @@ import numpy as np
 import torch
 
 from kvarn.vllm_plugin import ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the oracle lives with the tests
+from tests.plan_reference import build_plan_reference  # noqa: E402
 
 G = 128
 
@@ -63,7 +68,7 @@ def bench(fn, args, reps):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--ref", action="store_true", help="also time the old per-row loop (ops._build_plan_reference)")
+    ap.add_argument("--ref", action="store_true", help="also time the old per-row loop (build_plan_reference)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
@@ -72,7 +77,7 @@ def main():
              ("mixed 250 dec + 4 chunks + 2 pad", mixed_batch(250, rng, pad_rows=2))]
     fns = [("build_plan", ops.build_plan)]
     if a.ref:
-        fns.append(("reference loop", ops._build_plan_reference))
+        fns.append(("reference loop", build_plan_reference))
     print(f"host-side time per call, CPU, median / min over {a.reps} calls (ms)")
     for name, args in cases:
         ntok = int(args[0][args[2]])

@@ -1,5 +1,5 @@
 """The vectorized step-plan builder (`ops.build_plan`) against the per-row loop it replaced
-(`ops._build_plan_reference`): every field equal, dtypes and None-ness included, on randomized batches."""
+(`tests/plan_reference.py`): every field equal, dtypes and None-ness included, on randomized batches."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvarn.vllm_plugin import ops
+from tests.plan_reference import build_plan_reference
 
 
 def assert_same_plan(new: ops.StepPlan, ref: ops.StepPlan):
@@ -77,7 +78,7 @@ def test_vectorized_plan_equals_reference_loop(g):
     for trial in range(150):
         R = int(rng.choice([0, 1, 2, 3, rng.integers(4, 40), rng.integers(40, 260)]))
         args = random_batch(rng, g, R, torch_qsl=bool(trial % 2))
-        assert_same_plan(ops.build_plan(*args, g, "cpu"), ops._build_plan_reference(*args, g, "cpu"))
+        assert_same_plan(ops.build_plan(*args, g, "cpu"), build_plan_reference(*args, g, "cpu"))
 
 
 @pytest.mark.parametrize("case", ["all_decode", "all_first_chunks", "all_padded", "decode_no_tiles", "single_token"])
@@ -99,4 +100,4 @@ def test_vectorized_plan_equals_reference_loop_edge_batches(case):
     slots = np.arange(R, dtype=np.int32)
     bt = torch.arange(R * 80, dtype=torch.int32).view(R, 80)
     assert_same_plan(ops.build_plan(qsl, seq, R, slots, bt, g, "cpu"),
-                     ops._build_plan_reference(qsl, seq, R, slots, bt, g, "cpu"))
+                     build_plan_reference(qsl, seq, R, slots, bt, g, "cpu"))

@@ -97,7 +97,7 @@ def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, 
     """qsl_cpu [>= R + 1], seq_lens_cpu [>= R] (host), tail_slots_np int32 [R], block_table [R, max_blocks].
 
     Vectorized over rows (numpy on the host arrays, no Python loop per row; the same non-blocking host->device copies
-    as before, no sync); the output equals `_build_plan_reference` (the per-row loop it replaced) field for field."""
+    as before, no sync); the output equals tests/plan_reference.py (the per-row loop it replaced) field for field."""
     g = group
     R = int(num_reqs)
     qsl = np.asarray(qsl_cpu[: R + 1], dtype=np.int64)
@@ -174,93 +174,6 @@ def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, 
         cont_rows=cont_rows, cont_rows_t=_t(cont_rows, np.int64, device), cont_tok=_t(cont_tok, np.int64, device),
         cont_qsl=_t(cont_cu, np.int32, device), cont_max_q=cont_max,
     )
-
-
-def _build_plan_reference(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, block_table: torch.Tensor,
-               group: int, device) -> StepPlan:
-    """The original per-row loop builder, kept as the oracle of `build_plan` (tests) and for timing."""
-    g = group
-    R = int(num_reqs)
-    qsl = np.asarray(qsl_cpu[: R + 1], dtype=np.int64)
-    seq = np.asarray(seq_lens_cpu[:R], dtype=np.int64)
-    qlen = np.diff(qsl)
-    ctx = seq - qlen
-    n_tok = int(qsl[-1]) if R else 0
-
-    t_rows, t_cols = [], []
-    new_dst, new_src, tl_dst, tl_slot, tl_pos = [], [], [], [], []
-    tail_tok, tail_slot, tail_pos = [], [], []
-    n_tiles = 0
-    for i in range(R):
-        q = int(qlen[i])
-        if q <= 0:
-            continue
-        c, s, slot, q0 = int(ctx[i]), int(seq[i]), int(tail_slots_np[i]), int(qsl[i])
-        first, last_full = c // g, s // g  # tiles [first, last_full) complete in this step
-        for j in range(first, last_full):
-            base = n_tiles * g
-            lo = j * g
-            old = max(0, c - lo)  # positions of this tile written in earlier steps -> from the tail
-            if old:
-                tl_dst.append(base + np.arange(old))
-                tl_slot.append(np.full(old, slot))
-                tl_pos.append(np.arange(old))
-            new_dst.append(base + np.arange(old, g))
-            new_src.append(q0 + (lo + np.arange(old, g) - c))
-            t_rows.append(i)
-            t_cols.append(j)
-            n_tiles += 1
-        start = max(c, last_full * g)  # new tokens of the unfinished tile
-        if start < s:
-            pos = np.arange(start, s)
-            tail_tok.append(q0 + (pos - c))
-            tail_slot.append(np.full(len(pos), slot))
-            tail_pos.append(pos % g)
-
-    def cat(parts):
-        return np.concatenate(parts) if parts else None
-
-    tile_block_ids = None
-    if n_tiles:
-        rows_t = _t(np.array(t_rows), np.int64, device)
-        cols_t = _t(np.array(t_cols), np.int64, device)
-        tile_block_ids = block_table[rows_t, cols_t].to(torch.int32)
-
-    active = qlen > 0
-    raw_rows = np.nonzero(active & (ctx == 0))[0]
-    dec_rows = np.nonzero(active & (ctx > 0) & (qlen == 1))[0]
-    cont_rows = np.nonzero(active & (ctx > 0) & (qlen > 1))[0]
-
-    def tok_of(rows):
-        if len(rows) == 0:
-            return None, None, 0
-        parts = [np.arange(qsl[r], qsl[r + 1]) for r in rows]
-        lens = qlen[rows]
-        cu = np.concatenate([[0], np.cumsum(lens)])
-        return np.concatenate(parts), cu, int(lens.max())
-
-    raw_tok, raw_cu, raw_max = tok_of(raw_rows)
-    dec_tok, _, _ = tok_of(dec_rows)
-    cont_tok, cont_cu, cont_max = tok_of(cont_rows)
-    return StepPlan(
-        num_reqs=R, num_tokens=n_tok, group=g, qsl=qsl, seq_lens=seq, ctx_lens=ctx,
-        tail_slots_np=np.asarray(tail_slots_np[:R], dtype=np.int32),
-        num_tiles=n_tiles, tile_block_ids=tile_block_ids,
-        tile_new_dst=_t(cat(new_dst), np.int64, device), tile_new_src=_t(cat(new_src), np.int64, device),
-        tile_tail_dst=_t(cat(tl_dst), np.int64, device), tile_tail_slot=_t(cat(tl_slot), np.int64, device),
-        tile_tail_pos=_t(cat(tl_pos), np.int64, device),
-        tail_tok=_t(cat(tail_tok), np.int64, device), tail_slot=_t(cat(tail_slot), np.int64, device),
-        tail_pos=_t(cat(tail_pos), np.int64, device),
-        tail_slots=torch.from_numpy(np.asarray(tail_slots_np[:R], dtype=np.int32)).to(device, non_blocking=True),
-        raw_rows=raw_rows, raw_tok=_t(raw_tok, np.int64, device), raw_cu=_t(raw_cu, np.int32, device), raw_max=raw_max,
-        dec_rows=dec_rows, dec_rows_t=_t(dec_rows, np.int64, device), dec_tok=_t(dec_tok, np.int64, device),
-        cont_rows=cont_rows, cont_rows_t=_t(cont_rows, np.int64, device), cont_tok=_t(cont_tok, np.int64, device),
-        cont_qsl=_t(cont_cu, np.int32, device), cont_max_q=cont_max,
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# store
 
 
 def store(plan: StepPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, tail_k: torch.Tensor,
