@@ -14,17 +14,7 @@ import triton.language as tl
 
 @triton.jit
 def hadamard_pm1(D: tl.constexpr, MMA_BF16: tl.constexpr):
-    i = tl.arange(0, D)
-    v = i[:, None] & i[None, :]
-    v = v ^ (v >> 8)
-    v = v ^ (v >> 4)
-    v = v ^ (v >> 2)
-    v = v ^ (v >> 1)
-    h = 1.0 - 2.0 * (v & 1).to(tl.float32)
-    if MMA_BF16:
-        return h.to(tl.bfloat16)
-    else:
-        return h
+    return hadamard_pm1_cols(D, D, 0, MMA_BF16)
 
 
 @triton.jit
