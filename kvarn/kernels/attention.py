@@ -360,10 +360,16 @@ def tail_attention_kernel(
     qk_scale, num_splits,
     stride_qn, stride_qh, stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg, HQ,
     GROUP: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-    IS_PREFILL: tl.constexpr, TT: tl.constexpr,
+    IS_PREFILL: tl.constexpr, TT: tl.constexpr, MMA_BF16: tl.constexpr, TAIL16: tl.constexpr,
+    Q_AS_TAIL: tl.constexpr,
 ):
-    """Attention of the same rows over the 16-bit tail (unrotated, fp32 dots, TT tokens at a time): the partial
-    o / l goes to po_t [R, D], its log2-sum-exp to plse[row, num_splits] (the extra 'split')."""
+    """Attention of the same rows over the 16-bit tail (unrotated, TT tokens at a time): the partial o / l goes to
+    po_t [R, D], its log2-sum-exp to plse[row, num_splits] (the extra 'split').
+
+    Compiled GPU path with a 16-bit tail (MMA_BF16 and TAIL16): tensor-core dots with fp32 accumulation. Scores are
+    dot(q, k) on the 16-bit operands (exact products; q in the tail's dtype, or split hi + lo in it when q has
+    another dtype, Q_AS_TAIL false), scaled by qk_scale afterwards; p @ v is dot(p_hi, v) + dot(p_lo, v) with
+    p = p_hi + p_lo in the value dtype (~1e-6 relative). Otherwise (interpreter, fp32 tail) fp32 ieee dots."""
     b = tl.program_id(0)
     qblk = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -389,17 +395,35 @@ def tail_attention_kernel(
     n_tail = S - n_full * G
     if (qblk * BQ < qlen) & (n_tail > 0):
         q_off = (q0 + tok).to(tl.int64) * stride_qn + head * stride_qh
-        q = tl.load(q_ptr + q_off[:, None] + di[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        q = q * qk_scale
+        q_raw = tl.load(q_ptr + q_off[:, None] + di[None, :], mask=row_ok[:, None], other=0.0)
         slot = tl.load(tail_slots_ptr + b).to(tl.int64)
         tk_base = tail_k_ptr + slot * stride_tks + kvh * stride_tkh
         tv_base = tail_v_ptr + slot * stride_tvs + kvh * stride_tvh
         ti = tl.arange(0, TT)
+        if MMA_BF16 and TAIL16:
+            kdt = tail_k_ptr.dtype.element_ty
+            vdt = tail_v_ptr.dtype.element_ty
+            if Q_AS_TAIL:
+                q_hi = q_raw.to(kdt)
+            else:
+                q32 = q_raw.to(tl.float32)
+                q_hi = q32.to(kdt)
+                q_lo = (q32 - q_hi.to(tl.float32)).to(kdt)
+        else:
+            q = q_raw.to(tl.float32) * qk_scale
         for c0 in range(0, n_tail, TT):
             tmask = (c0 + ti) < n_tail
-            tk = tl.load(tk_base + (c0 + ti)[None, :] * stride_tkg + di[:, None], mask=tmask[None, :],
-                         other=0.0).to(tl.float32)  # [D, TT]
-            s = tl.dot(q, tk, input_precision="ieee")
+            if MMA_BF16 and TAIL16:
+                tk = tl.load(tk_base + (c0 + ti)[:, None] * stride_tkg + di[None, :], mask=tmask[:, None],
+                             other=0.0)  # [TT, D], tail dtype
+                s = tl.dot(q_hi, tl.trans(tk), out_dtype=tl.float32)
+                if not Q_AS_TAIL:
+                    s = tl.dot(q_lo, tl.trans(tk), s, out_dtype=tl.float32)
+                s = s * qk_scale
+            else:
+                tk32 = tl.load(tk_base + (c0 + ti)[None, :] * stride_tkg + di[:, None], mask=tmask[None, :],
+                               other=0.0).to(tl.float32)  # [D, TT]
+                s = tl.dot(q, tk32, input_precision="ieee")
             s = tl.where(((n_full * G + c0 + ti)[None, :] < L[:, None]) & tmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -408,8 +432,15 @@ def tail_attention_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
             tv = tl.load(tv_base + (c0 + ti)[:, None] * stride_tvg + di[None, :], mask=tmask[:, None],
-                         other=0.0).to(tl.float32)  # [TT, D]
-            acc_t = acc_t * alpha[:, None] + tl.dot(p, tv, input_precision="ieee")
+                         other=0.0)  # [TT, D]
+            acc_t = acc_t * alpha[:, None]
+            if MMA_BF16 and TAIL16:
+                p_hi = p.to(vdt)
+                p_lo = (p - p_hi.to(tl.float32)).to(vdt)
+                acc_t = tl.dot(p_hi, tv, acc_t, out_dtype=tl.float32)
+                acc_t = tl.dot(p_lo, tv, acc_t, out_dtype=tl.float32)
+            else:
+                acc_t += tl.dot(p, tv.to(tl.float32), input_precision="ieee")
     has = l_i > 0.0
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     tl.store(po_t_ptr + row[:, None] * D + di[None, :], acc_t / tl.where(has, l_i, 1.0)[:, None],

@@ -179,11 +179,15 @@ def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slo
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}),
     )
+    # tail on tensor cores (16-bit q.k, hi/lo p.v) when compiled and the tail buffers are 16-bit (both fp16/bf16)
+    tail16 = all(t.dtype in (torch.float16, torch.bfloat16) for t in (tail_k, tail_v))
+    tt = (64 if D <= 128 else 32) if mma and tail16 else 16
     tail_attention_kernel[(B, q_blocks, Hk)](
         q, seq_lens, qsl, tail_k, tail_v, tail_slots, po_t, plse, qk, splits,
         q.stride(0), q.stride(1), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
         tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), Hq,
-        GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, IS_PREFILL=prefill, TT=16, num_warps=4)
+        GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, IS_PREFILL=prefill, TT=tt, MMA_BF16=mma,
+        TAIL16=tail16, Q_AS_TAIL=q.dtype == tail_k.dtype, num_warps=4)
     finish_kernel[(triton.cdiv(R, 16),)](po_r, po_t, plse, out, R, splits, out.stride(0), out.stride(1), HQ=Hq, D=D,
                                          BR=16, MMA_BF16=mma, num_warps=4)
     return out
