@@ -8,6 +8,18 @@ import torch
 from kvarn.vllm_plugin.ops import StepPlan, _t
 
 
+def _decode_only(qsl, R) -> bool:
+    """Row by row: rows 0..n-1 have one token each (token i = row i), every later row none, and n >= 1."""
+    n = 0
+    for i in range(R):
+        q = int(qsl[i + 1] - qsl[i])
+        if q == 1 and n == i and int(qsl[i]) == i:
+            n += 1
+        elif q != 0:
+            return False
+    return n > 0
+
+
 def build_plan_reference(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, block_table: torch.Tensor,
                group: int, device) -> StepPlan:
     """The original per-row loop builder, kept as the oracle of `build_plan` (tests) and for timing."""
@@ -87,7 +99,7 @@ def build_plan_reference(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np
         raw_rows=raw_rows, raw_tok=_t(raw_tok, np.int64, device), raw_cu=_t(raw_cu, np.int32, device), raw_max=raw_max,
         dec_rows=dec_rows, dec_rows_t=_t(dec_rows, np.int64, device), dec_tok=_t(dec_tok, np.int64, device),
         cont_rows=cont_rows, cont_rows_t=_t(cont_rows, np.int64, device), cont_tok=_t(cont_tok, np.int64, device),
-        cont_qsl=_t(cont_cu, np.int32, device), cont_max_q=cont_max,
+        cont_qsl=_t(cont_cu, np.int32, device), cont_max_q=cont_max, decode_only=_decode_only(qsl, R),
     )
 
 

@@ -121,8 +121,9 @@ def build_fake_vllm(version="0.26.0"):
         def _init_reorder_batch_threshold(self, t=1, supports_spec_as_decode=False, supports_dcp_with_varlen=False):
             self.reorder_batch_threshold = t
 
-    class AttentionCGSupport:
+    class AttentionCGSupport:  # values as in vLLM 0.26
         NEVER = 0
+        UNIFORM_SINGLE_TOKEN_DECODE = 1
 
     class AttentionType:
         DECODER = "decoder"
@@ -468,3 +469,24 @@ def test_builder_and_impl_run_a_step_on_cpu(fake_vllm):
     assert torch.equal(TAILS.get("l0")[0][2, :, :6], k[64:70].transpose(0, 1))
     assert out[:70].abs().sum() > 0 and not out[70:].any()
     assert impl.forward(layer, q, k, v, cache, None, output=out.fill_(1)).abs().sum() == 0  # profiling run
+    assert not md.plan.decode_only
+    # a decode step (+ one graph-padding row): the fast path; tail slots in the builder's persistent buffer
+    cm2 = types.SimpleNamespace(num_reqs=2, num_actual_tokens=2, query_start_loc_cpu=torch.tensor([0, 1, 1]),
+                                seq_lens=torch.tensor([71, 0], dtype=torch.int32),
+                                seq_lens_cpu_upper_bound=torch.tensor([71, 0]),
+                                block_table_tensor=torch.tensor([[5, 6], [0, 0]], dtype=torch.int32),
+                                slot_mapping=torch.tensor([70, -1]))
+    md2 = b.build(0, cm2)
+    assert md2.plan.decode_only and md2.tail_slots.tolist() == [2, 4]  # padding row -> scratch slot (S = 4)
+    assert md2.tail_slots.data_ptr() == md.tail_slots.data_ptr()  # same address every step (graph replay)
+    out2 = torch.full((2, 4 * 64), float("nan"))
+    impl.forward(layer, q[70:72], k[70:72], v[70:72], cache, md2, output=out2)
+    assert torch.equal(TAILS.get("l0")[0][2, :, 6], k[70]) and out2[0].isfinite().all()
+    # full-graph decode is declared to vLLM, and KVARN_FULL_GRAPH=0 takes it back
+    assert be.KvarnMetadataBuilder.get_cudagraph_support(vc, spec) == 1
+    import os
+    os.environ["KVARN_FULL_GRAPH"] = "0"
+    try:
+        assert be.KvarnMetadataBuilder.get_cudagraph_support(vc, spec) == 0
+    finally:
+        del os.environ["KVARN_FULL_GRAPH"]

@@ -2,6 +2,8 @@
 
     store_tiles(k, v, cache, block_ids, fmt, iters=8)                    quantize-on-write (kvarn.kernels.store)
     store_tail_tokens(k, v, tail_k, tail_v, tail_slot, tail_pos)         16-bit tail scatter
+    store_decode(k, v, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt)
+                                                                         a decode step's KV write (tail + flush)
     decode_attention(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, scale,
                      num_splits=None, out=None)                          fused split-K decode (kvarn.kernels.decode)
     prefill_attention(q, cache, block_table, query_start_loc, seq_lens, tail_k, tail_v, tail_slots, fmt, scale,
@@ -12,11 +14,11 @@ Imported lazily so `import kvarn` never needs triton.
 """
 from __future__ import annotations
 
-__all__ = ["store_tiles", "store_tail_tokens", "decode_attention", "prefill_attention", "prepare"]
+__all__ = ["store_tiles", "store_tail_tokens", "store_decode", "decode_attention", "prefill_attention", "prepare"]
 
 
 def __getattr__(name):
-    if name in ("store_tiles", "store_tail_tokens"):
+    if name in ("store_tiles", "store_tail_tokens", "store_decode"):
         from . import store
 
         return getattr(store, name)

@@ -6,7 +6,7 @@ Public API (the vLLM backend codes against these; signatures are stable):
         k, v       [T, H, g, D] fp16/bf16/fp32: T complete tiles per KV head, token rows, NOT rotated
         cache      uint8 [num_blocks, H, record_bytes(D)] (records contiguous)
         block_ids  int32 [T]: the block (record row) each tile goes to; entries < 0 are skipped (padding)
-        One program per (tile, head): sanitize (NaN -> 0, clamp to the fp16 range), rotate by Hn (fp32 dot),
+        One program per (tile, head, keys|values): sanitize (NaN -> 0, clamp to the fp16 range), rotate by Hn (fp32 dot),
         balance (Sinkhorn-like, `iters` iterations, best iterate kept), round, fold, pack; fp32 math throughout.
         Writes the bytes kvarn.method.reference.quantize_tiles would (codes may differ by one where a value sits
         on a rounding boundary, because of fp32 reduction order / exp ulps).
@@ -15,7 +15,12 @@ Public API (the vLLM backend codes against these; signatures are stable):
         k, v       [N, H, D] new tokens (16-bit); tail_k/tail_v [S, H, g, D] the 16-bit unfinished-tile buffer
         tail_slot  int32 [N] row of the tail buffer (< 0: skipped); tail_pos int32 [N] position in the tile (0..g-1)
 
-Both launch a fixed grid from shapes only and never sync with the host, so they can be captured in CUDA graphs
+    store_decode(k, v, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, iters=8) -> None
+        The whole KV write of a one-token-per-row (decode) step: k, v [B, H, D]; row b's token goes to the tail at
+        position (seq_lens[b] - 1) % g of row tail_slots[b]; a tile it completes is quantized from the tail into
+        cache[block_table[b, seq_lens[b] // g - 1]]. seq_lens[b] == 0 marks a padded row (skipped).
+
+All launch a fixed grid from shapes only and never sync with the host, so they can be captured in CUDA graphs
 (call kvarn.kernels.prepare(D, device) once before capture).
 """
 from __future__ import annotations
@@ -29,7 +34,7 @@ from .rotate import h_times_x, hadamard_pm1, x_times_h
 from ..errors import KvarnError
 from ..formats import KVFormat
 from .attention import mma_bf16
-from .common import FP16_MAX, as_format, check_cache, f16_view, hadamard_fp32, layout
+from .common import FP16_MAX, as_format, check_cache, f16_view, layout
 
 STD_MIN, STD_MAX = 1e-3, 1e3  # clamp of the measured std per balancing step (kvarn-method.md)
 LOG_MIN, LOG_MAX = -0.3, 10.0  # clip of the accumulated log-scales
@@ -72,13 +77,15 @@ def _quantize_matrix(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, IT
     best_lr = lr
     best_lc = lc
     best = float("inf")
+    # the balanced tile is x * exp(-lc) * exp(-lr), as the reference computes it. The column stds that end one
+    # iteration (for the imbalance) are the ones the next iteration starts from: computed once (3 std passes and
+    # 2 rescales per iteration instead of 4 and 3; the chain of reductions is this kernel's latency).
+    cs = _std(x, 0, R)
     for _ in range(ITERS):
-        # reciprocal multiplies instead of divisions: the balance only picks scales (ulp-level differences)
-        t = x / tl.exp(lc)[None, :] / tl.exp(lr)[:, None]
-        lc = tl.minimum(tl.maximum(lc + tl.log(_std(t, 0, R)), -0.3), 10.0)
-        t = x / tl.exp(lc)[None, :] / tl.exp(lr)[:, None]
+        lc = tl.minimum(tl.maximum(lc + tl.log(cs), -0.3), 10.0)
+        t = x * tl.exp(-lc)[None, :] * tl.exp(-lr)[:, None]
         lr = tl.minimum(tl.maximum(lr + tl.log(_std(t, 1, C)), -0.3), 10.0)
-        t = x / tl.exp(lc)[None, :] / tl.exp(lr)[:, None]
+        t = x * tl.exp(-lc)[None, :] * tl.exp(-lr)[:, None]
         cs = _std(t, 0, R)
         rs = _std(t, 1, C)
         imb = tl.max(cs, axis=0) / tl.min(cs, axis=0) + tl.max(rs, axis=0) / tl.min(rs, axis=0)
@@ -127,42 +134,74 @@ def _sanitize(x):
 
 @triton.jit
 def _store_tiles_kernel(
-    k_ptr, v_ptr, cache_ptr, cache16_ptr, block_ids_ptr, hn_ptr,
+    k_ptr, v_ptr, cache_ptr, cache16_ptr, block_ids_ptr, src_rows_ptr, seq_lens_ptr, bt_ptr,
     stride_kt, stride_kh, stride_kg, stride_vt, stride_vh, stride_vg,
-    stride_cb, stride_ch,
+    stride_cb, stride_ch, stride_bt,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
-    MMA_BF16: tl.constexpr,
+    MMA_BF16: tl.constexpr, DECODE: tl.constexpr,
 ):
+    # grid (tiles * H, 2): axis 1 picks keys or values, so the two balancing chains (the kernel's latency) run
+    # on different SMs. DECODE: tile = batch row b of a one-token-per-row step; its tile is complete iff
+    # seq_lens[b] is a positive multiple of G, its tokens are tail row src_rows[b], its block comes from the block
+    # table. Everything is derived on the device, so the launch is the same every step (CUDA-graph safe).
     pid = tl.program_id(0)
     tile = pid // H
     head = pid % H
-    blk = tl.load(block_ids_ptr + tile)
+    if DECODE:
+        s = tl.load(seq_lens_ptr + tile)
+        full = (s > 0) & (s % G == 0)
+        blk = tl.load(bt_ptr + tile.to(tl.int64) * stride_bt + tl.maximum(s // G - 1, 0), mask=full, other=-1)
+        src = tl.load(src_rows_ptr + tile, mask=full, other=0).to(tl.int64)
+    else:
+        blk = tl.load(block_ids_ptr + tile)
+        src = tile.to(tl.int64)
     if blk >= 0:
         base = blk.to(tl.int64) * stride_cb + head * stride_ch  # byte offset of the record
+        b16 = base // 2
         di = tl.arange(0, D)
         gi = tl.arange(0, G)
-        hpm = hadamard_pm1(D, MMA_BF16)  # +-1 Hadamard in registers (hn_ptr is unused)
-        # keys: X = (K @ Hn)^T = Hn @ K^T  [D, g] (Hn symmetric), rows = channels
-        kp = k_ptr + tile.to(tl.int64) * stride_kt + head * stride_kh
-        kt = _sanitize(tl.load(kp + gi[None, :] * stride_kg + di[:, None]).to(tl.float32))
-        x = h_times_x(hpm, kt, D, MMA_BF16)
-        qk, sk, zk, rk = _quantize_matrix(x, D, G, KB, ITERS)
-        _pack_store(qk, cache_ptr + base + OFF_PK, D, G, KB)
-        b16 = base // 2
-        tl.store(cache16_ptr + b16 + OFF_SK // 2 + di, sk.to(tl.float16))
-        tl.store(cache16_ptr + b16 + OFF_ZK // 2 + di, zk.to(tl.float16))
-        tl.store(cache16_ptr + b16 + OFF_RK // 2 + gi, rk.to(tl.float16))
-        # values: Y = V @ Hn  [g, D], rows = tokens
-        vp = v_ptr + tile.to(tl.int64) * stride_vt + head * stride_vh
-        vt = _sanitize(tl.load(vp + gi[:, None] * stride_vg + di[None, :]).to(tl.float32))
-        y = x_times_h(vt, hpm, D, MMA_BF16)
-        qv, sv, zv, cv = _quantize_matrix(y, G, D, VB, ITERS)
-        _pack_store(qv, cache_ptr + base + OFF_PV, G, D, VB)
-        tl.store(cache16_ptr + b16 + OFF_SV // 2 + gi, sv.to(tl.float16))
-        tl.store(cache16_ptr + b16 + OFF_ZV // 2 + gi, zv.to(tl.float16))
-        tl.store(cache16_ptr + b16 + OFF_CV // 2 + di, cv.to(tl.float16))
+        hpm = hadamard_pm1(D, MMA_BF16)  # +-1 Hadamard in registers
+        if tl.program_id(1) == 0:
+            # keys: X = (K @ Hn)^T = Hn @ K^T  [D, g] (Hn symmetric), rows = channels
+            kp = k_ptr + src * stride_kt + head * stride_kh
+            kt = _sanitize(tl.load(kp + gi[None, :] * stride_kg + di[:, None]).to(tl.float32))
+            x = h_times_x(hpm, kt, D, MMA_BF16)
+            qk, sk, zk, rk = _quantize_matrix(x, D, G, KB, ITERS)
+            _pack_store(qk, cache_ptr + base + OFF_PK, D, G, KB)
+            tl.store(cache16_ptr + b16 + OFF_SK // 2 + di, sk.to(tl.float16))
+            tl.store(cache16_ptr + b16 + OFF_ZK // 2 + di, zk.to(tl.float16))
+            tl.store(cache16_ptr + b16 + OFF_RK // 2 + gi, rk.to(tl.float16))
+        else:
+            # values: Y = V @ Hn  [g, D], rows = tokens
+            vp = v_ptr + src * stride_vt + head * stride_vh
+            vt = _sanitize(tl.load(vp + gi[:, None] * stride_vg + di[None, :]).to(tl.float32))
+            y = x_times_h(vt, hpm, D, MMA_BF16)
+            qv, sv, zv, cv = _quantize_matrix(y, G, D, VB, ITERS)
+            _pack_store(qv, cache_ptr + base + OFF_PV, G, D, VB)
+            tl.store(cache16_ptr + b16 + OFF_SV // 2 + gi, sv.to(tl.float16))
+            tl.store(cache16_ptr + b16 + OFF_ZV // 2 + gi, zv.to(tl.float16))
+            tl.store(cache16_ptr + b16 + OFF_CV // 2 + di, cv.to(tl.float16))
+
+
+def _launch_store(k, v, cache, lay, n_tiles, H, iters, *, block_ids=None, src_rows=None, seq_lens=None,
+                  block_table=None):
+    """k, v: tile sources [*, H, g, D] (strided). Plain mode: block_ids [n_tiles]; decode mode: src_rows, seq_lens,
+    block_table [n_tiles, *] (the block ids are derived in the kernel)."""
+    decode = block_ids is None
+    dummy = seq_lens if decode else block_ids  # unused pointer arguments of the other mode
+    g, D = lay.g, k.shape[-1]
+    _store_tiles_kernel[(n_tiles * H, 2)](
+        k, v, cache, f16_view(cache), dummy if decode else block_ids, src_rows if decode else dummy,
+        seq_lens if decode else dummy, block_table if decode else dummy,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        cache.stride(0), cache.stride(1), block_table.stride(0) if decode else 0,
+        H=H, G=g, D=D, KB=lay.kb, VB=lay.vb, ITERS=int(iters),
+        OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
+        OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
+        MMA_BF16=mma_bf16(), DECODE=decode, num_warps=16 if D * g > 16384 else 8,
+    )
 
 
 def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
@@ -184,17 +223,7 @@ def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids
         return
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
-    hn = hadamard_fp32(D, k.device)
-    big = D * g > 16384
-    _store_tiles_kernel[(T * H,)](
-        k, v, cache, f16_view(cache), block_ids, hn,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        cache.stride(0), cache.stride(1),
-        H=H, G=g, D=D, KB=lay.kb, VB=lay.vb, ITERS=int(iters),
-        OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
-        OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-        MMA_BF16=mma_bf16(), num_warps=16 if big else 8,
-    )
+    _launch_store(k, v, cache, lay, T, H, iters, block_ids=block_ids)
 
 
 @triton.jit
@@ -238,4 +267,59 @@ def store_tail_tokens(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, ta
     )
 
 
-__all__ = ["store_tiles", "store_tail_tokens", "FP16_MAX"]
+@triton.jit
+def _decode_tail_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, slot_ptr, seq_lens_ptr,
+                        stride_kn, stride_kh, stride_vn, stride_vh,
+                        stride_ts, stride_th, stride_tg, stride_us, stride_uh, stride_ug,
+                        H: tl.constexpr, G: tl.constexpr, D: tl.constexpr):
+    # row b's one new token sits at position seq_lens[b] - 1 of its sequence; rows with seq_len 0 are padding
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    s = tl.load(seq_lens_ptr + b)
+    if s > 0:
+        pos = (s - 1) % G
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        di = tl.arange(0, D)
+        kv = tl.load(k_ptr + b.to(tl.int64) * stride_kn + h * stride_kh + di)
+        vv = tl.load(v_ptr + b.to(tl.int64) * stride_vn + h * stride_vh + di)
+        tl.store(tk_ptr + slot * stride_ts + h * stride_th + pos * stride_tg + di, kv.to(tk_ptr.dtype.element_ty))
+        tl.store(tv_ptr + slot * stride_us + h * stride_uh + pos * stride_ug + di, vv.to(tv_ptr.dtype.element_ty))
+
+
+def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor,
+                 fmt: KVFormat | str, iters: int = 8) -> None:
+    """The KV write of a step where batch row b has exactly one new token k[b], v[b] ([B, H, D]) at position
+    seq_lens[b] - 1 (seq_lens int32 [B]; 0 = padded row, skipped): the token goes to tail row tail_slots[b], and
+    when it completes its tile (seq_len % g == 0) the tile is quantized from the tail into
+    cache[block_table[b, seq_len // g - 1]]. Two launches of fixed grids, no host data: CUDA-graph capturable."""
+    fmt = as_format(fmt)
+    if k.dim() != 3 or k.shape != v.shape:
+        raise KvarnError(f"k and v must both be [B, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    B, H, D = k.shape
+    lay = layout(fmt, D)
+    check_cache(cache, lay)
+    if tail_k.dim() != 4 or tuple(tail_k.shape[1:]) != (H, lay.g, D) or tail_v.shape != tail_k.shape:
+        raise KvarnError(f"tail buffers must be [S, {H}, {lay.g}, {D}], got {tuple(tail_k.shape)}, "
+                         f"{tuple(tail_v.shape)}")
+    if tail_k.stride(-1) != 1 or tail_v.stride(-1) != 1:
+        raise KvarnError("tail buffers must be contiguous along the head dim")
+    if seq_lens.shape[0] < B or tail_slots.shape[0] < B or block_table.dim() != 2 or block_table.shape[0] < B:
+        raise KvarnError(f"seq_lens, tail_slots and block_table need {B} rows, got {tuple(seq_lens.shape)}, "
+                         f"{tuple(tail_slots.shape)}, {tuple(block_table.shape)}")
+    if B == 0:
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    _decode_tail_kernel[(B * H,)](
+        k, v, tail_k, tail_v, tail_slots, seq_lens,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_v.stride(0), tail_v.stride(1), tail_v.stride(2),
+        H=H, G=lay.g, D=D, num_warps=1,
+    )
+    _launch_store(tail_k, tail_v, cache, lay, B, H, iters, src_rows=tail_slots, seq_lens=seq_lens,
+                  block_table=block_table)
+
+
+__all__ = ["store_tiles", "store_tail_tokens", "store_decode", "FP16_MAX"]

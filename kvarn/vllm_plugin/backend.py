@@ -8,6 +8,7 @@ request lives in the 16-bit tail buffers (tails.py), reserved from the KV budget
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -83,11 +84,23 @@ class KvarnMetadata(AttentionMetadata):
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     slot_mapping: torch.Tensor
+    tail_slots: torch.Tensor  # int32 [num_reqs], a view of the builder's persistent buffer (graph-safe address)
+
+
+def full_graph_decode_enabled() -> bool:
+    """KVARN_FULL_GRAPH=0 turns full-graph decode off (attention then runs eagerly between piecewise graphs)."""
+    return os.environ.get("KVARN_FULL_GRAPH", "1") != "0"
 
 
 class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
-    # Correct first: attention runs eagerly between piecewise CUDA graphs (vLLM downgrades NEVER to PIECEWISE).
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # Pure decode steps (one token per request) run as one full CUDA graph: their store and attention read only
+    # device tensors at fixed addresses (seq_lens, block table, the persistent tail-slot buffer below). Mixed /
+    # prefill steps keep attention eager between piecewise graphs.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        return cls._cudagraph_support if full_graph_decode_enabled() else AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -98,6 +111,11 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         dtype = vllm_config.model_config.dtype
         TAILS.allocate(layer_names, self.slots, kv_cache_spec.num_kv_heads, self.fmt.group, kv_cache_spec.head_size,
                        dtype, device)
+        # rows of a (padded) batch can exceed max_num_seqs: graph capture sizes go up to max_num_batched_tokens
+        sched = vllm_config.scheduler_config
+        cap = max(self.slots, int(getattr(sched, "max_num_batched_tokens", 0) or 0),
+                  int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0)) + 1
+        self._tail_slots = torch.full((cap,), self.slots, dtype=torch.int32, device=device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvarnMetadata:
@@ -112,8 +130,12 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         rows = np.where((rows >= 0) & (rows <= self.slots), rows, self.slots).astype(np.int32)
         plan = ops.build_plan(cm.query_start_loc_cpu, np.asarray(seq_cpu), R, rows, cm.block_table_tensor,
                               self.fmt.group, self.device)
+        if R > self._tail_slots.shape[0]:  # not expected (see __init__); eager steps only
+            self._tail_slots = torch.full((R + 1,), self.slots, dtype=torch.int32, device=self.device)
+        # pageable source: the copy is staged before this returns, so the host array can be reused next step
+        self._tail_slots[:R].copy_(torch.from_numpy(rows), non_blocking=True)
         return KvarnMetadata(plan=plan, num_actual_tokens=cm.num_actual_tokens, block_table=cm.block_table_tensor,
-                             seq_lens=cm.seq_lens, slot_mapping=cm.slot_mapping)
+                             seq_lens=cm.seq_lens, slot_mapping=cm.slot_mapping, tail_slots=self._tail_slots[:R])
 
 
 class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
@@ -183,9 +205,15 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         plan = attn_metadata.plan
         if plan.num_tokens == 0:
             return output
-        if key is not None and value is not None and self.kv_sharing_target_layer_name is None:
-            ops.store(plan, key, value, kv_cache, tail_k, tail_v, self.fmt)
         out = output.view(-1, self.num_heads, self.head_size)
+        write_kv = key is not None and value is not None and self.kv_sharing_target_layer_name is None
+        if plan.decode_only:
+            ops.decode_step(plan, query, key, value, out, kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
+                            attn_metadata.tail_slots, tail_k, tail_v, self.fmt, self.scale, write_kv=write_kv,
+                            raw_varlen=self._raw_varlen())
+            return output
+        if write_kv:
+            ops.store(plan, key, value, kv_cache, tail_k, tail_v, self.fmt)
         ops.attention(plan, query, key, value, out, kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
                       tail_k, tail_v, self.fmt, self.scale, raw_varlen=self._raw_varlen())
         return output

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,6 +36,15 @@ def _kernel(module: str, name: str):
     except Exception:  # noqa: BLE001 - a missing or broken kernel module means: use the torch path
         return None
     return getattr(mod, name, None)
+
+
+def _decode_config():
+    """The decode kernel variant the backend uses: the H200 sweep's best (kvarn.kernels.decode.DEFAULT_CONFIG). The
+    kernel's own run-time tuner would time candidates on whatever batch comes first (in vLLM: graph-capture dummies
+    of seq_len 1, where every candidate ties); KVARN_AUTOTUNE=1 turns it on anyway."""
+    if os.environ.get("KVARN_AUTOTUNE") == "1":
+        return None
+    return _kernel("decode", "DEFAULT_CONFIG")
 
 
 @dataclass
@@ -72,6 +82,8 @@ class StepPlan:
     cont_tok: torch.Tensor | None
     cont_qsl: torch.Tensor | None  # int32 [n_cont + 1]
     cont_max_q: int
+    # one token per row, row b = token b, padding rows (no token) only at the end: the decode fast path
+    decode_only: bool = False
 
     @property
     def pure_prefill(self) -> bool:
@@ -156,6 +168,9 @@ def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, 
         np.cumsum(lens, out=cu[1:])
         return _ragged(qsl[rows], lens)[1], cu, int(lens.max())
 
+    n_act = len(act)
+    decode_only = bool(n_act > 0 and (qlen <= 1).all() and (act == np.arange(n_act)).all()
+                       and (qsl[:n_act] == np.arange(n_act)).all())
     raw_tok, raw_cu, raw_max = tok_of(raw_rows)
     dec_tok = qsl[dec_rows] if len(dec_rows) else None  # one token per decode row
     cont_tok, cont_cu, cont_max = tok_of(cont_rows)
@@ -172,7 +187,7 @@ def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, 
         raw_rows=raw_rows, raw_tok=_t(raw_tok, np.int64, device), raw_cu=_t(raw_cu, np.int32, device), raw_max=raw_max,
         dec_rows=dec_rows, dec_rows_t=_t(dec_rows, np.int64, device), dec_tok=_t(dec_tok, np.int64, device),
         cont_rows=cont_rows, cont_rows_t=_t(cont_rows, np.int64, device), cont_tok=_t(cont_tok, np.int64, device),
-        cont_qsl=_t(cont_cu, np.int32, device), cont_max_q=cont_max,
+        cont_qsl=_t(cont_cu, np.int32, device), cont_max_q=cont_max, decode_only=decode_only,
     )
 
 
@@ -302,7 +317,8 @@ def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, ta
         qd = q[plan.dec_tok]
         fn = _kernel("decode", "decode_attention") if use_kernels else None
         if fn is not None:
-            o = fn(qd, cache, block_table[rows], seq_lens_dev[rows], tail_k, tail_v, plan.tail_slots[rows], fmt, scale)
+            o = fn(qd, cache, block_table[rows], seq_lens_dev[rows], tail_k, tail_v, plan.tail_slots[rows], fmt, scale,
+                   config=_decode_config())
         else:
             r = plan.dec_rows
             o = cached_attention_torch(qd, cache, block_table[rows], np.arange(len(r) + 1), plan.seq_lens[r],
@@ -322,6 +338,30 @@ def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, ta
             o = cached_attention_torch(qc, cache, block_table[rows], cu, plan.seq_lens[r], tail_k, tail_v,
                                        plan.tail_slots_np[r], fmt, scale)
         out[plan.cont_tok] = o.to(out.dtype)
+
+
+def decode_step(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, tail_slots_dev, tail_k, tail_v,
+                fmt: KVFormat, scale: float, write_kv: bool = True, use_kernels: bool | None = None,
+                raw_varlen: Callable | None = None) -> None:
+    """A `decode_only` step: row b's one token is token b (q/k/v/out [N >= B, H, D]). On CUDA two store launches
+    and the decode kernel, all reading seq_lens / block_table / tail slots on the device (no gathers, no host
+    data: this is what a full CUDA graph captures); k / v are None (or write_kv False) for a layer sharing another
+    layer's cache. Elsewhere the general store + attention path (same semantics)."""
+    B = plan.num_reqs
+    if use_kernels is None:
+        use_kernels = q.is_cuda
+    store_fn = _kernel("store", "store_decode") if use_kernels else None
+    attn_fn = _kernel("decode", "decode_attention") if use_kernels else None
+    if store_fn is None or attn_fn is None:
+        if write_kv and k is not None:
+            store(plan, k, v, cache, tail_k, tail_v, fmt)
+        attention(plan, q, k, v, out, cache, block_table, seq_lens_dev, tail_k, tail_v, fmt, scale,
+                  raw_varlen=raw_varlen)
+        return
+    bt, sl, ts = block_table[:B], seq_lens_dev[:B], tail_slots_dev[:B]
+    if write_kv and k is not None:
+        store_fn(k[:B], v[:B], cache, bt, sl, tail_k, tail_v, ts, fmt)
+    attn_fn(q[:B], cache, bt, sl, tail_k, tail_v, ts, fmt, scale, out=out[:B], config=_decode_config())
 
 
 def default_scale(head_dim: int) -> float:
