@@ -48,6 +48,48 @@ def test_gpu_store_matches_reference(name, D):
     assert rel_err(vd, v[keep]) <= rel_err(vr, v[keep]) * 1.05 + 1e-6
 
 
+def test_gpu_store_decode_equals_store_tiles_and_captures():
+    """store_decode (the decode step's KV write inside a full CUDA graph) = tail write + store_tiles of the
+    completed tiles, bit for bit, replayed from a captured graph with new seq_lens / slots in the same buffers."""
+    from kvarn.kernels import store_decode, store_tiles
+
+    fmt = get_format("kvarn_k4v2_g128")
+    g, D, H, B, S = fmt.group, 128, 8, 6, 10
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    tail_k = torch.randn(S + 1, H, g, D, device=DEV, generator=gen).bfloat16()
+    tail_v = torch.randn(S + 1, H, g, D, device=DEV, generator=gen).bfloat16()
+    cache = torch.zeros(64, H, fmt.record_bytes(D), dtype=torch.uint8, device=DEV)
+    bt = torch.randperm(60, device=DEV, generator=gen)[:B * 8].view(B, 8).int() + 1
+    seq = torch.zeros(B, dtype=torch.int32, device=DEV)
+    slots = torch.zeros(B, dtype=torch.int32, device=DEV)
+    k = torch.zeros(B, H, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    run = lambda: store_decode(k, v, cache, bt, seq, tail_k, tail_v, slots, fmt)  # noqa: E731
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    seq.copy_(torch.tensor([128, 5, 256, 0, 1, 383], dtype=torch.int32))  # row 3: padding
+    slots.copy_(torch.tensor([2, 7, 4, 10, 0, 9], dtype=torch.int32))
+    k.copy_(torch.randn(B, H, D, device=DEV, generator=gen).bfloat16())
+    v.copy_(torch.randn(B, H, D, device=DEV, generator=gen).bfloat16())
+    want_k, want_v, want_cache = tail_k.clone(), tail_v.clone(), cache.clone()
+    done = []
+    for b, (s, sl) in enumerate(zip(seq.tolist(), slots.tolist())):
+        if s:
+            want_k[sl, :, (s - 1) % g] = k[b]
+            want_v[sl, :, (s - 1) % g] = v[b]
+            if s % g == 0:
+                done.append((b, sl, int(bt[b, s // g - 1])))
+    ids = torch.tensor([d[2] for d in done], dtype=torch.int32, device=DEV)
+    rows = [d[1] for d in done]
+    store_tiles(want_k[rows], want_v[rows], want_cache, ids, fmt)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(tail_k, want_k) and torch.equal(tail_v, want_v)
+    assert len(done) == 2 and torch.equal(cache, want_cache)
+
+
 @pytest.mark.parametrize("name,D,Hq,Hk", DECODE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_decode_matches_reference(name, D, Hq, Hk, dtype):
