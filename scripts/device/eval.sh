@@ -36,7 +36,7 @@ step ppl_vllm 100 ppl --engine vllm --kv-dtype "$KV" --context 1024 --limit 8 --
 # 2. the same windows through the hf engine on the GPU (reference KVCodecCache): parity of the two KVarN paths
 step ppl_hf 70 ppl --engine hf --kv-dtype "$KV" --context 1024 --limit 8 --chunk 128
 # 3. needle in a haystack at 2k/4k/8k, 10 depths each, 512-token prefill chunks
-step niah 90 niah --engine vllm --kv-dtype "$KV" --context 2k,4k,8k --limit 10
+step niah "${KVARN_NIAH_SECS:-90}" niah --engine vllm --kv-dtype "$KV" --context 2k,4k,8k --limit 10
 # 4. gsm8k, lm-eval protocol (5-shot, strict/flexible), 200 problems, greedy, 256 new tokens
 step gsm8k "${KVARN_GSM8K_SECS:-90}" gsm8k --engine vllm --kv-dtype "$KV" --limit 200 --max-tokens 256
 
