@@ -293,7 +293,9 @@ def test_layers_kvarn_cannot_serve_fall_back_to_16bit(fake_vllm, caplog):
         sw2 = Attention(9, 64, 0.125, 3, cache_config=cc, per_layer_sliding_window=512, prefix="l2")
         cross = Attention(9, 64, 0.125, 3, cache_config=cc, attn_type="encoder_decoder", prefix="l3")
         odd = Attention(9, 96, 0.1, 3, cache_config=cc, prefix="l4")
+        wide = Attention(8, 256, 0.0625, 2, cache_config=cc, prefix="l6")  # store kernel too big for smem at 256
     assert sw.kv_cache_dtype == sw2.kv_cache_dtype == cross.kv_cache_dtype == odd.kv_cache_dtype == "auto"
+    assert wide.kv_cache_dtype == "auto"
     assert cc.cache_dtype == "kvarn_k4v2_g128"  # the shared config is untouched
     assert caplog.text.count("sliding-window") == 1  # said once
     plain = Attention(9, 64, 0.125, 3, cache_config=CC(cache_dtype="auto"), prefix="l5")
@@ -328,7 +330,7 @@ def test_spec_has_true_page_bytes_and_merge_keeps_it(fake_vllm):
         assert np.prod(shape) == 7 * spec.page_size_bytes
     assert B.get_name() == "CUSTOM" and B.get_supported_kernel_block_sizes() == [128]
     assert B.supports_kv_cache_dtype("kvarn_k2v2_g128") and not B.supports_kv_cache_dtype("fp8")
-    assert B.get_supported_head_sizes() == [64, 128, 256]
+    assert B.get_supported_head_sizes() == [64, 128]
 
 
 def test_config_checks_name_the_fix(fake_vllm):
