@@ -354,6 +354,172 @@ def kvarn_attention_kernel(
     tl.store(plse_ptr + row * (num_splits + 1) + split, lse, mask=row_ok)
 
 
+# ------------------------------------------------------------------------------------------------ token-row layout
+
+
+@triton.jit
+def _halves(x, M: tl.constexpr, N: tl.constexpr):
+    """Rows 0 .. M-1 and M .. 2M-1 of x [2M, N] (a reshape + split: no slicing of register tensors in Triton)."""
+    return tl.split(tl.permute(tl.reshape(x, [2, M, N]), (1, 2, 0)))
+
+
+@triton.jit
+def _key_plane_t(qT, sk_ptr, zk_ptr, DP: tl.constexpr, KSPLIT: tl.constexpr):
+    # (q_j * sK_j)^T [DP, BN] as the (small) B operand, hi/lo; the zK term is a per-column constant of the tile
+    c = tl.arange(0, DP)
+    sk = tl.load(sk_ptr + c).to(tl.float32)
+    zk = tl.load(zk_ptr + c).to(tl.float32)
+    hi, lo = _split16(qT * sk[:, None], KSPLIT)
+    return hi, lo, tl.sum(qT * zk[:, None], axis=0)
+
+
+@triton.jit
+def _dot16_t(a, hi, lo, acc, SPLIT: tl.constexpr):
+    # the codes are the A operand (M = tokens or channels); the fp32 factor is split hi + lo in the B operand
+    acc = tl.dot(a, hi, acc=acc, out_dtype=tl.float32)
+    if SPLIT == 2:
+        acc = tl.dot(a, lo, acc=acc, out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _value_plane_t(pvT, ps, acc, J: tl.constexpr, VB: tl.constexpr, UNPACK: tl.constexpr, VSPLIT: tl.constexpr):
+    # o^T [D, BN] += Vcodes_J^T [D, BT] x (p * sV)_J^T [BT, BN]: M = D channels, K = the BT tokens of plane J
+    hi, lo = _split16(ps, VSPLIT)
+    return _dot16_t(_plane(pvT, J * VB, VB, UNPACK), hi, lo, acc, VSPLIT)
+
+
+@triton.jit
+def kvarn_attention_tok_kernel(
+    qr_ptr, cache_ptr, cache16_ptr, bt_ptr, seq_lens_ptr,
+    po_r_ptr, plse_ptr,
+    num_splits, stride_btb, stride_cb, stride_ch, HQ,
+    GROUP: tl.constexpr, BN: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+    OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
+    OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
+    UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Decode-only attention over the records with the tiles transposed: tokens (keys) and channels (values) are
+    the MMA M dimension and the unpacked codes its A operand; the BN >= 16 columns are the query heads of the GQA
+    group (padded). Same grid (B, 1, Hk * num_splits), tile partition and partial outputs (po_r, plse) as
+    kvarn_attention_kernel, so tail_attention_kernel and finish_kernel are shared. Per tile:
+
+        scores^T [G, BN] = rK * ( sum_j Kcodes_j^T [G, DP] x (q_j * sK_j)^T [DP, BN]  +  q.zK )
+        o^T      [D, BN] = cV * ( sum_j Vcodes_j^T [D, BT] x (p * sV)_j^T [BT, BN]   +  p.zV )
+
+    (j: key byte planes of DP channels, value byte planes of BT tokens; the p rows of plane j are cut out of the
+    [G, BN] tile by reshape + split). Softmax statistics are per column. Decode sees every token of a full tile,
+    so the record tiles need no mask."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+    S = tl.load(seq_lens_ptr + b)
+
+    PERK: tl.constexpr = 8 // KB
+    DP: tl.constexpr = D // PERK  # channels per key byte plane
+    PERV: tl.constexpr = 8 // VB
+    BT: tl.constexpr = G // PERV  # tokens per value byte plane
+
+    n = tl.arange(0, BN)
+    col_ok = n < GROUP
+    row = (b * HQ + kvh * GROUP + n).to(tl.int64)  # flattened (token, head) rows of the group
+    di = tl.arange(0, D)
+    dp = tl.arange(0, DP)
+    ti = tl.arange(0, G)
+    bt = tl.arange(0, BT)
+    # transposed query planes [DP, BN] (rotated and scaled by rotate_rows_kernel), normalised by max |q|
+    q_cols = qr_ptr + row[None, :] * D + dp[:, None]
+    q0 = tl.load(q_cols, mask=col_ok[None, :], other=0.0)
+    q1 = tl.load(q_cols + DP, mask=col_ok[None, :], other=0.0)
+    qmax = tl.maximum(tl.max(tl.max(tl.abs(q0), axis=1), axis=0), tl.max(tl.max(tl.abs(q1), axis=1), axis=0))
+    if PERK == 4:
+        q2 = tl.load(q_cols + 2 * DP, mask=col_ok[None, :], other=0.0)
+        q3 = tl.load(q_cols + 3 * DP, mask=col_ok[None, :], other=0.0)
+        qmax = tl.maximum(qmax, tl.maximum(tl.max(tl.max(tl.abs(q2), axis=1), axis=0),
+                                           tl.max(tl.max(tl.abs(q3), axis=1), axis=0)))
+    else:
+        q2 = q0
+        q3 = q0
+    qnorm = tl.where(qmax > 0.0, qmax, 1.0)
+    qinv = 1.0 / qnorm
+    q0 = q0 * qinv
+    q1 = q1 * qinv
+    q2 = q2 * qinv
+    q3 = q3 * qinv
+
+    # the same split partition as kvarn_attention_kernel (decode: every row sees S tokens)
+    n_full = S // G
+    n_tiles = (S + G - 1) // G
+    per_split = (n_tiles + num_splits - 1) // num_splits
+    t_begin = split * per_split
+    t_end = tl.minimum(t_begin + per_split, n_tiles)
+
+    m_i = tl.full([BN], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BN], dtype=tl.float32)
+    acc = tl.zeros([D, BN], dtype=tl.float32)  # o^T, rotated basis
+
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    for t in tl.range(t_begin, tl.minimum(t_end, n_full), num_stages=STAGES):
+        blk = tl.load(bt_row + t).to(tl.int64)
+        rec = blk * stride_cb + kvh * stride_ch
+        rec16 = rec // 2
+        # ---- keys: M = the G tokens of the tile; pk bytes [DP, G] (tokens contiguous) loaded as [G, DP]
+        sk_ptr = cache16_ptr + rec16 + OFF_SK // 2
+        zk_ptr = cache16_ptr + rec16 + OFF_ZK // 2
+        pkT = tl.load(cache_ptr + rec + OFF_PK + dp[None, :] * G + ti[:, None])
+        s = tl.zeros([G, BN], dtype=tl.float32)
+        b_hi, b_lo, qz = _key_plane_t(q0, sk_ptr, zk_ptr, DP, KSPLIT)
+        s = _dot16_t(_plane(pkT, 0, KB, UNPACK), b_hi, b_lo, s, KSPLIT)
+        b_hi, b_lo, z1 = _key_plane_t(q1, sk_ptr + DP, zk_ptr + DP, DP, KSPLIT)
+        s = _dot16_t(_plane(pkT, KB, KB, UNPACK), b_hi, b_lo, s, KSPLIT)
+        qz += z1
+        if PERK == 4:
+            b_hi, b_lo, z2 = _key_plane_t(q2, sk_ptr + 2 * DP, zk_ptr + 2 * DP, DP, KSPLIT)
+            s = _dot16_t(_plane(pkT, 2 * KB, KB, UNPACK), b_hi, b_lo, s, KSPLIT)
+            b_hi, b_lo, z3 = _key_plane_t(q3, sk_ptr + 3 * DP, zk_ptr + 3 * DP, DP, KSPLIT)
+            s = _dot16_t(_plane(pkT, 3 * KB, KB, UNPACK), b_hi, b_lo, s, KSPLIT)
+            qz += z2 + z3
+        rk = tl.load(cache16_ptr + rec16 + OFF_RK // 2 + ti).to(tl.float32) * qnorm
+        s = (s + qz[None, :]) * rk[:, None]  # exp2-domain scores^T [G, BN]
+        # ---- online softmax per column (query head), one rescale per tile
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+        # ---- values: M = the D channels; plane j of the pv bytes [BT, D] (loaded as [D, BT]) is tokens j*BT ..
+        sv = tl.load(cache16_ptr + rec16 + OFF_SV // 2 + ti).to(tl.float32)
+        zv = tl.load(cache16_ptr + rec16 + OFF_ZV // 2 + ti).to(tl.float32)
+        pz = tl.sum(p * zv[:, None], axis=0)
+        ps = p * sv[:, None]
+        pvT = tl.load(cache_ptr + rec + OFF_PV + bt[None, :] * D + di[:, None])
+        o = tl.zeros([D, BN], dtype=tl.float32)
+        if PERV == 2:
+            ps0, ps1 = _halves(ps, BT, BN)
+            o = _value_plane_t(pvT, ps0, o, 0, VB, UNPACK, VSPLIT)
+            o = _value_plane_t(pvT, ps1, o, 1, VB, UNPACK, VSPLIT)
+        else:
+            tl.static_assert(PERV == 4, "codes are 2 or 4 bits")
+            h0, h1 = _halves(ps, 2 * BT, BN)
+            ps0, ps1 = _halves(h0, BT, BN)
+            ps2, ps3 = _halves(h1, BT, BN)
+            o = _value_plane_t(pvT, ps0, o, 0, VB, UNPACK, VSPLIT)
+            o = _value_plane_t(pvT, ps1, o, 1, VB, UNPACK, VSPLIT)
+            o = _value_plane_t(pvT, ps2, o, 2, VB, UNPACK, VSPLIT)
+            o = _value_plane_t(pvT, ps3, o, 3, VB, UNPACK, VSPLIT)
+        cv = tl.load(cache16_ptr + rec16 + OFF_CV // 2 + di).to(tl.float32)
+        acc = acc * alpha[None, :] + (o + pz[None, :]) * cv[:, None]
+
+    # partials exactly as kvarn_attention_kernel writes them (po_r rows [R * num_splits, D], plse [R, splits + 1])
+    has = l_i > 0.0
+    inv_l = 1.0 / tl.where(has, l_i, 1.0)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(po_r_ptr + (row * num_splits + split)[None, :] * D + di[:, None], acc * inv_l[None, :],
+             mask=col_ok[None, :])
+    tl.store(plse_ptr + row * (num_splits + 1) + split, lse, mask=col_ok)
+
+
 @triton.jit
 def tail_attention_kernel(
     q_ptr, seq_lens_ptr, qsl_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, po_t_ptr, plse_ptr,

@@ -35,6 +35,23 @@ def hadamard_pm1_cols(D: tl.constexpr, DP: tl.constexpr, J: tl.constexpr, MMA_BF
 
 
 @triton.jit
+def hadamard_pm1_block(R: tl.constexpr, C: tl.constexpr, r0, c0, MMA_BF16: tl.constexpr):
+    """H[r0:r0+R, c0:c0+C] of the +-1 Hadamard of any order up to 512 (offsets may be runtime values)."""
+    i = (tl.arange(0, R) + r0)[:, None]
+    c = (tl.arange(0, C) + c0)[None, :]
+    v = i & c
+    v = v ^ (v >> 8)
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    h = 1.0 - 2.0 * (v & 1).to(tl.float32)
+    if MMA_BF16:
+        return h.to(tl.bfloat16)
+    else:
+        return h
+
+
+@triton.jit
 def _inv_sqrt(D: tl.constexpr):
     # 1/sqrt(D) for the supported head dims, as a compile-time constant (no math on constexprs in device code)
     if D == 64:
@@ -79,3 +96,38 @@ def h_times_x(h, x, D: tl.constexpr, MMA_BF16: tl.constexpr):
     else:
         acc = tl.dot(h, x, input_precision="ieee")
     return acc * _inv_sqrt(D)
+
+
+@triton.jit
+def x_times_h_acc(x, h, acc, MMA_BF16: tl.constexpr):
+    """acc + x @ h (unscaled) for fp32 x [M, K], +-1 h [K, N]: one K-block of a blocked x @ H
+    (finish with rot_scale). Same splitting as x_times_h, so the products are exact; only the fp32 summation
+    order differs from the single dot."""
+    if MMA_BF16:
+        hi, mid, lo = _split3(x)
+        acc = tl.dot(hi, h, acc=acc, out_dtype=tl.float32)
+        acc = tl.dot(mid, h, acc=acc, out_dtype=tl.float32)
+        acc = tl.dot(lo, h, acc=acc, out_dtype=tl.float32)
+    else:
+        acc = tl.dot(x, h, acc=acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def h_times_x_acc(h, x, acc, MMA_BF16: tl.constexpr):
+    """acc + h @ x (unscaled) for +-1 h [M, K], fp32 x [K, N] (see x_times_h_acc)."""
+    if MMA_BF16:
+        hi, mid, lo = _split3(x)
+        acc = tl.dot(h, hi, acc=acc, out_dtype=tl.float32)
+        acc = tl.dot(h, mid, acc=acc, out_dtype=tl.float32)
+        acc = tl.dot(h, lo, acc=acc, out_dtype=tl.float32)
+    else:
+        acc = tl.dot(h, x, acc=acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def rot_scale(acc, D: tl.constexpr):
+    """acc * (1/sqrt(D)): turns an accumulated +-1 product into the Hn rotation."""
+    return acc * _inv_sqrt(D)
+

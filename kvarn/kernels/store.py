@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .rotate import h_times_x, hadamard_pm1, x_times_h
+from .rotate import (h_times_x, h_times_x_acc, hadamard_pm1, hadamard_pm1_block, rot_scale, x_times_h,
+                     x_times_h_acc)
 
 from ..errors import KvarnError
 from ..formats import KVFormat
@@ -133,6 +134,34 @@ def _sanitize(x):
 
 
 @triton.jit
+def _keys_rotated_blocked(kp, stride_kg, D: tl.constexpr, G: tl.constexpr, RB: tl.constexpr,
+                          MMA_BF16: tl.constexpr):
+    # X = Hn @ K^T [D, g] accumulated over RB-channel blocks of K: X += H[:, blk] @ K^T[blk, :]. Only one block
+    # of H and of the split K is alive at a time (the whole-tile form needs H twice + three split copies of K in
+    # shared memory: 448 KiB at D=256, g=128).
+    gi = tl.arange(0, G)
+    acc = tl.zeros([D, G], dtype=tl.float32)
+    for kb in range(0, D, RB):
+        ki = kb + tl.arange(0, RB)
+        kt = _sanitize(tl.load(kp + gi[None, :] * stride_kg + ki[:, None]).to(tl.float32))
+        acc = h_times_x_acc(hadamard_pm1_block(D, RB, 0, kb, MMA_BF16), kt, acc, MMA_BF16)
+    return rot_scale(acc, D)
+
+
+@triton.jit
+def _values_rotated_blocked(vp, stride_vg, D: tl.constexpr, G: tl.constexpr, RB: tl.constexpr,
+                            MMA_BF16: tl.constexpr):
+    # Y = V @ Hn [g, D] accumulated over RB-channel blocks of V: Y += V[:, blk] @ H[blk, :]
+    gi = tl.arange(0, G)
+    acc = tl.zeros([G, D], dtype=tl.float32)
+    for kb in range(0, D, RB):
+        ki = kb + tl.arange(0, RB)
+        vt = _sanitize(tl.load(vp + gi[:, None] * stride_vg + ki[None, :]).to(tl.float32))
+        acc = x_times_h_acc(vt, hadamard_pm1_block(RB, D, kb, 0, MMA_BF16), acc, MMA_BF16)
+    return rot_scale(acc, D)
+
+
+@triton.jit
 def _store_tiles_kernel(
     k_ptr, v_ptr, cache_ptr, cache16_ptr, block_ids_ptr, src_rows_ptr, seq_lens_ptr, bt_ptr,
     stride_kt, stride_kh, stride_kg, stride_vt, stride_vh, stride_vg,
@@ -140,12 +169,14 @@ def _store_tiles_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
-    MMA_BF16: tl.constexpr, DECODE: tl.constexpr,
+    MMA_BF16: tl.constexpr, DECODE: tl.constexpr, RB: tl.constexpr,
 ):
     # grid (tiles * H, 2): axis 1 picks keys or values, so the two balancing chains (the kernel's latency) run
     # on different SMs. DECODE: tile = batch row b of a one-token-per-row step; its tile is complete iff
     # seq_lens[b] is a positive multiple of G, its tokens are tail row src_rows[b], its block comes from the block
     # table. Everything is derived on the device, so the launch is the same every step (CUDA-graph safe).
+    # RB > 0: the rotation is accumulated over RB-channel blocks (D=256: the whole-tile dots overflow the
+    # shared memory of an sm_90); RB == 0: one whole-tile rotation.
     pid = tl.program_id(0)
     tile = pid // H
     head = pid % H
@@ -162,12 +193,16 @@ def _store_tiles_kernel(
         b16 = base // 2
         di = tl.arange(0, D)
         gi = tl.arange(0, G)
-        hpm = hadamard_pm1(D, MMA_BF16)  # +-1 Hadamard in registers
+        if RB == 0:
+            hpm = hadamard_pm1(D, MMA_BF16)  # +-1 Hadamard in registers
         if tl.program_id(1) == 0:
             # keys: X = (K @ Hn)^T = Hn @ K^T  [D, g] (Hn symmetric), rows = channels
             kp = k_ptr + src * stride_kt + head * stride_kh
-            kt = _sanitize(tl.load(kp + gi[None, :] * stride_kg + di[:, None]).to(tl.float32))
-            x = h_times_x(hpm, kt, D, MMA_BF16)
+            if RB == 0:
+                kt = _sanitize(tl.load(kp + gi[None, :] * stride_kg + di[:, None]).to(tl.float32))
+                x = h_times_x(hpm, kt, D, MMA_BF16)
+            else:
+                x = _keys_rotated_blocked(kp, stride_kg, D, G, RB, MMA_BF16)
             qk, sk, zk, rk = _quantize_matrix(x, D, G, KB, ITERS)
             _pack_store(qk, cache_ptr + base + OFF_PK, D, G, KB)
             tl.store(cache16_ptr + b16 + OFF_SK // 2 + di, sk.to(tl.float16))
@@ -176,13 +211,21 @@ def _store_tiles_kernel(
         else:
             # values: Y = V @ Hn  [g, D], rows = tokens
             vp = v_ptr + src * stride_vt + head * stride_vh
-            vt = _sanitize(tl.load(vp + gi[:, None] * stride_vg + di[None, :]).to(tl.float32))
-            y = x_times_h(vt, hpm, D, MMA_BF16)
+            if RB == 0:
+                vt = _sanitize(tl.load(vp + gi[:, None] * stride_vg + di[None, :]).to(tl.float32))
+                y = x_times_h(vt, hpm, D, MMA_BF16)
+            else:
+                y = _values_rotated_blocked(vp, stride_vg, D, G, RB, MMA_BF16)
             qv, sv, zv, cv = _quantize_matrix(y, G, D, VB, ITERS)
             _pack_store(qv, cache_ptr + base + OFF_PV, G, D, VB)
             tl.store(cache16_ptr + b16 + OFF_SV // 2 + gi, sv.to(tl.float16))
             tl.store(cache16_ptr + b16 + OFF_ZV // 2 + gi, zv.to(tl.float16))
             tl.store(cache16_ptr + b16 + OFF_CV // 2 + di, cv.to(tl.float16))
+
+
+# Channel block of the blocked rotation per head dim (0 = whole-tile rotation). D=256 needs it on sm_90 (the
+# whole-tile form asks for 448 KiB of shared memory); tests may override it to run the blocked path at small D.
+ROTATION_BLOCK = {64: 0, 128: 0, 256: 64}
 
 
 def _launch_store(k, v, cache, lay, n_tiles, H, iters, *, block_ids=None, src_rows=None, seq_lens=None,
@@ -200,7 +243,7 @@ def _launch_store(k, v, cache, lay, n_tiles, H, iters, *, block_ids=None, src_ro
         H=H, G=g, D=D, KB=lay.kb, VB=lay.vb, ITERS=int(iters),
         OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
         OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-        MMA_BF16=mma_bf16(), DECODE=decode, num_warps=16 if D * g > 16384 else 8,
+        MMA_BF16=mma_bf16(), DECODE=decode, RB=ROTATION_BLOCK[D], num_warps=16 if D * g > 16384 else 8,
     )
 
 
