@@ -57,6 +57,10 @@ class LLM:
             raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
         open(os.environ["FAKE_VLLM_KWARGS"], "w").write(repr(sorted(kw.items())))
         self.llm_engine = _Engine(kw)
+    def generate(self, prompts, params, use_tqdm=True):  # the untimed warm-up burst
+        with open(os.environ["FAKE_VLLM_KWARGS"] + ".warm", "a") as f:
+            f.write(f"{len(prompts)} {len(prompts[0]['prompt_token_ids'])} {params.max_tokens}\\n")
+        return []
     def get_metrics(self):
         return [_Metric("vllm:num_requests_running", float(len(self.llm_engine.reqs))),
                 _Metric("vllm:num_preemptions", 0)]
@@ -95,6 +99,9 @@ def test_worker_offline_metrics_capacity_and_args(fake_vllm):
     for needle in ("'kv_cache_dtype', 'kvarn_k4v2_g128'", "'block_size', 128", "'load_format', 'dummy'",
                    "'skip_tokenizer_init', True", "'disable_log_stats', False", "'max_model_len', 4096"):
         assert needle in kwargs
+    # one untimed warm-up burst (2 requests, full prompt, 8 tokens) before the timed one, not counted in it
+    prompt_len = _cell(fake_vllm).config.prompt_len
+    assert (fake_vllm / "kwargs.txt.warm").read_text().split() == ["2", str(prompt_len), str(min(8, 6))]
     log = Path(_cell(fake_vllm).log_path).read_text()
     assert "[kvarn] LLM(" in log
     assert not (Path(_cell(fake_vllm).log_path).parent / f"{Path(_cell(fake_vllm).log_path).stem}.work" / "model").exists()
