@@ -123,8 +123,22 @@ def _store_and_compare(fmt, k, v, T_skip=1):
     ("kvarn_k4v4_g128", 64, torch.bfloat16),
     ("kvarn_k2v2_g128", 64, torch.float16),
     ("kvarn_k4v2_g128", 128, torch.bfloat16),
+    ("kvarn_k4v2_g128", 256, torch.bfloat16),  # D=256 takes the channel-blocked rotation (ROTATION_BLOCK)
 ])
 def test_store_matches_reference(name, D, dtype):
+    _check_store(name, D, dtype)
+
+
+@pytest.mark.parametrize("name,D,rb", [("kvarn_k4v2_g64", 64, 16), ("kvarn_k4v4_g128", 128, 32)])
+def test_store_blocked_rotation_matches_reference(monkeypatch, name, D, rb):
+    """The channel-blocked rotation (the D=256 path) forced at smaller head dims / other block widths."""
+    from kvarn.kernels import store as store_mod
+
+    monkeypatch.setitem(store_mod.ROTATION_BLOCK, D, rb)
+    _check_store(name, D, torch.float16)
+
+
+def _check_store(name, D, dtype):
     fmt = get_format(name)
     g = fmt.group
     T, H = 3, 2
