@@ -49,3 +49,12 @@ def test_bad_input(tmp_path, capsys):
                       (["results", d, "--json", "--csv"], "one of --json and --csv")):
         assert main(argv) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_compact_flag(tmp_path, capsys):
+    d = _store(tmp_path)
+    assert len(ResultsStore(d).files()) == 2
+    assert main(["results", str(d), "--compact", "--kind", "bench"]) == 0
+    out = capsys.readouterr().out
+    assert "compacted 2 parts into 1 (4 rows)" in out and "3 rows" in out
+    assert len(ResultsStore(d).files()) == 1

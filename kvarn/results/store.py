@@ -64,6 +64,23 @@ class ResultsStore:
         os.replace(tmp, self.parts / name)  # atomic on POSIX
         return self.parts / name
 
+    def compact(self) -> tuple[int, int]:
+        """Merge all parts into one (e.g. before copying a results directory around: one file instead of one per
+        cell). The merged part is written atomically before the old ones are removed; a crash in between leaves
+        duplicates, which read() drops by row_id. Returns (parts before, rows)."""
+        files = self.files()
+        if len(files) <= 1:
+            return len(files), len(self.read())
+        df = self.read()
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+        name = f"compact-{stamp}-{uuid.uuid4().hex[:8]}.parquet"
+        tmp = self.parts / (name + ".tmp")
+        df.to_parquet(tmp, index=False)
+        os.replace(tmp, self.parts / name)
+        for f in files:
+            f.unlink()
+        return len(files), len(df)
+
     # ---- read --------------------------------------------------------------------------------
     def files(self) -> list[Path]:
         return sorted(self.parts.glob("*.parquet")) if self.parts.is_dir() else []
@@ -74,6 +91,8 @@ class ResultsStore:
         if not frames:
             return pd.DataFrame({c: pd.Series(dtype=t) for c, t in CORE_COLUMNS.items()})
         df = pd.concat(frames, ignore_index=True, sort=False)
+        if "row_id" in df.columns:  # a compaction interrupted after writing its merged part
+            df = df.drop_duplicates(subset="row_id", keep="first").reset_index(drop=True)
         if kind is not None:
             df = df[df["kind"] == kind].reset_index(drop=True)
         return df

@@ -57,6 +57,7 @@ def register(app: typer.Typer) -> None:
         last: Optional[int] = typer.Option(None, "--last", help="Only the newest N rows."),
         json_: bool = typer.Option(False, "--json", help="One JSON object per row (all columns)."),
         csv: bool = typer.Option(False, "--csv", help="CSV on stdout (all columns, or --columns)."),
+        compact: bool = typer.Option(False, "--compact", help="Merge the stored parts into one file, then list."),
     ) -> None:
         """List stored result rows, newest last, filtered by kind, model, KV format and status."""
         from kvarn.results import STATUSES, ResultsStore
@@ -69,6 +70,9 @@ def register(app: typer.Typer) -> None:
         store = ResultsStore(root)
         if not store.files():
             raise KvarnError(f"no results in {directory!r} (expected {root / 'parts'}/*.parquet)")
+        if compact:
+            before, n = store.compact()
+            out.print(f"compacted {before} parts into 1 ({n} rows)" if before > 1 else "nothing to compact")
         if status:
             bad = [s for s in status.split(",") if s.strip() and s.strip() not in STATUSES]
             if bad:

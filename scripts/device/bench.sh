@@ -37,6 +37,23 @@ fi
 # leftover engines of an interrupted cell keep GPU memory
 for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
 
+# few files come back from a device call: one Parquet part, the failed cells' log tails printed, logs dropped.
+# To resume in a later call: copy bench/parts here into .device/results/parts and carry .device/results.
+python3 - "$RES" <<'PY'
+import pathlib, sys
+from kvarn.results import ResultsStore
+res = pathlib.Path(sys.argv[1])
+store = ResultsStore(res)
+df = store.read("bench")
+for r in (df[df.status != "ok"].to_dict("records") if not df.empty else []):
+    log = res / "logs" / f"{r['config_hash']}-r{int(r['repeat'])}.log"
+    if log.exists():
+        print(f"--- {r['kv_dtype']} ({r['status']}) log tail:")
+        print("\n".join(log.read_text(errors="replace").splitlines()[-8:]))
+store.compact()
+PY
+rm -rf "$RES/logs"
+
 python3 - "$RES" <<'PY'
 import sys
 from rich.console import Console

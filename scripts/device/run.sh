@@ -16,6 +16,8 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tm
 for whl in .device/data/*.whl; do
   [ -f "$whl" ] && python3 -m pip install -q --no-deps --no-index --target /tmp/kvarn-site "$whl" >> "$OUT/install.log" 2>&1
 done
+# bench results of earlier calls (resume across calls): carry .device/results (= a previous call's bench/parts)
+if [ -d .device/results/parts ]; then mkdir -p "$OUT/bench" && cp -r .device/results/parts "$OUT/bench/"; fi
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
 python3 -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)" 2>&1 | tail -1
 summary=()
