@@ -4,8 +4,9 @@ from __future__ import annotations
 from ..formats import DEFAULT_KVARN, KVFormat, get_format, kvarn_formats
 
 PREFIX = "kvarn_"
-# head dims the plugin serves: the kernels also take 256, but the store kernel does not fit an H200's shared memory
-# there (OutOfResources, BENCHMARKS.md), so such layers stay 16-bit until it is reworked and checked on a GPU
+# head dims the plugin serves. The kernels also take 256: the store kernel needed 448 KiB of shared memory there
+# (OutOfResources on the H200, BENCHMARKS.md); its channel-blocked rotation (426fb65) compiles for sm_90 in 80 KiB but
+# has not run on a GPU yet, so D=256 layers stay 16-bit until tests/test_kernels_gpu.py passes there
 SUPPORTED_HEAD_SIZES = (64, 128)
 SUPPORTED_VLLM = "0.26."
 
