@@ -27,6 +27,11 @@ Layout of the work (planar packing, docs/format.md, makes every piece a plain 2-
 * softmax is online per tile (scores of all sub-blocks first, one rescale of the accumulator per tile).
 The tail tile is in the unrotated basis: its scores use q itself and its output goes to a second accumulator,
 so the final output is (acc_rot @ Hn + acc_tail) / l in one softmax. Rows with nothing visible produce zeros.
+
+kvarn_attention_tok_kernel (decode only, DecodeConfig.layout = 1) is the same computation transposed: tokens (keys)
+and channels (values) are the MMA M dimension, the unpacked codes the A operand, the group's query heads the N
+dimension (padded to 16): on sm_90 that is wgmma with A in registers (M = 128) instead of 16-row mma.sync tiles.
+It writes the same partials, so tail_attention_kernel and finish_kernel are shared.
 """
 from __future__ import annotations
 

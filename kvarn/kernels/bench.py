@@ -261,7 +261,9 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
                          st["tail_slots"], fmt, scale, num_splits=num_splits, out=out32)
         err = _rel(out32[:rows], ref)
         check_extra = {"rel_err_in_q_dtype": _rel(out[:rows], ref)}
-    from .decode import SWEEP_CONFIGS, DecodeConfig, default_num_splits, tuned_entries
+    from dataclasses import replace
+
+    from .decode import SWEEP_CONFIGS, default_num_splits, tuned_entries
 
     check_extra["tuned"] = str(tuned_entries()) if dev.type == "cuda" else None
     check_extra["heuristic_splits"] = default_num_splits(B, Hk, st["block_table"].shape[1], dev)
@@ -299,8 +301,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
             cfg = next(c for c in SWEEP_CONFIGS if c.name == best["config"])
             h = check_extra["heuristic_splits"]
             for sp in sorted({1, max(1, h // 2), 2 * h, 4 * h} - {h}):
-                one(DecodeConfig(cfg.unpack, cfg.ksplit, cfg.vsplit, cfg.num_warps, cfg.num_stages, 1.0, cfg.maxnreg),
-                    sp)
+                one(replace(cfg, split_mult=1.0), sp)
         check_extra["sweep"] = rows_out
     return BenchResult("decode", str(dev), dev.type == "cpu", fmt.name, B, ctx, Hq, Hk, D, ms, bname, bms,
                        ms / bms if bms else None, nbytes, gbps, copy, gbps / copy, err,

@@ -31,15 +31,15 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 
 from ..errors import KvarnError
 from ..formats import KVFormat
-from .attention import (LOG2E, finish_kernel, kvarn_attention_kernel, mma_bf16, rotate_rows_kernel,
-                        tail_attention_kernel)
+from .attention import (LOG2E, finish_kernel, kvarn_attention_kernel, kvarn_attention_tok_kernel, mma_bf16,
+                        rotate_rows_kernel, tail_attention_kernel)
 from .common import as_format, check_cache, f16_view, layout
 
 
@@ -55,11 +55,15 @@ class DecodeConfig:
     num_stages: int = 1  # software pipelining depth of the tile loop (1: none; latency hidden by resident programs)
     split_mult: float = 1.0  # multiplier on the heuristic split count (tuning candidates)
     maxnreg: int | None = None  # register cap per thread (more resident programs per SM, maybe spills)
+    layout: int = 0  # decode tiles: 0 query rows as the MMA M dim (kvarn_attention_kernel, GQA group padded to 16);
+    #                  1 tokens / channels as M, codes as the A operand (kvarn_attention_tok_kernel; decode only,
+    #                  prefill always uses 0)
 
     @property
     def name(self) -> str:
         return (f"u{self.unpack}k{self.ksplit}v{self.vsplit}w{self.num_warps}s{self.num_stages}"
-                f"x{self.split_mult:g}" + (f"r{self.maxnreg}" if self.maxnreg else ""))
+                f"x{self.split_mult:g}" + (f"r{self.maxnreg}" if self.maxnreg else "")
+                + (f"L{self.layout}" if self.layout else ""))
 
 
 # H200 sweep, 2026-11-29 (B=64, ctx 16384, 32/8 heads, D=128, k4v2_g128): w4 s1 1.97 ms, + register cap 128 1.39 ms
@@ -73,6 +77,9 @@ SWEEP_CONFIGS = [
     DecodeConfig(2, 2, 1, 8, 1), DecodeConfig(2, 2, 1, 8, 2), DecodeConfig(2, 2, 1, 4, 1, maxnreg=128),
     DecodeConfig(1, 2, 1, 4, 1), DecodeConfig(0, 2, 1, 4, 1),
     DecodeConfig(2, 1, 1, 4, 1),  # fp16-only keys: what the precision split costs (rel. err ~1e-3: not a default)
+    # token-row tiles (layout 1): M = 128 tokens / D channels instead of the 4 query heads padded to 16
+    DecodeConfig(2, 2, 1, 4, 1, layout=1), DecodeConfig(2, 2, 1, 8, 1, layout=1),
+    DecodeConfig(2, 2, 1, 4, 1, maxnreg=128, layout=1),
 ]
 # candidates the run-time tuner times on the first eager call per key (compiles shared with the sweep)
 TUNE_CONFIGS = [DecodeConfig(2, 2, 1, 4, 1), DecodeConfig(2, 2, 1, 4, 2), DecodeConfig(2, 2, 1, 8, 2),
@@ -116,7 +123,7 @@ def effective_config(cfg: DecodeConfig, device: torch.device) -> DecodeConfig:
     """The interpreter has no inline PTX (and no pipelining): use the pure-Triton unpack there; on a GPU whose
     inline-PTX self-check failed, too."""
     if cfg.unpack == 2 and (not mma_bf16() or device.type != "cuda" or not asm_unpack_ok(device)):
-        return DecodeConfig(1, cfg.ksplit, cfg.vsplit, cfg.num_warps, cfg.num_stages, cfg.split_mult, cfg.maxnreg)
+        return replace(cfg, unpack=1)
     return cfg
 
 
@@ -168,17 +175,11 @@ def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slo
     rotate_rows_kernel[(triton.cdiv(R, 16),)](q, qr, R, qk, q.stride(0), q.stride(1), HQ=Hq, D=D, BR=16,
                                                MMA_BF16=mma, num_warps=4)
     bm = max(16, bq * gp)
-    kvarn_attention_kernel[(B, q_blocks, Hk * splits)](
-        qr, cache, f16_view(cache), block_table, seq_lens, qsl, po_r, plse, qk, splits,
-        block_table.stride(0), cache.stride(0), cache.stride(1), Hq,
-        GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, KB=lay.kb, VB=lay.vb,
-        OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
-        OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-        IS_PREFILL=prefill, MMA_BF16=mma,
-        UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}),
-    )
+    if not prefill and cfg.layout == 1:
+        _launch_tok(qr, cache, block_table, seq_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma)
+    else:
+        _launch_rows(qr, cache, block_table, seq_lens, qsl, po_r, plse, lay, group, gp, splits, cfg, Hq, qk, mma,
+                     prefill, bq, bm, q_blocks)
     # tail on tensor cores (16-bit q.k, hi/lo p.v) when compiled and the tail buffers are 16-bit (both fp16/bf16)
     tail16 = all(t.dtype in (torch.float16, torch.bfloat16) for t in (tail_k, tail_v))
     tt = (64 if D <= 128 else 32) if mma and tail16 else 16
@@ -191,6 +192,44 @@ def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slo
     finish_kernel[(triton.cdiv(R, 16),)](po_r, po_t, plse, out, R, splits, out.stride(0), out.stride(1), HQ=Hq, D=D,
                                          BR=16, MMA_BF16=mma, num_warps=4)
     return out
+
+
+def _launch_rows(qr, cache, block_table, seq_lens, qsl, po_r, plse, lay, group, gp, splits, cfg, Hq, qk, mma,
+                 prefill, bq, bm, q_blocks):
+    """Layout 0 (decode and prefill): M rows = (query token, group head) pairs, codes as the B operand."""
+    B, Hk, D = seq_lens.shape[0], cache.shape[1], lay.d
+    kvarn_attention_kernel[(B, q_blocks, Hk * splits)](
+        qr, cache, f16_view(cache), block_table, seq_lens, qsl, po_r, plse, qk, splits,
+        block_table.stride(0), cache.stride(0), cache.stride(1), Hq,
+        GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, KB=lay.kb, VB=lay.vb,
+        OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
+        OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
+        IS_PREFILL=prefill, MMA_BF16=mma,
+        UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}),
+    )
+
+
+def tok_warps(lay, num_warps: int) -> int:
+    """Warps of a layout-1 program: every warp owns >= 16 distinct M rows of its dots (M = g tokens for keys, D
+    channels for values; more warps would broadcast warpgroups over the same rows, cf. prefill.max_warps_for_rows)."""
+    return min(num_warps, max(4, min(lay.g, lay.d) // 16))
+
+
+def _launch_tok(qr, cache, block_table, seq_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma):
+    """Layout 1 (decode only): M = tokens (keys) / channels (values), the group's query heads as N >= 16."""
+    B, Hk = seq_lens.shape[0], cache.shape[1]
+    kvarn_attention_tok_kernel[(B, 1, Hk * splits)](
+        qr, cache, f16_view(cache), block_table, seq_lens, po_r, plse, splits,
+        block_table.stride(0), cache.stride(0), cache.stride(1), Hq,
+        GROUP=group, BN=max(16, gp), G=lay.g, D=lay.d, KB=lay.kb, VB=lay.vb,
+        OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
+        OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
+        UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages,
+        num_warps=tok_warps(lay, cfg.num_warps), num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}),
+    )
 
 
 def _launch(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, out, lay, group, gp, scale, splits,
