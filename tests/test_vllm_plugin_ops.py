@@ -120,7 +120,22 @@ class Engine:
             torch.testing.assert_close(got, want, atol=atol, rtol=1e-4 if atol < 1e-4 else 1e-3)
 
 
-def test_chunked_prefill_decode_mixed_and_preemption():
+@pytest.fixture(params=["kernel", "dense"])
+def prefill_mode(request, monkeypatch):
+    """Both ways continuation chunks attend over the quantized prefix (KVARN_PREFILL); on CPU the dense one runs the
+    reference decoder + torch varlen, the kernel one the torch reference path."""
+    monkeypatch.setenv("KVARN_PREFILL", request.param)
+    monkeypatch.setattr(ops, "DENSE_KEY_BUDGET", 150)  # several row groups per step (the transient-buffer bound)
+    assert ops.prefill_mode() == request.param
+    return request.param
+
+
+def test_dense_groups():
+    assert list(ops._groups(np.array([100, 60, 40, 300, 10]), 150)) == [(0, 1), (1, 3), (3, 4), (4, 5)]
+    assert list(ops._groups(np.array([5, 5]), 150)) == [(0, 2)] and list(ops._groups(np.array([]), 10)) == []
+
+
+def test_chunked_prefill_decode_mixed_and_preemption(prefill_mode):
     gen = torch.Generator().manual_seed(0)
     eng = Engine()
     a, b, c = Req("a", 200, gen), Req("b", 150, gen), Req("c", 140, gen)
@@ -135,6 +150,7 @@ def test_chunked_prefill_decode_mixed_and_preemption():
     eng.step([(a, 1), (c, 64)])  # c's first chunk is exactly one tile
     eng.step([(a, 1), (b, 134), (c, 10)])  # b resumes (raw first chunk again), c continues
     eng.step([(a, 1), (b, 1), (c, 1)])
+    eng.step([(a, 5), (b, 3), (c, 4)])  # three continuation rows in one step (dense: several row groups)
     assert len(eng.table) == 3
 
 
@@ -157,7 +173,7 @@ def test_decode_fast_path_matches_general_path(monkeypatch):
     eng.step([(a, 1), (b, 1), (c, 1)], pad_rows=1, fast=True)  # a: first token of tile 1
 
 
-def test_prefix_hit_starts_on_a_tile_boundary():
+def test_prefix_hit_starts_on_a_tile_boundary(prefill_mode):
     gen = torch.Generator().manual_seed(1)
     eng = Engine()
     a = Req("a", 180, gen)
@@ -166,6 +182,30 @@ def test_prefix_hit_starts_on_a_tile_boundary():
     b = Req("b", 170, gen)
     b.k[:128], b.v[:128], b.blocks, b.done = a.k[:128], a.v[:128], list(a.blocks[:2]), 128
     eng.step([(b, 42)])  # prefix-hit continuation: attends over the shared quantized tiles + its own new tokens
+
+
+def test_dense_prefill_calls_varlen_like_flash_attention(monkeypatch):
+    """The dense path hands FlashAttention-style arguments (cu_seqlens_q / _k as int32 device tensors, bottom-right
+    causal) to the varlen function; a fake with FA's semantics must reproduce the reference."""
+    monkeypatch.setenv("KVARN_PREFILL", "dense")
+    calls = []
+
+    def fake_fa(q, k, v, cu, max_len, cu_k=None, max_k=None):
+        if cu_k is None:  # the raw first-chunk path: keys = queries
+            cu_k, max_k = cu, max_len
+        assert cu.dtype == torch.int32 and cu_k.dtype == torch.int32
+        assert max_len == int((cu[1:] - cu[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
+        calls.append((cu.tolist(), cu_k.tolist()))
+        return ops.dense_varlen_torch(q, k, v, cu.tolist(), cu_k.tolist(), SCALE).to(q.dtype)
+
+    gen = torch.Generator().manual_seed(5)
+    eng = Engine()
+    a, b = Req("a", 200, gen), Req("b", 150, gen)
+    eng.step([(a, 70)])
+    real_attention = ops.attention
+    monkeypatch.setattr(ops, "attention", lambda *x, **kw: real_attention(*x, **{**kw, "raw_varlen": fake_fa}))
+    eng.step([(a, 90), (b, 30)])  # a continues over a completed quantized tile + its tail; b is a first chunk
+    assert calls == [([0, 30], [0, 30]), ([0, 90], [0, 160])]  # b raw; a over its 160 post-store tokens
 
 
 def test_plan_counts_and_tail_positions():

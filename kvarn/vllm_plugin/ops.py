@@ -329,7 +329,9 @@ def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, ta
         rows = plan.cont_rows_t
         qc = q[plan.cont_tok]
         fn = _kernel("prefill", "prefill_attention") if use_kernels else None
-        if fn is not None:
+        if prefill_mode() == "dense" and (raw_varlen is not None or not use_kernels):
+            o = dense_prefill(plan, qc, cache, block_table, tail_k, tail_v, fmt, scale, raw_varlen)
+        elif fn is not None:
             o = fn(qc, cache, block_table[rows], plan.cont_qsl, seq_lens_dev[rows], tail_k, tail_v,
                    plan.tail_slots[rows], fmt, scale, plan.cont_max_q)
         else:
@@ -362,6 +364,113 @@ def decode_step(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, 
     if write_kv and k is not None:
         store_fn(k[:B], v[:B], cache, bt, sl, tail_k, tail_v, ts, fmt)
     attn_fn(q[:B], cache, bt, sl, tail_k, tail_v, ts, fmt, scale, out=out[:B], config=_decode_config())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# continuation chunks through dense 16-bit K/V + FlashAttention ("dense" prefill)
+
+DENSE_TILES_PER_PASS = 256  # records dequantized per torch pass (bounds the fp32 temporaries: ~134 MB at Hk 8, D 128)
+DENSE_KEY_BUDGET = 65536  # keys materialized at once (16-bit K + V: 256 MiB at Hk 8, D 128)
+
+
+def prefill_mode() -> str:
+    """How continuation chunks / prefix hits attend over the quantized prefix. `kernel` (default): the fused
+    Triton prefill kernel on the records. `dense` (KVARN_PREFILL=dense): the post-store K/V of those requests are
+    materialized 16-bit (records dequantized, tail copied) and FlashAttention varlen runs over them, trading a
+    transient buffer for FA's speed; same semantics (the chunk attends to the post-store state)."""
+    mode = os.environ.get("KVARN_PREFILL", "kernel").strip().lower()
+    return mode if mode in ("kernel", "dense") else "kernel"
+
+
+def dense_varlen_torch(q, k, v, cu_q, cu_k, scale):
+    """Reference of FlashAttention's bottom-right causal varlen: segment i's queries are the last q_len_i positions
+    of its k_len_i keys. q [Nq, Hq, D], k/v [Nk, Hk, D]; cu_* host sequences. Returns float32 [Nq, Hq, D]."""
+    from ..method.reference import reference_attention
+
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for i in range(len(cu_q) - 1):
+        a, e, ka, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        if e <= a:
+            continue
+        o = reference_attention(q[a:e].transpose(0, 1), k[ka:ke].transpose(0, 1), v[ka:ke].transpose(0, 1), scale,
+                                causal_offset=(ke - ka) - (e - a))
+        out[a:e] = o.transpose(0, 1)
+    return out
+
+
+def materialize_dense(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cache, block_table, tail_k, tail_v,
+                      fmt: KVFormat, dtype):
+    """Post-store K/V of batch rows `rows` (seq_lens / slots: their lengths and tail slots, host), back to back:
+    (k, v [sum seq_len, Hk, D] in `dtype`, cu_k int64 host). Full tiles come from the records (dequantized to the
+    unrotated basis by the reference decoder, DENSE_TILES_PER_PASS records per pass), the last seq_len % g tokens
+    from the tail rows."""
+    from ..method.reference import dequantize_tiles
+
+    g = fmt.group
+    s = np.asarray(seq_lens, dtype=np.int64)
+    slots = np.asarray(slots, dtype=np.int64)
+    cu_k = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(s, out=cu_k[1:])
+    Hk, D = cache.shape[1], tail_k.shape[-1]
+    dev = cache.device
+    k = torch.empty(int(cu_k[-1]), Hk, D, dtype=dtype, device=dev)
+    v = torch.empty_like(k)
+    n_full = s // g
+    seg, cols = _ragged(np.zeros(len(rows), dtype=np.int64), n_full)  # (row, tile index) of every full tile
+    if len(seg):
+        bids = block_table[torch.from_numpy(np.asarray(rows)[seg]).to(dev), torch.from_numpy(cols).to(dev)].long()
+        dst0 = torch.from_numpy(cu_k[seg] + cols * g).to(dev)
+        off = torch.arange(g, device=dev)
+        for a in range(0, len(seg), DENSE_TILES_PER_PASS):
+            kd, vd = dequantize_tiles(cache[bids[a:a + DENSE_TILES_PER_PASS]], fmt, D)  # [n, Hk, g, D] fp32
+            idx = (dst0[a:a + DENSE_TILES_PER_PASS, None] + off[None, :]).reshape(-1)
+            k[idx] = kd.transpose(1, 2).reshape(-1, Hk, D).to(dtype)
+            v[idx] = vd.transpose(1, 2).reshape(-1, Hk, D).to(dtype)
+    tseg, tpos = _ragged(np.zeros(len(rows), dtype=np.int64), s - n_full * g)
+    if len(tseg):
+        dst = torch.from_numpy(cu_k[tseg] + n_full[tseg] * g + tpos).to(dev)
+        sl, ps = torch.from_numpy(slots[tseg]).to(dev), torch.from_numpy(tpos).to(dev)
+        k[dst] = tail_k[sl, :, ps].to(dtype)
+        v[dst] = tail_v[sl, :, ps].to(dtype)
+    return k, v, cu_k
+
+
+def _groups(lens: np.ndarray, budget: int):
+    """Consecutive index ranges [a, e) whose lens sum to <= budget (a single longer one stands alone)."""
+    a, tot = 0, 0
+    for i, n in enumerate(lens):
+        if i > a and tot + n > budget:
+            yield a, i
+            a, tot = i, 0
+        tot += int(n)
+    if a < len(lens):
+        yield a, len(lens)
+
+
+def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: KVFormat, scale: float,
+                  varlen: Callable | None = None, key_budget: int | None = None):
+    """Attention of the continuation rows' queries qc [n, Hq, D] over their materialized post-store K/V, in groups
+    of rows holding at most `key_budget` keys (bounds the transient 16-bit buffer): varlen(q, k, v, cu_q, max_q,
+    cu_k=, max_k=) (vLLM's FlashAttention) when given, else the torch reference. Returns [n, Hq, D]."""
+    rows = plan.cont_rows
+    key_budget = DENSE_KEY_BUDGET if key_budget is None else key_budget
+    s = plan.seq_lens[rows].astype(np.int64)
+    qlen = (plan.qsl[rows + 1] - plan.qsl[rows]).astype(np.int64)
+    q_cu = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(qlen, out=q_cu[1:])
+    outs = []
+    for a, e in _groups(s, key_budget):
+        k, v, cu_k = materialize_dense(rows[a:e], s[a:e], plan.tail_slots_np[rows[a:e]], cache, block_table,
+                                       tail_k, tail_v, fmt, qc.dtype)
+        q = qc[int(q_cu[a]):int(q_cu[e])]
+        cu_q = q_cu[a:e + 1] - q_cu[a]
+        if varlen is not None:
+            to_dev = lambda x: torch.from_numpy(x.astype(np.int32)).to(qc.device, non_blocking=True)  # noqa: E731
+            outs.append(varlen(q, k, v, to_dev(cu_q), int(qlen[a:e].max()), cu_k=to_dev(cu_k),
+                               max_k=int(s[a:e].max())))
+        else:
+            outs.append(dense_varlen_torch(q, k, v, cu_q, cu_k, scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def default_scale(head_dim: int) -> float:
