@@ -369,3 +369,17 @@ def test_microbench_cli_exit_codes():
                      (["decode", "--device", "cpu", "--kv-dtype", "fp8"], "kvarn_* preset")):
         r = run_cli("microbench", *bad)
         assert r.returncode == 2 and msg in r.stderr, (bad, r.returncode, r.stderr)
+
+
+def test_microbench_prefill_times_the_dense_path_too():
+    """`kvarn microbench prefill` also times the backend's KVARN_PREFILL=dense path on the same inputs and checks it."""
+    import json
+
+    from tests.helpers import run_cli
+
+    r = run_cli("microbench", "prefill", "--device", "cpu", "--check", "--json", "--iters", "1")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout.strip().splitlines()[-1])
+    ex = row["extra"]
+    assert row["rel_err"] < 1e-3 and ex["dense_ms"] > 0 and "torch varlen" in ex["dense_path"]
+    assert ex["dense_rel_err"] < 1e-2  # K/V rounded to the bf16 query dtype

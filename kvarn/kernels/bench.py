@@ -362,6 +362,15 @@ def bench_prefill(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device=
         bname = "torch SDPA (contiguous 16-bit, causal mask)"
         bms = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
             q4, k, v, attn_mask=mask, scale=scale, enable_gqa=Hq != Hk), dev, iters)
+    dense_extra, dense = _dense_prefill_runner(st, fmt, q, qsl, scale, fa, bname)
+    if dense is not None:
+        try:
+            dense()
+            _sync(dev)
+            dms = time_ms(dense, dev, iters)
+            dense_extra.update(dense_ms=dms, dense_ratio_vs_baseline=dms / bms if bms else None)
+        except Exception as e:  # noqa: BLE001 - report, keep the kernel's numbers
+            dense_extra["dense_error"] = f"{type(e).__name__}: {e}"[:200]
     copy = copy_bandwidth_gbps(dev)
     gbps = nbytes / (ms * 1e-3) / 1e9
     err, check_extra = None, {}
@@ -369,13 +378,42 @@ def bench_prefill(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device=
         rows = min(B, 2)
         ours()
         ref = torch.cat(_reference_out(st, fmt, D, q, scale, rows, causal_q=[int(x) for x in qsl.tolist()]))
+        if dense is not None and "dense_ms" in dense_extra:
+            dense_extra["dense_rel_err"] = _rel(dense()[: rows * chunk].float(), ref)
         out32 = torch.empty(q.shape, dtype=torch.float32, device=dev)
         prefill_attention(q, st["cache"], st["block_table"], qsl, st["seq_lens"], st["tail_k"], st["tail_v"],
                           st["tail_slots"], fmt, scale, chunk, out=out32)
         err = _rel(out32[: rows * chunk], ref)
         check_extra = {"rel_err_in_q_dtype": _rel(out[: rows * chunk], ref)}
     return BenchResult("prefill", str(dev), dev.type == "cpu", fmt.name, B, ctx, Hq, Hk, D, ms, bname, bms,
-                       ms / bms if bms else None, nbytes, gbps, copy, gbps / copy, err, {"chunk": chunk, **check_extra})
+                       ms / bms if bms else None, nbytes, gbps, copy, gbps / copy, err,
+                       {"chunk": chunk, **check_extra, **dense_extra})
+
+
+def _dense_prefill_runner(st, fmt, q, qsl, scale, fa, bname):
+    """The backend's KVARN_PREFILL=dense path on the same inputs (records dequantized + tail into 16-bit K/V, then
+    FlashAttention varlen when the baseline found one, else torch): ({"dense_path": what}, callable) or ({}, None)."""
+    import types
+
+    import numpy as np
+
+    try:
+        from ..vllm_plugin import ops as vops
+    except Exception:  # noqa: BLE001
+        return {}, None
+    plan = types.SimpleNamespace(cont_rows=np.arange(st["seq_lens"].shape[0]), seq_lens=st["seq_lens"].cpu().numpy(),
+                                 qsl=qsl.cpu().numpy().astype(np.int64), tail_slots_np=st["tail_slots"].cpu().numpy())
+    varlen, what = None, "reference decoder + torch varlen"
+    if fa is not None and bname.startswith("vllm FlashAttention"):
+        ver = int(bname.split()[2])
+
+        def varlen(q_, k_, v_, cu, max_len, cu_k=None, max_k=None):
+            return fa(q_, k_, v_, max_seqlen_q=max_len, cu_seqlens_q=cu, max_seqlen_k=max_k, cu_seqlens_k=cu_k,
+                      softmax_scale=scale, causal=True, fa_version=ver)
+
+        what = f"reference decoder + FlashAttention {ver} varlen"
+    return {"dense_path": what}, lambda: vops.dense_prefill(plan, q, st["cache"], st["block_table"], st["tail_k"],
+                                                            st["tail_v"], fmt, scale, varlen)
 
 
 def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="auto", check=False, iters=None,
