@@ -87,4 +87,11 @@ def provenance() -> dict:
         "gpu_name": g[0]["name"] if g else None,
         "gpu_memory_gib": g[0]["memory_gib"] if g else None,
         "gpus": g,
+        "kvarn_env": _kvarn_env(),
     }
+
+
+def _kvarn_env() -> str:
+    from .vllm_plugin.common import backend_env
+
+    return backend_env()

@@ -38,6 +38,9 @@ class BenchConfig:
     burstiness: float = 1.0
     concurrency_limit: int | None = None  # --max-concurrency (the metric max_concurrency is KV-derived)
     goodput: str = "{}"  # JSON {"ttft": ms, ...}
+    # non-default backend knobs (kvarn.vllm_plugin.common.backend_env); in the hash only when set, so default runs
+    # keep their hashes and a run with e.g. KVARN_PREFILL=dense is a cell of its own
+    backend_env: str = ""
     # not part of the hash: where to load from (the model column is the identity)
     model_path: str = field(default="", compare=False)
     weights: str | None = field(default=None, compare=False)
@@ -46,6 +49,8 @@ class BenchConfig:
         d = asdict(self)
         d.pop("model_path")
         d.pop("weights")
+        if not self.backend_env:
+            d.pop("backend_env")
         if self.mode != SERVE:
             for k in SERVE_ONLY_FIELDS:
                 d.pop(k)

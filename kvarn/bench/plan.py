@@ -15,6 +15,7 @@ from ..errors import KvarnError, choices
 from ..formats import FP16_NAMES, parse_formats
 from ..results import ResultsStore
 from ..shapes import ModelShape, resolve_model
+from ..vllm_plugin.common import backend_env
 from .config import MODE_ALIASES, MODES, OFFLINE, SERVE, BenchConfig, Cell
 from .engines.base import Engine, get_engine
 from .parsing import parse_engine_args, parse_goodput, parse_int_list, parse_token_list, parse_tokens
@@ -221,6 +222,7 @@ def build_plan(o: BenchOptions) -> Plan:
 
     explicit_dtype = o.dtype or extra.get("dtype")
     configs: list[BenchConfig] = []
+    knobs = backend_env() if engine_name == "vllm" else ""  # only the vLLM backend reads them
     ordered = sorted(formats, key=lambda f: f.family != "fp16")  # FP16 first: later rows get their ratios at once
     for tp in tps:
         for b in bursts:
@@ -235,7 +237,8 @@ def build_plan(o: BenchOptions) -> Plan:
                     engine_args=json.dumps(extra, sort_keys=True),
                     request_rate=o.request_rate if mode == SERVE else None,
                     burstiness=(o.burstiness or 1.0), concurrency_limit=o.max_concurrency if mode == SERVE else None,
-                    goodput=json.dumps(goodput, sort_keys=True), model_path=model_path, weights=source))
+                    goodput=json.dumps(goodput, sort_keys=True), model_path=model_path, weights=source,
+                    backend_env=knobs))
     engine.check(configs)
 
     out = Path(o.out).expanduser()

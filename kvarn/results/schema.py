@@ -49,7 +49,7 @@ EVAL_METRICS = ("n", "accuracy", "ppl", "ci_low", "ci_high", "delta_vs_fp16", "d
                 "truncation_rate", "mean_gen_tokens")
 # Provenance columns copied from kvarn.provenance.provenance() into every row.
 PROVENANCE_COLUMNS = ("kvarn_version", "git_sha", "python", "torch", "triton", "vllm", "transformers", "cuda",
-                      "driver", "gpu_count", "gpu_name")
+                      "driver", "gpu_count", "gpu_name", "kvarn_env")
 
 
 def config_hash(config: dict) -> str:

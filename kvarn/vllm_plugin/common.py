@@ -62,3 +62,21 @@ def fallback_reason(*, head_size: int, head_size_v: int | None, sliding_window, 
     if has_sink:
         return "attention sinks"
     return None
+
+
+# Environment knobs of the backend that change what a run measures (defaults = what the code does unset).
+# Results carry the non-default ones (provenance `kvarn_env`, and the bench configuration hash).
+BACKEND_KNOBS = {"KVARN_PREFILL": "kernel", "KVARN_FULL_GRAPH": "1", "KVARN_AUTOTUNE": "0"}
+
+
+def backend_env(environ=None) -> str:
+    """'KEY=value;...' of the backend knobs set to a non-default value, sorted; '' when all are defaults."""
+    import os
+
+    env = os.environ if environ is None else environ
+    out = []
+    for k, default in sorted(BACKEND_KNOBS.items()):
+        v = env.get(k)
+        if v is not None and v.strip().lower() != default:
+            out.append(f"{k}={v.strip()}")
+    return ";".join(out)
