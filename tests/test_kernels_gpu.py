@@ -160,6 +160,30 @@ def test_gpu_prefill_matches_reference(name, dtype):
     assert rel_err(out, ref) < 1e-3
 
 
+@pytest.mark.parametrize("name,D", [("kvarn_k4v2_g128", 128), ("kvarn_k4v4_g128", 128), ("kvarn_k4v2_g64", 64)])
+def test_gpu_dequantize_to_rows_matches_reference(name, D):
+    from kvarn.kernels import dequantize_to_rows
+    from kvarn.method.reference import dequantize_tiles, quantize_tiles
+
+    fmt = get_format(name)
+    g, H, T = fmt.group, 8, 16
+    k = torch.randn(T, H, g, D, device=DEV) * 3
+    k[..., 5] *= 40.0
+    v = torch.randn(T, H, g, D, device=DEV)
+    recs = quantize_tiles(k, v, fmt)
+    cache = torch.zeros(T + 4, H, fmt.record_bytes(D), dtype=torch.uint8, device=DEV)
+    blocks = torch.randperm(T + 4, device=DEV)[:T].int()
+    cache[blocks.long()] = recs
+    dst = torch.randperm(T, device=DEV).long() * g
+    k_out = torch.empty(T * g, H, D, device=DEV, dtype=torch.bfloat16)
+    v_out = torch.empty_like(k_out)
+    dequantize_to_rows(cache, blocks, dst, k_out, v_out, fmt)
+    kr, vr = dequantize_tiles(recs, fmt, D)
+    idx = (dst[:, None] + torch.arange(g, device=DEV)[None, :]).reshape(-1)
+    assert rel_err(k_out[idx].float(), kr.transpose(1, 2).reshape(-1, H, D)) < 5e-3
+    assert rel_err(v_out[idx].float(), vr.transpose(1, 2).reshape(-1, H, D)) < 5e-3
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_dense_prefill_matches_reference(dtype):
     """KVARN_PREFILL=dense on the GPU: records dequantized + tail copied into 16-bit K/V, then vLLM's FlashAttention

@@ -403,7 +403,8 @@ def _dense_prefill_runner(st, fmt, q, qsl, scale, fa, bname):
         return {}, None
     plan = types.SimpleNamespace(cont_rows=np.arange(st["seq_lens"].shape[0]), seq_lens=st["seq_lens"].cpu().numpy(),
                                  qsl=qsl.cpu().numpy().astype(np.int64), tail_slots_np=st["tail_slots"].cpu().numpy())
-    varlen, what = None, "reference decoder + torch varlen"
+    dec = "Triton decoder" if st["cache"].is_cuda else "reference decoder"
+    varlen, what = None, f"{dec} + torch varlen"
     if fa is not None and bname.startswith("vllm FlashAttention"):
         ver = int(bname.split()[2])
 
@@ -411,7 +412,7 @@ def _dense_prefill_runner(st, fmt, q, qsl, scale, fa, bname):
             return fa(q_, k_, v_, max_seqlen_q=max_len, cu_seqlens_q=cu, max_seqlen_k=max_k, cu_seqlens_k=cu_k,
                       softmax_scale=scale, causal=True, fa_version=ver)
 
-        what = f"reference decoder + FlashAttention {ver} varlen"
+        what = f"{dec} + FlashAttention {ver} varlen"
     return {"dense_path": what}, lambda: vops.dense_prefill(plan, q, st["cache"], st["block_table"], st["tail_k"],
                                                             st["tail_v"], fmt, scale, varlen)
 

@@ -399,11 +399,11 @@ def dense_varlen_torch(q, k, v, cu_q, cu_k, scale):
 
 
 def materialize_dense(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cache, block_table, tail_k, tail_v,
-                      fmt: KVFormat, dtype):
+                      fmt: KVFormat, dtype, use_kernels: bool | None = None):
     """Post-store K/V of batch rows `rows` (seq_lens / slots: their lengths and tail slots, host), back to back:
-    (k, v [sum seq_len, Hk, D] in `dtype`, cu_k int64 host). Full tiles come from the records (dequantized to the
-    unrotated basis by the reference decoder, DENSE_TILES_PER_PASS records per pass), the last seq_len % g tokens
-    from the tail rows."""
+    (k, v [sum seq_len, Hk, D] in `dtype`, cu_k int64 host). Full tiles come from the records, dequantized to the
+    unrotated basis (kvarn.kernels.dequantize_to_rows on CUDA, else the reference decoder in passes of
+    DENSE_TILES_PER_PASS records), the last seq_len % g tokens from the tail rows."""
     from ..method.reference import dequantize_tiles
 
     g = fmt.group
@@ -417,15 +417,19 @@ def materialize_dense(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray,
     v = torch.empty_like(k)
     n_full = s // g
     seg, cols = _ragged(np.zeros(len(rows), dtype=np.int64), n_full)  # (row, tile index) of every full tile
+    fn = _kernel("dequant", "dequantize_to_rows") if (cache.is_cuda if use_kernels is None else use_kernels) else None
     if len(seg):
         bids = block_table[torch.from_numpy(np.asarray(rows)[seg]).to(dev), torch.from_numpy(cols).to(dev)].long()
         dst0 = torch.from_numpy(cu_k[seg] + cols * g).to(dev)
-        off = torch.arange(g, device=dev)
-        for a in range(0, len(seg), DENSE_TILES_PER_PASS):
-            kd, vd = dequantize_tiles(cache[bids[a:a + DENSE_TILES_PER_PASS]], fmt, D)  # [n, Hk, g, D] fp32
-            idx = (dst0[a:a + DENSE_TILES_PER_PASS, None] + off[None, :]).reshape(-1)
-            k[idx] = kd.transpose(1, 2).reshape(-1, Hk, D).to(dtype)
-            v[idx] = vd.transpose(1, 2).reshape(-1, Hk, D).to(dtype)
+        if fn is not None and D in (64, 128):
+            fn(cache, bids, dst0, k, v, fmt)
+        else:
+            off = torch.arange(g, device=dev)
+            for a in range(0, len(seg), DENSE_TILES_PER_PASS):
+                kd, vd = dequantize_tiles(cache[bids[a:a + DENSE_TILES_PER_PASS]], fmt, D)  # [n, Hk, g, D] fp32
+                idx = (dst0[a:a + DENSE_TILES_PER_PASS, None] + off[None, :]).reshape(-1)
+                k[idx] = kd.transpose(1, 2).reshape(-1, Hk, D).to(dtype)
+                v[idx] = vd.transpose(1, 2).reshape(-1, Hk, D).to(dtype)
     tseg, tpos = _ragged(np.zeros(len(rows), dtype=np.int64), s - n_full * g)
     if len(tseg):
         dst = torch.from_numpy(cu_k[tseg] + n_full[tseg] * g + tpos).to(dev)
@@ -448,7 +452,7 @@ def _groups(lens: np.ndarray, budget: int):
 
 
 def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: KVFormat, scale: float,
-                  varlen: Callable | None = None, key_budget: int | None = None):
+                  varlen: Callable | None = None, key_budget: int | None = None, use_kernels: bool | None = None):
     """Attention of the continuation rows' queries qc [n, Hq, D] over their materialized post-store K/V, in groups
     of rows holding at most `key_budget` keys (bounds the transient 16-bit buffer): varlen(q, k, v, cu_q, max_q,
     cu_k=, max_k=) (vLLM's FlashAttention) when given, else the torch reference. Returns [n, Hq, D]."""
@@ -461,7 +465,7 @@ def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: K
     outs = []
     for a, e in _groups(s, key_budget):
         k, v, cu_k = materialize_dense(rows[a:e], s[a:e], plan.tail_slots_np[rows[a:e]], cache, block_table,
-                                       tail_k, tail_v, fmt, qc.dtype)
+                                       tail_k, tail_v, fmt, qc.dtype, use_kernels)
         q = qc[int(q_cu[a]):int(q_cu[e])]
         cu_q = q_cu[a:e + 1] - q_cu[a]
         if varlen is not None:
