@@ -222,7 +222,7 @@ def build_plan(o: BenchOptions) -> Plan:
 
     explicit_dtype = o.dtype or extra.get("dtype")
     configs: list[BenchConfig] = []
-    knobs = backend_env() if engine_name == "vllm" else ""  # only the vLLM backend reads them
+    knobs = backend_env() if engine_name == "vllm" else ""  # only the KVarN vLLM backend reads them
     ordered = sorted(formats, key=lambda f: f.family != "fp16")  # FP16 first: later rows get their ratios at once
     for tp in tps:
         for b in bursts:
@@ -238,7 +238,7 @@ def build_plan(o: BenchOptions) -> Plan:
                     request_rate=o.request_rate if mode == SERVE else None,
                     burstiness=(o.burstiness or 1.0), concurrency_limit=o.max_concurrency if mode == SERVE else None,
                     goodput=json.dumps(goodput, sort_keys=True), model_path=model_path, weights=source,
-                    backend_env=knobs))
+                    backend_env=knobs if f.family == "kvarn" else ""))
     engine.check(configs)
 
     out = Path(o.out).expanduser()
