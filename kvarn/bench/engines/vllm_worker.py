@@ -215,7 +215,15 @@ def run_serve(spec: dict) -> dict:
         kv = [int(m.replace(",", "")) for m in KV_LOG.findall(log_text)]
         kv_tokens = float(kv[-1]) if kv else float("nan")
         block = kwargs.get("block_size") or 16  # vLLM's default for the paged layouts used here
-        prompts = random_prompts(spec["requests"], spec["prompt_len"], int(spec.get("vocab_size", 32000)), spec["seed"])
+        vocab = int(spec.get("vocab_size", 32000))
+        prompts = random_prompts(spec["requests"], spec["prompt_len"], vocab, spec["seed"])
+        # the same untimed warm-up as offline mode (first-use Triton compiles), counted in engine_start_s
+        t1 = time.perf_counter()
+        run_load(host, port, model_dir,
+                 random_prompts(min(WARMUP_REQUESTS, int(spec["requests"])), spec["prompt_len"], vocab,
+                                int(spec["seed"]) + 7919),
+                 max(1, min(WARMUP_OUTPUT, int(spec["output_len"]))), seed=spec["seed"])
+        start_s += time.perf_counter() - t1
         sampler = MetricsSampler(host, port)
         sampler.start()
         records, duration = run_load(host, port, model_dir, prompts, spec["output_len"],
