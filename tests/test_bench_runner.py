@@ -206,3 +206,21 @@ def test_interrupt_kills_the_worker_group(tmp_path):
         time.sleep(0.1)
     assert not _alive(child)
     assert not (tmp_path / "res" / "parts").exists()  # nothing written for the interrupted cell
+
+
+def test_backend_knobs_key_only_kvarn_cells(tmp_path, monkeypatch):
+    """KVARN_PREFILL=dense (a backend knob) makes the KVarN cells new ones; the FP16 / FP8 cells stay the same, so an
+    A/B of the knob reuses them (and the ratios vs FP16)."""
+    from kvarn.bench.engines import vllm_engine
+    from kvarn.bench.plan import BenchOptions, build_plan
+
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
+    monkeypatch.setattr(vllm_engine, "visible_gpus", lambda: [{"index": "0", "name": "H200", "capability": "9.0"}])
+    o = BenchOptions(model="qwen3-8b", kv_dtype="auto,fp8,kvarn_k4v2_g128", engine="vllm", out=str(tmp_path / "r"))
+    monkeypatch.delenv("KVARN_PREFILL", raising=False)
+    plain = {c.kv_dtype: c for c in build_plan(o).configs}
+    monkeypatch.setenv("KVARN_PREFILL", "dense")
+    dense = {c.kv_dtype: c for c in build_plan(o).configs}
+    assert dense["kvarn_k4v2_g128"].backend_env == "KVARN_PREFILL=dense"
+    assert dense["kvarn_k4v2_g128"].hash != plain["kvarn_k4v2_g128"].hash
+    assert dense["auto"].hash == plain["auto"].hash and dense["fp8"].hash == plain["fp8"].hash
