@@ -80,6 +80,8 @@ SWEEP_CONFIGS = [
     # token-row tiles (layout 1): M = 128 tokens / D channels instead of the 4 query heads padded to 16
     DecodeConfig(2, 2, 1, 4, 1, layout=1), DecodeConfig(2, 2, 1, 8, 1, layout=1),
     DecodeConfig(2, 2, 1, 4, 1, maxnreg=128, layout=1),
+    # pipelined tile loop: the token-row kernel has the registers for it (offline sm_90: 168 at 2 stages, no spills)
+    DecodeConfig(2, 2, 1, 4, 2, layout=1), DecodeConfig(2, 2, 1, 4, 3, layout=1),
 ]
 # candidates the run-time tuner times on the first eager call per key (compiles shared with the sweep)
 TUNE_CONFIGS = [DecodeConfig(2, 2, 1, 4, 1), DecodeConfig(2, 2, 1, 4, 2), DecodeConfig(2, 2, 1, 8, 2),
