@@ -33,7 +33,7 @@ mb decode_d64 15 0 decode --batch 64 --context 8192 --q-heads 9 --kv-heads 3 --h
 mb store 15 0 store --batch 64 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --model qwen3-8b
 mb prefill 20 0 prefill --batch 4 --context 8192 --q-heads 32 --kv-heads 8 --head-dim 128 --chunk 512 --check
 # 4. a short correctness smoke on the compiled path (graph capture, one decode preset, prefill)
-left=$(( 215 - ($(date +%s) - T0) )); [ "$left" -gt 60 ] && left=60
+left=$(( 290 - ($(date +%s) - T0) )); [ "$left" -gt 60 ] && left=60
 if [ "$left" -gt 5 ]; then
   timeout "$left" python -m pytest -q -m gpu tests/test_kernels_gpu.py -x -p no:cacheprovider \
     -k "cuda_graph or store_matches or store_decode or (decode_matches and 128-32-8) or (prefill and dtype1-kvarn_k4v2_g128)" \
