@@ -255,3 +255,19 @@ def test_materialize_dense_kernel_equals_reference_decoder():
     assert ref[2].tolist() == got[2].tolist() == [0, 150, 220]
     for x, y in zip(got[:2], ref[:2]):
         assert ((x - y).norm() / y.norm()).item() < 1e-5
+
+
+def test_decode_config_from_env(monkeypatch):
+    from kvarn.errors import KvarnError
+    from kvarn.kernels.decode import DEFAULT_CONFIG, SWEEP_CONFIGS, DecodeConfig
+
+    for c in SWEEP_CONFIGS + [DEFAULT_CONFIG]:
+        assert DecodeConfig.from_name(c.name) == c  # every sweep row's name can be fed back
+    monkeypatch.delenv("KVARN_DECODE_CONFIG", raising=False)
+    monkeypatch.delenv("KVARN_AUTOTUNE", raising=False)
+    assert ops._decode_config() == DEFAULT_CONFIG
+    monkeypatch.setenv("KVARN_DECODE_CONFIG", "u2k2v1w4s2x1L1")
+    assert ops._decode_config() == DecodeConfig(num_stages=2, layout=1)
+    monkeypatch.setenv("KVARN_DECODE_CONFIG", "fast")
+    with pytest.raises(KvarnError, match="'fast' is not a name like"):
+        ops._decode_config()

@@ -223,6 +223,10 @@ def build_plan(o: BenchOptions) -> Plan:
     explicit_dtype = o.dtype or extra.get("dtype")
     configs: list[BenchConfig] = []
     knobs = backend_env() if engine_name == "vllm" else ""  # only the KVarN vLLM backend reads them
+    if os.environ.get("KVARN_DECODE_CONFIG", "").strip() and engine_name == "vllm":  # fail here, not in the engine
+        from ..kernels.decode import DecodeConfig
+
+        DecodeConfig.from_name(os.environ["KVARN_DECODE_CONFIG"])
     ordered = sorted(formats, key=lambda f: f.family != "fp16")  # FP16 first: later rows get their ratios at once
     for tp in tps:
         for b in bursts:

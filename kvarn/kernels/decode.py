@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -41,6 +42,9 @@ from ..formats import KVFormat
 from .attention import (LOG2E, finish_kernel, kvarn_attention_kernel, kvarn_attention_tok_kernel, mma_bf16,
                         rotate_rows_kernel, tail_attention_kernel)
 from .common import as_format, check_cache, f16_view, layout
+
+
+_NAME = re.compile(r"u([012])k([12])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:L([01]))?")
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,16 @@ class DecodeConfig:
         return (f"u{self.unpack}k{self.ksplit}v{self.vsplit}w{self.num_warps}s{self.num_stages}"
                 f"x{self.split_mult:g}" + (f"r{self.maxnreg}" if self.maxnreg else "")
                 + (f"L{self.layout}" if self.layout else ""))
+
+    @classmethod
+    def from_name(cls, name: str) -> "DecodeConfig":
+        """Inverse of `name` (e.g. 'u2k2v1w4s2x1L1', as the sweep table prints it)."""
+        m = _NAME.fullmatch(name.strip())
+        if not m:
+            raise KvarnError(f"decode config {name!r} is not a name like 'u2k2v1w4s1x1r128' or 'u2k2v1w4s2x1L1' "
+                             "(unpack, ksplit, vsplit, warps, stages, split multiplier, [register cap], [layout])")
+        u, k, v, w, st, x, r, lay = m.groups()
+        return cls(int(u), int(k), int(v), int(w), int(st), float(x), int(r) if r else None, int(lay) if lay else 0)
 
 
 # H200 sweep, 2026-11-29 (B=64, ctx 16384, 32/8 heads, D=128, k4v2_g128): w4 s1 1.97 ms, + register cap 128 1.39 ms

@@ -39,11 +39,16 @@ def _kernel(module: str, name: str):
 
 
 def _decode_config():
-    """The decode kernel variant the backend uses: the H200 sweep's best (kvarn.kernels.decode.DEFAULT_CONFIG). The
-    kernel's own run-time tuner would time candidates on whatever batch comes first (in vLLM: graph-capture dummies
-    of seq_len 1, where every candidate ties); KVARN_AUTOTUNE=1 turns it on anyway."""
+    """The decode kernel variant the backend uses: the H200 sweep's best (kvarn.kernels.decode.DEFAULT_CONFIG), or
+    KVARN_DECODE_CONFIG=<name> (a name from the `kvarn microbench decode --sweep` table). The kernel's own run-time
+    tuner would time candidates on whatever batch comes first (in vLLM: graph-capture dummies of seq_len 1, where
+    every candidate ties); KVARN_AUTOTUNE=1 turns it on anyway."""
     if os.environ.get("KVARN_AUTOTUNE") == "1":
         return None
+    name = os.environ.get("KVARN_DECODE_CONFIG", "").strip()
+    if name:
+        cls = _kernel("decode", "DecodeConfig")
+        return cls.from_name(name) if cls is not None else None
     return _kernel("decode", "DEFAULT_CONFIG")
 
 
