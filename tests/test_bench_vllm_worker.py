@@ -122,3 +122,13 @@ def test_worker_oom_becomes_an_oom_row(fake_vllm, monkeypatch):
 def test_last_error_line():
     log = "INFO start\nTraceback (most recent call last):\n  File x\nValueError: bad block size\nINFO shutdown\n"
     assert last_error_line(log) == "ValueError: bad block size"
+
+
+def test_warmup_overflows_one_step_and_preemptions_exclude_it():
+    from kvarn.bench.engines.vllm_worker import preemption_count, warmup_requests
+
+    assert warmup_requests(64, 16384, 8192) == 2  # each prompt is split already
+    assert warmup_requests(64, 1024, 8192) == 9  # 9 x 1024 > 8192: the 9th is split across steps
+    assert warmup_requests(4, 1024, 8192) == 4 and warmup_requests(64, 1024, None) == 2
+    assert preemption_count({"vllm:num_preemptions_total": 3.0}) == 3.0
+    assert preemption_count({}) != preemption_count({})  # nan when vLLM reports none

@@ -10,6 +10,7 @@ sample get_metrics(); serve mode starts `vllm serve` on a free 127.0.0.1 port an
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -106,6 +107,7 @@ def run_offline(spec: dict) -> dict:
         pass
     engine = llm.llm_engine
     metrics["engine_start_s"] += _warm_up(llm, spec, vocab)
+    preempt0 = preemption_count(_metric_values(llm.get_metrics()))  # counters are cumulative: the warm-up's out
     recs: dict[str, RequestRecord] = {}
     peak_running = peak_waiting = kv_usage = 0.0
     start = time.perf_counter()
@@ -149,7 +151,7 @@ def run_offline(spec: dict) -> dict:
     vals = _metric_values(llm.get_metrics())
     metrics.update(summarize(list(recs.values()), duration))
     metrics.update(peak_running=peak_running, peak_waiting=peak_waiting, kv_usage_peak=kv_usage,
-                   preemptions=vals.get("vllm:num_preemptions", vals.get("vllm:num_preemptions_total", float("nan"))))
+                   preemptions=preemption_count(vals) - (0.0 if math.isnan(preempt0) else preempt0))
     info["vllm_kwargs"] = json.dumps(kwargs, default=str, sort_keys=True)
     done = sum(r.success for r in recs.values())
     if done < len(recs):  # a run that lost requests must not pass as a throughput figure
@@ -160,16 +162,35 @@ def run_offline(spec: dict) -> dict:
 
 WARMUP_REQUESTS = 2
 WARMUP_OUTPUT = 8
+PREEMPTIONS = ("vllm:num_preemptions", "vllm:num_preemptions_total")
+
+
+def warmup_requests(requests: int, prompt_len: int, max_batched_tokens: int | None) -> int:
+    """Enough prompts that their tokens overflow one step's token budget, so one prompt is split and the
+    continuation-chunk path compiles too (at least WARMUP_REQUESTS; never more than the burst has)."""
+    n = WARMUP_REQUESTS
+    if max_batched_tokens and prompt_len > 0:
+        n = max(n, max_batched_tokens // prompt_len + 1)
+    return max(1, min(n, int(requests)))
+
+
+def preemption_count(vals: dict) -> float:
+    for k in PREEMPTIONS:
+        if k in vals:
+            return vals[k]
+    return float("nan")
 
 
 def _warm_up(llm, spec: dict, vocab: int) -> float:
-    """A small untimed burst before the timed one (WARMUP_REQUESTS x (prompt_len + WARMUP_OUTPUT), other random
-    tokens, so no prefix-cache hits carry over): Triton kernels that JIT-compile on first use (KVarN's, TurboQuant's)
-    compile here, not inside the measured burst. Returns its seconds (added to engine_start_s)."""
+    """A small untimed burst before the timed one (warmup_requests() x (prompt_len + WARMUP_OUTPUT), other random
+    tokens, so no prefix-cache hits carry over): Triton kernels that JIT-compile on first use (KVarN's, TurboQuant's;
+    first chunks, continuation chunks, decode) compile here, not inside the measured burst. Returns its seconds
+    (added to engine_start_s)."""
     from vllm import SamplingParams
 
     t = time.perf_counter()
-    n = min(WARMUP_REQUESTS, int(spec["requests"]))
+    sched = getattr(llm.llm_engine.vllm_config, "scheduler_config", None)
+    n = warmup_requests(int(spec["requests"]), int(spec["prompt_len"]), getattr(sched, "max_num_batched_tokens", None))
     prompts = random_prompts(n, spec["prompt_len"], vocab, int(spec["seed"]) + 7919)
     params = SamplingParams(ignore_eos=True, max_tokens=max(1, min(WARMUP_OUTPUT, int(spec["output_len"]))),
                             detokenize=False)
@@ -219,12 +240,15 @@ def run_serve(spec: dict) -> dict:
         prompts = random_prompts(spec["requests"], spec["prompt_len"], vocab, spec["seed"])
         # the same untimed warm-up as offline mode (first-use Triton compiles), counted in engine_start_s
         t1 = time.perf_counter()
+        n_warm = warmup_requests(int(spec["requests"]), int(spec["prompt_len"]),
+                                 kwargs.get("max_num_batched_tokens") or 8192)  # vLLM serve's usual budget
         run_load(host, port, model_dir,
-                 random_prompts(min(WARMUP_REQUESTS, int(spec["requests"])), spec["prompt_len"], vocab,
-                                int(spec["seed"]) + 7919),
+                 random_prompts(n_warm, spec["prompt_len"], vocab, int(spec["seed"]) + 7919),
                  max(1, min(WARMUP_OUTPUT, int(spec["output_len"]))), seed=spec["seed"])
         start_s += time.perf_counter() - t1
         sampler = MetricsSampler(host, port)
+        sampler.sample()
+        preempt0 = preemption_count(sampler.last)  # cumulative counter: the warm-up's preemptions out
         sampler.start()
         records, duration = run_load(host, port, model_dir, prompts, spec["output_len"],
                                      request_rate=spec.get("request_rate"), burstiness=spec.get("burstiness", 1.0),
@@ -232,6 +256,8 @@ def run_serve(spec: dict) -> dict:
         server_stats = sampler.stop()
         goodput = json.loads(spec.get("goodput") or "{}")
         metrics = summarize(records, duration, goodput)
+        if not math.isnan(preempt0):
+            server_stats["preemptions"] = server_stats["preemptions"] - preempt0
         metrics.update(server_stats)
         metrics.update(engine_start_s=start_s, kv_tokens=kv_tokens,
                        max_concurrency=(kv_tokens / block) / -(-spec["burst"] // block) if kv else float("nan"))
