@@ -365,6 +365,10 @@ def test_config_checks_name_the_fix(fake_vllm):
         check_config_after(built(model_config__get_sliding_window=lambda: 4096))
     check_config_after(built(model_config__get_sliding_window=lambda: 4096,
                              scheduler_config__disable_hybrid_kv_cache_manager=True))
+    cfg_dbo = built()
+    cfg_dbo.parallel_config = types.SimpleNamespace(enable_dbo=True, ubatch_size=1)
+    with pytest.raises(ValueError, match="micro-batching"):
+        check_config_after(cfg_dbo)
     # other dtypes untouched
     cfg = EA(kv_cache_dtype="fp8").create_engine_config()
     assert cfg.cache_config.block_size == 16 and cfg.scheduler_config.max_num_seqs == 1024

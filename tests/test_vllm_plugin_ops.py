@@ -61,11 +61,13 @@ class Engine:
         pad = 3  # padded token rows at the end, as vLLM pads num_tokens
         q = torch.cat([q, torch.zeros(pad, HQ, D)]); k = torch.cat([k, torch.zeros(pad, HK, D)])
         v = torch.cat([v, torch.zeros(pad, HK, D)])
-        plan = ops.build_plan(np.array(qsl), np.array(seq), R, np.array(rows, dtype=np.int32), bt, G, "cpu")
+        # a fast step gets the minimal plan the builder makes when the decode kernels are there (host fields only)
+        plan = ops.build_plan(np.array(qsl), np.array(seq), R, np.array(rows, dtype=np.int32), bt, G, "cpu",
+                              decode_minimal=fast)
         out = torch.full_like(q, float("nan"))
         seq_t = torch.tensor(seq, dtype=torch.int32)
         if fast:
-            assert plan.decode_only, "a fast step must be decode-only"
+            assert plan.decode_only and plan.minimal and plan.tail_slots is None, "a fast step must be decode-only"
             ops.decode_step(plan, q, k, v, out, self.cache, bt, seq_t, torch.tensor(rows, dtype=torch.int32),
                             self.tk, self.tv, FMT, SCALE, use_kernels=True)
         else:
@@ -206,6 +208,20 @@ def test_dense_prefill_calls_varlen_like_flash_attention(monkeypatch):
     monkeypatch.setattr(ops, "attention", lambda *x, **kw: real_attention(*x, **{**kw, "raw_varlen": fake_fa}))
     eng.step([(a, 90), (b, 30)])  # a continues over a completed quantized tile + its tail; b is a first chunk
     assert calls == [([0, 30], [0, 30]), ([0, 90], [0, 160])]  # b raw; a over its 160 post-store tokens
+
+
+def test_minimal_plan_only_for_decode_steps_and_only_with_kernels():
+    bt = torch.zeros(3, 4, dtype=torch.int32)
+    slots = np.array([0, 1, 2], dtype=np.int32)
+    dec = ops.build_plan(np.array([0, 1, 2, 2]), np.array([5, 9, 0]), 3, slots, bt, G, "cpu", decode_minimal=True)
+    assert dec.minimal and dec.decode_only and dec.num_tiles == 0 and dec.dec_rows.tolist() == [0, 1]
+    mixed = ops.build_plan(np.array([0, 1, 4]), np.array([5, 9]), 2, slots, bt, G, "cpu", decode_minimal=True)
+    assert not mixed.minimal and not mixed.decode_only and mixed.tail_slots is not None
+    q = torch.zeros(3, HQ, D)
+    with pytest.raises(RuntimeError, match="needs the decode kernels"):
+        ops.decode_step(dec, q, q[:, :HK], q[:, :HK], q.clone(), torch.zeros(4, HK, FMT.record_bytes(D),
+                        dtype=torch.uint8), bt, torch.tensor([5, 9, 0]), torch.tensor(slots), torch.zeros(4, HK, G, D),
+                        torch.zeros(4, HK, G, D), FMT, SCALE, use_kernels=False)
 
 
 def test_plan_counts_and_tail_positions():

@@ -100,7 +100,10 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        return cls._cudagraph_support if full_graph_decode_enabled() else AttentionCGSupport.NEVER
+        # the torch fallback (no kernels) reads host data per step: it must never be captured
+        if not full_graph_decode_enabled() or not ops.decode_kernels_available():
+            return AttentionCGSupport.NEVER
+        return cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -116,6 +119,11 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         cap = max(self.slots, int(getattr(sched, "max_num_batched_tokens", 0) or 0),
                   int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0)) + 1
         self._tail_slots = torch.full((cap,), self.slots, dtype=torch.int32, device=device)
+        self._decode_kernels = torch.device(device).type == "cuda" and ops.decode_kernels_available()
+        if self._decode_kernels:
+            from ..kernels import prepare
+
+            prepare(kv_cache_spec.head_size, device)  # device checks that sync: before any graph capture
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvarnMetadata:
@@ -129,7 +137,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         rows = STEP.rows_for(R, scratch=self.slots)
         rows = np.where((rows >= 0) & (rows <= self.slots), rows, self.slots).astype(np.int32)
         plan = ops.build_plan(cm.query_start_loc_cpu, np.asarray(seq_cpu), R, rows, cm.block_table_tensor,
-                              self.fmt.group, self.device)
+                              self.fmt.group, self.device, decode_minimal=self._decode_kernels)
         if R > self._tail_slots.shape[0]:  # not expected (see __init__); eager steps only
             self._tail_slots = torch.full((R + 1,), self.slots, dtype=torch.int32, device=self.device)
         # pageable source: the copy is staged before this returns, so the host array can be reused next step

@@ -74,7 +74,7 @@ class StepPlan:
     tail_slot: torch.Tensor | None  # int64 [n3]
     tail_pos: torch.Tensor | None  # int64 [n3]
     # attention (device)
-    tail_slots: torch.Tensor  # int32 [R]
+    tail_slots: torch.Tensor | None  # int32 [R] (None in a minimal decode plan)
     raw_rows: np.ndarray  # rows with no prior context
     raw_tok: torch.Tensor | None  # int64 token indexes of raw rows (compacted order)
     raw_cu: torch.Tensor | None  # int32 [n_raw + 1]
@@ -89,6 +89,8 @@ class StepPlan:
     cont_max_q: int
     # one token per row, row b = token b, padding rows (no token) only at the end: the decode fast path
     decode_only: bool = False
+    # decode_only with only the host fields (build_plan's decode_minimal): the decode kernels must run it
+    minimal: bool = False
 
     @property
     def pure_prefill(self) -> bool:
@@ -109,12 +111,19 @@ def _ragged(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndar
     return seg, np.asarray(starts, dtype=np.int64)[seg] + (np.arange(len(seg)) - first[seg])
 
 
+def decode_kernels_available() -> bool:
+    """The kernels of a decode step (the full-graph path) import here."""
+    return _kernel("store", "store_decode") is not None and _kernel("decode", "decode_attention") is not None
+
+
 def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, block_table: torch.Tensor,
-               group: int, device) -> StepPlan:
+               group: int, device, decode_minimal: bool = False) -> StepPlan:
     """qsl_cpu [>= R + 1], seq_lens_cpu [>= R] (host), tail_slots_np int32 [R], block_table [R, max_blocks].
 
     Vectorized over rows (numpy on the host arrays, no Python loop per row; the same non-blocking host->device copies
-    as before, no sync); the output equals tests/plan_reference.py (the per-row loop it replaced) field for field."""
+    as before, no sync); the output equals tests/plan_reference.py (the per-row loop it replaced) field for field.
+    decode_minimal: a decode_only step gets only its host fields (the decode kernels read everything else on the
+    device): no host->device copies on the steps a full CUDA graph replays."""
     g = group
     R = int(num_reqs)
     qsl = np.asarray(qsl_cpu[: R + 1], dtype=np.int64)
@@ -125,6 +134,18 @@ def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, 
     n_tok = int(qsl[-1]) if R else 0
     active = qlen > 0
     act = np.nonzero(active)[0]
+    n_act = len(act)
+    decode_only = bool(n_act > 0 and (qlen <= 1).all() and (act == np.arange(n_act)).all()
+                       and (qsl[:n_act] == np.arange(n_act)).all())
+    if decode_only and decode_minimal:
+        return StepPlan(
+            num_reqs=R, num_tokens=n_tok, group=g, qsl=qsl, seq_lens=seq, ctx_lens=ctx,
+            tail_slots_np=np.asarray(tail_slots_np[:R], dtype=np.int32), num_tiles=0, tile_block_ids=None,
+            tile_new_dst=None, tile_new_src=None, tile_tail_dst=None, tile_tail_slot=None, tile_tail_pos=None,
+            tail_tok=None, tail_slot=None, tail_pos=None, tail_slots=None, raw_rows=np.zeros(0, dtype=np.int64),
+            raw_tok=None, raw_cu=None, raw_max=0, dec_rows=act, dec_rows_t=None, dec_tok=None,
+            cont_rows=np.zeros(0, dtype=np.int64), cont_rows_t=None, cont_tok=None, cont_qsl=None, cont_max_q=0,
+            decode_only=True, minimal=True)
     c, s, q0, slot = ctx[act], seq[act], qsl[:-1][act], slots_r[act]
 
     # tiles [c // g, s // g) of each active row complete in this step, in row order then tile order
@@ -173,9 +194,6 @@ def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, 
         np.cumsum(lens, out=cu[1:])
         return _ragged(qsl[rows], lens)[1], cu, int(lens.max())
 
-    n_act = len(act)
-    decode_only = bool(n_act > 0 and (qlen <= 1).all() and (act == np.arange(n_act)).all()
-                       and (qsl[:n_act] == np.arange(n_act)).all())
     raw_tok, raw_cu, raw_max = tok_of(raw_rows)
     dec_tok = qsl[dec_rows] if len(dec_rows) else None  # one token per decode row
     cont_tok, cont_cu, cont_max = tok_of(cont_rows)
@@ -360,6 +378,8 @@ def decode_step(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, 
     store_fn = _kernel("store", "store_decode") if use_kernels else None
     attn_fn = _kernel("decode", "decode_attention") if use_kernels else None
     if store_fn is None or attn_fn is None:
+        if plan.minimal:
+            raise RuntimeError("kvarn: a minimal decode plan needs the decode kernels (store_decode, decode_attention)")
         if write_kv and k is not None:
             store(plan, k, v, cache, tail_k, tail_v, fmt)
         attention(plan, q, k, v, out, cache, block_table, seq_lens_dev, tail_k, tail_v, fmt, scale,

@@ -281,6 +281,12 @@ def check_config_after(cfg) -> None:
     if unit and unit % fmt.group:
         raise KvarnConfigError(f"--kv-cache-dtype {name} needs --prefix-match-unit to be a multiple of its "
                                f"{fmt.group}-token tile, got {unit}")
+    # Micro-batching splits a step's rows over several metadata builds; the tail-slot map is per step (row 0 ..),
+    # so a second micro-batch would read the first one's tails.
+    pc = getattr(cfg, "parallel_config", None)
+    if pc is not None and (getattr(pc, "enable_dbo", False) or (getattr(pc, "ubatch_size", 1) or 1) > 1):
+        raise KvarnConfigError(f"--kv-cache-dtype {name} does not support micro-batching (--enable-dbo / "
+                               "--ubatch-size) yet; drop it or use another kv cache dtype")
     # Sliding-window layers fall back to 16-bit pages; the hybrid KV cache manager would have to pool them with
     # KVarN pages, whose sizes are no multiple of each other (vLLM 0.26 kv_cache_utils: unify page sizes).
     sliding = getattr(mc, "get_sliding_window", lambda: None)()
