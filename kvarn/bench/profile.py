@@ -240,7 +240,9 @@ class PluginHook:
             if hook.active:
                 hook.plan_s += time.perf_counter() - t0
                 hook.plan_calls += 1
-                hook.tiles += int(plan.num_tiles)
+                # a decode step's flushes happen on the device (store_decode): count them from the host lengths
+                hook.tiles += (int(((plan.seq_lens > 0) & (plan.seq_lens % plan.group == 0)).sum())
+                               if plan.decode_only else int(plan.num_tiles))
                 hook.new_tokens += int(plan.num_tokens)
             return plan
 
@@ -478,9 +480,10 @@ def step_rows(r: dict) -> list[dict]:
     rows.append({"key": "wall", "category": "decode step (host wall, engine.step)", "ms": r["wall_ms"],
                  "share": None, "floor_ms": None, "x_floor": None})
     if hook.get("plan_calls"):
+        graph = " (none: full CUDA graph)" if not hook["store_host_ms"] and not hook["attn_host_ms"] else ""
         for key, label, v in (("host_plan", "host: KVarN plan build (Python)", hook["plan_ms"]),
-                              ("host_store", "host: KVarN store calls, all layers", hook["store_host_ms"]),
-                              ("host_attn", "host: KVarN attention calls, all layers", hook["attn_host_ms"])):
+                              ("host_store", "host: KVarN store calls, all layers" + graph, hook["store_host_ms"]),
+                              ("host_attn", "host: KVarN attention calls, all layers" + graph, hook["attn_host_ms"])):
             rows.append({"key": key, "category": label, "ms": v / N, "share": None, "floor_ms": None,
                          "x_floor": None})
     r["floors"] = {"kv_read": kv, "store": st, "tiles_per_step": tiles, "weights": r["weight_read_bytes"],
