@@ -162,6 +162,12 @@ def test_vllm_engine_checks_visible_gpus_and_fp8_dtype(tmp_path, capsys, monkeyp
     assert main([*common, "--tp", "1,2", "--kv-dtype", "auto,fp8,kvarn_k4v2_g128"]) == 0
     text = capsys.readouterr().out
     assert "engine: vllm" in text and "bfloat16" in text and "block_size" in text
+    # pipeline stages count too; on a Ray cluster the local GPU count is no bound (workers spread over nodes)
+    assert main([*common, "--tp", "2", "--engine-arg", "pipeline_parallel_size=2"]) == 2
+    assert "--tp 2 x pipeline_parallel_size 2 needs 4 GPUs but 2 are visible" in capsys.readouterr().err
+    assert main([*common, "--tp", "8", "--engine-arg", "pipeline_parallel_size=2",
+                 "--distributed-executor-backend", "ray"]) == 0
+    assert "dry run: nothing was run" in capsys.readouterr().out
     monkeypatch.setattr(vllm_engine, "visible_gpus", lambda: [])
     assert main([*common]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
 

@@ -80,10 +80,14 @@ class VllmEngine(Engine):
         if not gpus:
             raise KvarnError("--engine vllm needs a CUDA GPU and none is visible; use --engine hf on this machine")
         for c in configs:
-            if c.tp > len(gpus):
-                raise KvarnError(f"--tp {c.tp} needs {c.tp} GPUs but {len(gpus)} are visible "
+            extra = c.engine_arg_dict()
+            pp = int(extra.get("pipeline_parallel_size", 1) or 1)
+            # with Ray the engine's workers spread over the cluster's nodes: this host's GPUs are no bound
+            if str(extra.get("distributed_executor_backend", "")).lower() != "ray" and c.tp * pp > len(gpus):
+                need = f"--tp {c.tp}" + (f" x pipeline_parallel_size {pp}" if pp > 1 else "")
+                raise KvarnError(f"{need} needs {c.tp * pp} GPUs but {len(gpus)} are visible "
                                  f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-                                 f"accepted: 1..{len(gpus)}")
+                                 f"accepted: 1..{len(gpus)}, or --distributed-executor-backend ray on a Ray cluster")
             fmt = get_format(c.kv_dtype)
             dtype = resolved_dtype(c.kv_dtype, c.model_dtype)
             if dtype == "bfloat16" or fmt.family == "fp8":
