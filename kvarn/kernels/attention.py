@@ -131,6 +131,28 @@ def _dot16(hi, lo, c, acc, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _query_planes(q_ptrs, mask, DP: tl.constexpr, PERK: tl.constexpr):
+    """The rotated, scaled query (rotate_rows_kernel) as the key byte planes' channel blocks: q_ptrs points at plane
+    0 (any 2-D orientation: query rows or, transposed, columns), plane j sits DP channels further. Returns the
+    PERK planes (planes 2-3 repeat plane 0 when PERK == 2) normalised by max |q| so |q * sK| <= |sK| stays in
+    fp16, and that norm (it goes back in with rK)."""
+    p0 = tl.load(q_ptrs, mask=mask, other=0.0)
+    p1 = tl.load(q_ptrs + DP, mask=mask, other=0.0)
+    qmax = tl.maximum(tl.max(tl.max(tl.abs(p0), axis=1), axis=0), tl.max(tl.max(tl.abs(p1), axis=1), axis=0))
+    if PERK == 4:
+        p2 = tl.load(q_ptrs + 2 * DP, mask=mask, other=0.0)
+        p3 = tl.load(q_ptrs + 3 * DP, mask=mask, other=0.0)
+        qmax = tl.maximum(qmax, tl.maximum(tl.max(tl.max(tl.abs(p2), axis=1), axis=0),
+                                           tl.max(tl.max(tl.abs(p3), axis=1), axis=0)))
+    else:
+        p2 = p0
+        p3 = p0
+    qnorm = tl.where(qmax > 0.0, qmax, 1.0)
+    qinv = 1.0 / qnorm
+    return p0 * qinv, p1 * qinv, p2 * qinv, p3 * qinv, qnorm
+
+
+@triton.jit
 def _key_plane(qj, sk_ptr, zk_ptr, DP: tl.constexpr, KSPLIT: tl.constexpr):
     # fold sK into the (normalised) query plane; the zK term is a per-row constant of the tile
     i = tl.arange(0, DP)
@@ -257,26 +279,8 @@ def kvarn_attention_kernel(
     dp = tl.arange(0, DP)
     head = kvh * GROUP + hq
     row = (q0 + tok).to(tl.int64) * HQ + head  # flattened (query token, head) row
-    # rotated, scaled query (rotate_rows_kernel), loaded directly as the key byte planes' column blocks
-    qr_rows = qr_ptr + row[:, None] * D + dp[None, :]
-    qr0 = tl.load(qr_rows, mask=row_ok[:, None], other=0.0)
-    qr1 = tl.load(qr_rows + DP, mask=row_ok[:, None], other=0.0)
-    qmax = tl.maximum(tl.max(tl.max(tl.abs(qr0), axis=1), axis=0), tl.max(tl.max(tl.abs(qr1), axis=1), axis=0))
-    if PERK == 4:
-        qr2 = tl.load(qr_rows + 2 * DP, mask=row_ok[:, None], other=0.0)
-        qr3 = tl.load(qr_rows + 3 * DP, mask=row_ok[:, None], other=0.0)
-        qmax = tl.maximum(qmax, tl.maximum(tl.max(tl.max(tl.abs(qr2), axis=1), axis=0),
-                                           tl.max(tl.max(tl.abs(qr3), axis=1), axis=0)))
-    else:
-        qr2 = qr0
-        qr3 = qr0
-    # normalise so |q_r * sK| <= |sK| stays in fp16; the norm goes back in with rK
-    qnorm = tl.where(qmax > 0.0, qmax, 1.0)
-    qinv = 1.0 / qnorm
-    qr0 = qr0 * qinv
-    qr1 = qr1 * qinv
-    qr2 = qr2 * qinv
-    qr3 = qr3 * qinv
+    # rotated, scaled query, loaded directly as the key byte planes' column blocks [BM, DP], normalised
+    qr0, qr1, qr2, qr3, qnorm = _query_planes(qr_ptr + row[:, None] * D + dp[None, :], row_ok[:, None], DP, PERK)
 
     n_full = S // G
     n_tiles = (Lmax + G - 1) // G
@@ -433,25 +437,8 @@ def kvarn_attention_tok_kernel(
     dp = tl.arange(0, DP)
     ti = tl.arange(0, G)
     bt = tl.arange(0, BT)
-    # transposed query planes [DP, BN] (rotated and scaled by rotate_rows_kernel), normalised by max |q|
-    q_cols = qr_ptr + row[None, :] * D + dp[:, None]
-    q0 = tl.load(q_cols, mask=col_ok[None, :], other=0.0)
-    q1 = tl.load(q_cols + DP, mask=col_ok[None, :], other=0.0)
-    qmax = tl.maximum(tl.max(tl.max(tl.abs(q0), axis=1), axis=0), tl.max(tl.max(tl.abs(q1), axis=1), axis=0))
-    if PERK == 4:
-        q2 = tl.load(q_cols + 2 * DP, mask=col_ok[None, :], other=0.0)
-        q3 = tl.load(q_cols + 3 * DP, mask=col_ok[None, :], other=0.0)
-        qmax = tl.maximum(qmax, tl.maximum(tl.max(tl.max(tl.abs(q2), axis=1), axis=0),
-                                           tl.max(tl.max(tl.abs(q3), axis=1), axis=0)))
-    else:
-        q2 = q0
-        q3 = q0
-    qnorm = tl.where(qmax > 0.0, qmax, 1.0)
-    qinv = 1.0 / qnorm
-    q0 = q0 * qinv
-    q1 = q1 * qinv
-    q2 = q2 * qinv
-    q3 = q3 * qinv
+    # transposed query planes [DP, BN], normalised by max |q|
+    q0, q1, q2, q3, qnorm = _query_planes(qr_ptr + row[None, :] * D + dp[:, None], col_ok[None, :], DP, PERK)
 
     # the same split partition as kvarn_attention_kernel (decode: every row sees S tokens)
     n_full = S // G
