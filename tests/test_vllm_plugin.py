@@ -483,8 +483,8 @@ def test_builder_and_impl_run_a_step_on_cpu(fake_vllm):
                                 block_table_tensor=torch.tensor([[5, 6], [0, 0]], dtype=torch.int32),
                                 slot_mapping=torch.tensor([70, -1]))
     md2 = b.build(0, cm2)
-    assert md2.plan.decode_only and md2.tail_slots.tolist() == [2, 4]  # padding row -> scratch slot (S = 4)
-    assert md2.tail_slots.data_ptr() == md.tail_slots.data_ptr()  # same address every step (graph replay)
+    assert md2.plan.decode_only and md2.plan.tail_slots.tolist() == [2, 4]  # padding row -> scratch slot (S = 4)
+    assert md2.plan.tail_slots.data_ptr() == md.plan.tail_slots.data_ptr()  # same address every step (graph replay)
     out2 = torch.full((2, 4 * 64), float("nan"))
     impl.forward(layer, q[70:72], k[70:72], v[70:72], cache, md2, output=out2)
     assert torch.equal(TAILS.get("l0")[0][2, :, 6], k[70]) and out2[0].isfinite().all()

@@ -84,7 +84,6 @@ class KvarnMetadata(AttentionMetadata):
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     slot_mapping: torch.Tensor
-    tail_slots: torch.Tensor  # int32 [num_reqs], a view of the builder's persistent buffer (graph-safe address)
 
 
 def full_graph_decode_enabled() -> bool:
@@ -136,14 +135,16 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
             seq_cpu = cm.seq_lens[:R].cpu()  # host sync; only when a runner gives no CPU copy
         rows = STEP.rows_for(R, scratch=self.slots)
         rows = np.where((rows >= 0) & (rows <= self.slots), rows, self.slots).astype(np.int32)
-        plan = ops.build_plan(cm.query_start_loc_cpu, np.asarray(seq_cpu), R, rows, cm.block_table_tensor,
-                              self.fmt.group, self.device, decode_minimal=self._decode_kernels)
         if R > self._tail_slots.shape[0]:  # not expected (see __init__); eager steps only
             self._tail_slots = torch.full((R + 1,), self.slots, dtype=torch.int32, device=self.device)
-        # pageable source: the copy is staged before this returns, so the host array can be reused next step
+        # pageable source: the copy is staged before this returns, so the host array can be reused next step. The
+        # plan's tail_slots is this view of the persistent buffer (same address every step: graph replays).
         self._tail_slots[:R].copy_(torch.from_numpy(rows), non_blocking=True)
+        plan = ops.build_plan(cm.query_start_loc_cpu, np.asarray(seq_cpu), R, rows, cm.block_table_tensor,
+                              self.fmt.group, self.device, decode_minimal=self._decode_kernels,
+                              tail_slots_dev=self._tail_slots[:R])
         return KvarnMetadata(plan=plan, num_actual_tokens=cm.num_actual_tokens, block_table=cm.block_table_tensor,
-                             seq_lens=cm.seq_lens, slot_mapping=cm.slot_mapping, tail_slots=self._tail_slots[:R])
+                             seq_lens=cm.seq_lens, slot_mapping=cm.slot_mapping)
 
 
 class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
@@ -219,7 +220,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         write_kv = key is not None and value is not None and self.kv_sharing_target_layer_name is None
         if plan.decode_only:
             ops.decode_step(plan, query, key, value, out, kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
-                            attn_metadata.tail_slots, tail_k, tail_v, self.fmt, self.scale, write_kv=write_kv,
+                            plan.tail_slots, tail_k, tail_v, self.fmt, self.scale, write_kv=write_kv,
                             raw_varlen=self._raw_varlen())
             return output
         if write_kv:

@@ -74,7 +74,7 @@ class StepPlan:
     tail_slot: torch.Tensor | None  # int64 [n3]
     tail_pos: torch.Tensor | None  # int64 [n3]
     # attention (device)
-    tail_slots: torch.Tensor | None  # int32 [R] (None in a minimal decode plan)
+    tail_slots: torch.Tensor | None  # int32 [R] (a minimal decode plan: only the builder's persistent buffer)
     raw_rows: np.ndarray  # rows with no prior context
     raw_tok: torch.Tensor | None  # int64 token indexes of raw rows (compacted order)
     raw_cu: torch.Tensor | None  # int32 [n_raw + 1]
@@ -117,13 +117,16 @@ def decode_kernels_available() -> bool:
 
 
 def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, block_table: torch.Tensor,
-               group: int, device, decode_minimal: bool = False) -> StepPlan:
+               group: int, device, decode_minimal: bool = False,
+               tail_slots_dev: torch.Tensor | None = None) -> StepPlan:
     """qsl_cpu [>= R + 1], seq_lens_cpu [>= R] (host), tail_slots_np int32 [R], block_table [R, max_blocks].
 
     Vectorized over rows (numpy on the host arrays, no Python loop per row; the same non-blocking host->device copies
     as before, no sync); the output equals tests/plan_reference.py (the per-row loop it replaced) field for field.
     decode_minimal: a decode_only step gets only its host fields (the decode kernels read everything else on the
-    device): no host->device copies on the steps a full CUDA graph replays."""
+    device): no host->device copies on the steps a full CUDA graph replays.
+    tail_slots_dev: tail_slots_np already on the device (the builder's persistent buffer): used as the plan's
+    `tail_slots` instead of another copy."""
     g = group
     R = int(num_reqs)
     qsl = np.asarray(qsl_cpu[: R + 1], dtype=np.int64)
@@ -142,7 +145,8 @@ def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, 
             num_reqs=R, num_tokens=n_tok, group=g, qsl=qsl, seq_lens=seq, ctx_lens=ctx,
             tail_slots_np=np.asarray(tail_slots_np[:R], dtype=np.int32), num_tiles=0, tile_block_ids=None,
             tile_new_dst=None, tile_new_src=None, tile_tail_dst=None, tile_tail_slot=None, tile_tail_pos=None,
-            tail_tok=None, tail_slot=None, tail_pos=None, tail_slots=None, raw_rows=np.zeros(0, dtype=np.int64),
+            tail_tok=None, tail_slot=None, tail_pos=None, tail_slots=tail_slots_dev,
+            raw_rows=np.zeros(0, dtype=np.int64),
             raw_tok=None, raw_cu=None, raw_max=0, dec_rows=act, dec_rows_t=None, dec_tok=None,
             cont_rows=np.zeros(0, dtype=np.int64), cont_rows_t=None, cont_tok=None, cont_qsl=None, cont_max_q=0,
             decode_only=True, minimal=True)
@@ -206,7 +210,8 @@ def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, 
         tile_tail_pos=_t(tl_pos, np.int64, device),
         tail_tok=_t(tail_tok, np.int64, device), tail_slot=_t(tail_slot, np.int64, device),
         tail_pos=_t(tail_pos, np.int64, device),
-        tail_slots=torch.from_numpy(np.asarray(tail_slots_np[:R], dtype=np.int32)).to(device, non_blocking=True),
+        tail_slots=(tail_slots_dev if tail_slots_dev is not None else
+                    torch.from_numpy(np.asarray(tail_slots_np[:R], dtype=np.int32)).to(device, non_blocking=True)),
         raw_rows=raw_rows, raw_tok=_t(raw_tok, np.int64, device), raw_cu=_t(raw_cu, np.int32, device), raw_max=raw_max,
         dec_rows=dec_rows, dec_rows_t=_t(dec_rows, np.int64, device), dec_tok=_t(dec_tok, np.int64, device),
         cont_rows=cont_rows, cont_rows_t=_t(cont_rows, np.int64, device), cont_tok=_t(cont_tok, np.int64, device),
