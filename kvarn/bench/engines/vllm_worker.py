@@ -181,6 +181,14 @@ def preemption_count(vals: dict) -> float:
     return float("nan")
 
 
+def warmup_burst(spec: dict, vocab: int, max_batched_tokens: int | None) -> tuple[list[list[int]], int]:
+    """(prompts, output tokens) of the untimed warm-up: warmup_requests() prompts of the burst's length from other
+    random ids (no prefix-cache hits carry over), WARMUP_OUTPUT tokens each (fewer if the burst asks fewer)."""
+    n = warmup_requests(int(spec["requests"]), int(spec["prompt_len"]), max_batched_tokens)
+    prompts = random_prompts(n, int(spec["prompt_len"]), vocab, int(spec["seed"]) + 7919)
+    return prompts, max(1, min(WARMUP_OUTPUT, int(spec["output_len"])))
+
+
 def _warm_up(llm, spec: dict, vocab: int) -> float:
     """A small untimed burst before the timed one (warmup_requests() x (prompt_len + WARMUP_OUTPUT), other random
     tokens, so no prefix-cache hits carry over): Triton kernels that JIT-compile on first use (KVarN's, TurboQuant's;
@@ -190,10 +198,8 @@ def _warm_up(llm, spec: dict, vocab: int) -> float:
 
     t = time.perf_counter()
     sched = getattr(llm.llm_engine.vllm_config, "scheduler_config", None)
-    n = warmup_requests(int(spec["requests"]), int(spec["prompt_len"]), getattr(sched, "max_num_batched_tokens", None))
-    prompts = random_prompts(n, spec["prompt_len"], vocab, int(spec["seed"]) + 7919)
-    params = SamplingParams(ignore_eos=True, max_tokens=max(1, min(WARMUP_OUTPUT, int(spec["output_len"]))),
-                            detokenize=False)
+    prompts, out_len = warmup_burst(spec, vocab, getattr(sched, "max_num_batched_tokens", None))
+    params = SamplingParams(ignore_eos=True, max_tokens=out_len, detokenize=False)
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return time.perf_counter() - t
 
@@ -240,11 +246,9 @@ def run_serve(spec: dict) -> dict:
         prompts = random_prompts(spec["requests"], spec["prompt_len"], vocab, spec["seed"])
         # the same untimed warm-up as offline mode (first-use Triton compiles), counted in engine_start_s
         t1 = time.perf_counter()
-        n_warm = warmup_requests(int(spec["requests"]), int(spec["prompt_len"]),
-                                 kwargs.get("max_num_batched_tokens") or 8192)  # vLLM serve's usual budget
-        run_load(host, port, model_dir,
-                 random_prompts(n_warm, spec["prompt_len"], vocab, int(spec["seed"]) + 7919),
-                 max(1, min(WARMUP_OUTPUT, int(spec["output_len"]))), seed=spec["seed"])
+        # (the server's token budget: the one passed, else vLLM serve's usual 8192)
+        warm, warm_out = warmup_burst(spec, vocab, kwargs.get("max_num_batched_tokens") or 8192)
+        run_load(host, port, model_dir, warm, warm_out, seed=spec["seed"])
         start_s += time.perf_counter() - t1
         sampler = MetricsSampler(host, port)
         sampler.sample()
