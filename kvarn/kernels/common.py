@@ -97,6 +97,15 @@ def check_cache(cache: torch.Tensor, lay: RecordLayout, name: str = "cache") -> 
         raise KvarnError(f"{name} must start at an even byte offset (fp16 fields)")
 
 
+def check_tail(tail_k: torch.Tensor, tail_v: torch.Tensor, hk: int, g: int, d: int) -> None:
+    """The 16-bit tail buffers [S, Hk, g, D] (K and V alike), contiguous along D."""
+    if tail_k.dim() != 4 or tuple(tail_k.shape[1:]) != (hk, g, d) or tail_v.shape != tail_k.shape:
+        raise KvarnError(f"tail_k / tail_v must be [S, {hk}, {g}, {d}], got {tuple(tail_k.shape)} "
+                         f"and {tuple(tail_v.shape)}")
+    if tail_k.stride(-1) != 1 or tail_v.stride(-1) != 1:
+        raise KvarnError("tail buffers must be contiguous along the head dim")
+
+
 def f16_view(cache: torch.Tensor) -> torch.Tensor:
     """The same memory seen as fp16 words (records and every field offset are even), for the vector fields."""
     return cache.view(torch.float16)

@@ -41,7 +41,7 @@ from ..errors import KvarnError
 from ..formats import KVFormat
 from .attention import (LOG2E, finish_kernel, kvarn_attention_kernel, kvarn_attention_tok_kernel, mma_bf16,
                         rotate_rows_kernel, tail_attention_kernel)
-from .common import as_format, check_cache, f16_view, layout
+from .common import as_format, check_cache, check_tail, f16_view, layout
 
 
 _NAME = re.compile(r"u([012])k([12])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:L([01]))?")
@@ -125,14 +125,6 @@ def group_geometry(hq: int, hk: int) -> tuple[int, int]:
         raise KvarnError(f"query heads ({hq}) must be a multiple of KV heads ({hk})")
     group = hq // hk
     return group, triton.next_power_of_2(group)
-
-
-def check_tail(tail_k, tail_v, hk: int, g: int, d: int) -> None:
-    if tail_k.dim() != 4 or tuple(tail_k.shape[1:]) != (hk, g, d) or tail_v.shape != tail_k.shape:
-        raise KvarnError(f"tail_k / tail_v must be [S, {hk}, {g}, {d}], got {tuple(tail_k.shape)} "
-                         f"and {tuple(tail_v.shape)}")
-    if tail_k.stride(-1) != 1 or tail_v.stride(-1) != 1:
-        raise KvarnError("tail buffers must be contiguous along the head dim")
 
 
 def effective_config(cfg: DecodeConfig, device: torch.device) -> DecodeConfig:

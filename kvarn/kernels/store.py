@@ -35,7 +35,7 @@ from .rotate import (h_times_x, h_times_x_acc, hadamard_pm1, hadamard_pm1_block,
 from ..errors import KvarnError
 from ..formats import KVFormat
 from .attention import mma_bf16
-from .common import FP16_MAX, as_format, check_cache, f16_view, layout
+from .common import FP16_MAX, as_format, check_cache, check_tail, f16_view, layout
 
 STD_MIN, STD_MAX = 1e-3, 1e3  # clamp of the measured std per balancing step (kvarn-method.md)
 LOG_MIN, LOG_MAX = -0.3, 10.0  # clip of the accumulated log-scales
@@ -343,11 +343,7 @@ def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ta
     B, H, D = k.shape
     lay = layout(fmt, D)
     check_cache(cache, lay)
-    if tail_k.dim() != 4 or tuple(tail_k.shape[1:]) != (H, lay.g, D) or tail_v.shape != tail_k.shape:
-        raise KvarnError(f"tail buffers must be [S, {H}, {lay.g}, {D}], got {tuple(tail_k.shape)}, "
-                         f"{tuple(tail_v.shape)}")
-    if tail_k.stride(-1) != 1 or tail_v.stride(-1) != 1:
-        raise KvarnError("tail buffers must be contiguous along the head dim")
+    check_tail(tail_k, tail_v, H, lay.g, D)
     if seq_lens.shape[0] < B or tail_slots.shape[0] < B or block_table.dim() != 2 or block_table.shape[0] < B:
         raise KvarnError(f"seq_lens, tail_slots and block_table need {B} rows, got {tuple(seq_lens.shape)}, "
                          f"{tuple(tail_slots.shape)}, {tuple(block_table.shape)}")

@@ -1,6 +1,8 @@
 """Small shared helpers of the plugin (no vLLM import at module load)."""
 from __future__ import annotations
 
+import os
+
 from ..formats import DEFAULT_KVARN, KVFormat, get_format, kvarn_formats
 
 PREFIX = "kvarn_"
@@ -71,8 +73,6 @@ BACKEND_KNOBS = {"KVARN_PREFILL": "kernel", "KVARN_FULL_GRAPH": "1", "KVARN_AUTO
 
 def backend_env(environ=None) -> str:
     """'KEY=value;...' of the backend knobs set to a non-default value, sorted; '' when all are defaults."""
-    import os
-
     env = os.environ if environ is None else environ
     out = []
     for k, default in sorted(BACKEND_KNOBS.items()):
