@@ -75,34 +75,22 @@ def _split3(x):
 @triton.jit
 def x_times_h(x, h, D: tl.constexpr, MMA_BF16: tl.constexpr):
     """(x @ H) / sqrt(D) for fp32 x [M, D]."""
-    if MMA_BF16:
-        hi, mid, lo = _split3(x)
-        acc = tl.dot(hi, h, out_dtype=tl.float32)
-        acc = tl.dot(mid, h, acc=acc, out_dtype=tl.float32)
-        acc = tl.dot(lo, h, acc=acc, out_dtype=tl.float32)
-    else:
-        acc = tl.dot(x, h, input_precision="ieee")
-    return acc * _inv_sqrt(D)
+    acc = tl.zeros([x.shape[0], h.shape[1]], dtype=tl.float32)
+    return rot_scale(x_times_h_acc(x, h, acc, MMA_BF16), D)
 
 
 @triton.jit
 def h_times_x(h, x, D: tl.constexpr, MMA_BF16: tl.constexpr):
     """(H @ x) / sqrt(D) for fp32 x [D, N]."""
-    if MMA_BF16:
-        hi, mid, lo = _split3(x)
-        acc = tl.dot(h, hi, out_dtype=tl.float32)
-        acc = tl.dot(h, mid, acc=acc, out_dtype=tl.float32)
-        acc = tl.dot(h, lo, acc=acc, out_dtype=tl.float32)
-    else:
-        acc = tl.dot(h, x, input_precision="ieee")
-    return acc * _inv_sqrt(D)
+    acc = tl.zeros([h.shape[0], x.shape[1]], dtype=tl.float32)
+    return rot_scale(h_times_x_acc(h, x, acc, MMA_BF16), D)
 
 
 @triton.jit
 def x_times_h_acc(x, h, acc, MMA_BF16: tl.constexpr):
-    """acc + x @ h (unscaled) for fp32 x [M, K], +-1 h [K, N]: one K-block of a blocked x @ H
-    (finish with rot_scale). Same splitting as x_times_h, so the products are exact; only the fp32 summation
-    order differs from the single dot."""
+    """acc + x @ h (unscaled) for fp32 x [M, K], +-1 h [K, N]: x_times_h is this from zero, then rot_scale; a
+    blocked x @ H sums K-blocks of it. The fp32 x is split into three bf16 parts (hi + mid + lo) on the GPU, so
+    the products with the exact +-1 h are exact; only the fp32 summation order differs between blockings."""
     if MMA_BF16:
         hi, mid, lo = _split3(x)
         acc = tl.dot(hi, h, acc=acc, out_dtype=tl.float32)
