@@ -215,7 +215,7 @@ def test_interrupt_kills_the_worker_group(tmp_path):
 
 
 def test_backend_knobs_key_only_kvarn_cells(tmp_path, monkeypatch):
-    """KVARN_PREFILL=dense (a backend knob) makes the KVarN cells new ones; the FP16 / FP8 cells stay the same, so an
+    """KVARN_PREFILL=kernel (a backend knob) makes the KVarN cells new ones; the FP16 / FP8 cells stay the same, so an
     A/B of the knob reuses them (and the ratios vs FP16)."""
     from kvarn.bench.engines import vllm_engine
     from kvarn.bench.plan import BenchOptions, build_plan
@@ -225,8 +225,8 @@ def test_backend_knobs_key_only_kvarn_cells(tmp_path, monkeypatch):
     o = BenchOptions(model="qwen3-8b", kv_dtype="auto,fp8,kvarn_k4v2_g128", engine="vllm", out=str(tmp_path / "r"))
     monkeypatch.delenv("KVARN_PREFILL", raising=False)
     plain = {c.kv_dtype: c for c in build_plan(o).configs}
-    monkeypatch.setenv("KVARN_PREFILL", "dense")
-    dense = {c.kv_dtype: c for c in build_plan(o).configs}
-    assert dense["kvarn_k4v2_g128"].backend_env == "KVARN_PREFILL=dense"
-    assert dense["kvarn_k4v2_g128"].hash != plain["kvarn_k4v2_g128"].hash
-    assert dense["auto"].hash == plain["auto"].hash and dense["fp8"].hash == plain["fp8"].hash
+    monkeypatch.setenv("KVARN_PREFILL", "kernel")
+    knob = {c.kv_dtype: c for c in build_plan(o).configs}
+    assert knob["kvarn_k4v2_g128"].backend_env == "KVARN_PREFILL=kernel"
+    assert knob["kvarn_k4v2_g128"].hash != plain["kvarn_k4v2_g128"].hash
+    assert knob["auto"].hash == plain["auto"].hash and knob["fp8"].hash == plain["fp8"].hash

@@ -118,6 +118,19 @@ def test_niah_items_exact_lengths_and_depths():
     assert "pass key" in pk[0].prompt
 
 
+def test_niah_prompt_leaves_room_for_the_answer():
+    class BosTok(FakeTok):  # adds a BOS, as SmolLM2's tokenizer does: per-sentence counts undercount the prompt
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [0] * add_special_tokens + super().__call__(text)["input_ids"]}
+
+    tok = BosTok()
+    items, _ = load_niah(LoadOptions(contexts=(512, 1024), limit=3, seed=2, reserve=16), tok)
+    for it in items:
+        n = len(tok(it.prompt)["input_ids"])
+        assert it.meta["context"] - 16 - 40 <= n <= it.meta["context"] - 16  # prompt + 16 answer tokens fit
+        assert it.target in it.prompt
+
+
 def test_ppl_windows():
     items, _ = load_ppl(LoadOptions(window=100, limit=4), FakeTok())
     assert len(items) == 4 and all(len(it.token_ids) == 100 for it in items)

@@ -40,12 +40,16 @@ FAKE = textwrap.dedent('''
             if kw["kv_cache_dtype"] == "kvarn_k4v4_g128":
                 time.sleep(60)
             self.q = kw["kv_cache_dtype"] != "auto"
+            self.max_len = kw.get("max_model_len") or 10 ** 9
 
         def generate(self, prompts, sps, use_tqdm=False):
             sps = sps if isinstance(sps, list) else [sps] * len(prompts)
             outs = []
             for p, sp in zip(prompts, sps):
                 ids = p["prompt_token_ids"]
+                if len(ids) + 1 > self.max_len:  # as vLLM: the prompt plus at least one output token must fit
+                    raise ValueError(f"The decoder prompt (length {len(ids)}) plus the number of requested output "
+                                     f"tokens (at least 1) is longer than the maximum model length of {self.max_len}.")
                 if getattr(sp, "prompt_logprobs", None) is not None:
                     lp = -1.5 if self.q else -1.0
                     outs.append(_O(prompt_logprobs=[None] + [{t: _Lp(lp), t + 1: _Lp(-9.0)} for t in ids[1:]],
@@ -81,7 +85,7 @@ def test_vllm_ppl_chunked_prefill_and_rows(tmp_path, fake_vllm):
     assert [c["kv_cache_dtype"] for c in calls] == ["auto", "kvarn_k4v2_g128"]
     k = calls[1]
     assert k["block_size"] == 128 and k["max_num_batched_tokens"] == 128 and k["enable_chunked_prefill"]
-    assert k["max_num_seqs"] == 1 and k["max_model_len"] == 64
+    assert k["max_num_seqs"] == 1 and k["max_model_len"] == 65  # the window + the one token vLLM generates
     b, q = rows
     assert b["ppl"] == pytest.approx(math.e) and q["ppl"] == pytest.approx(math.exp(1.5))
     assert q["n"] == 3 and q["delta_vs_fp16"] == pytest.approx(math.exp(1.5) - math.e)
@@ -106,3 +110,13 @@ def test_vllm_timeout_is_a_row(tmp_path, fake_vllm):
                       out=str(tmp_path / "res"))
     rows = R.run_eval(o, engine_obj=_engine(tmp_path, timeout_s=4))
     assert [r["status"] for r in rows] == ["ok", "timeout"]
+
+
+def test_vllm_crash_row_names_the_exception(tmp_path, fake_vllm):
+    eng = _engine(tmp_path)
+    eng.cfg.max_model_len = 32  # too short for the 64-token windows: the fake raises vLLM's ValueError
+    o = R.EvalOptions(task="ppl", engine="hf", context="64", limit=1, kv_dtypes="kvarn_k4v2_g128",
+                      out=str(tmp_path / "res"))
+    rows = R.run_eval(o, engine_obj=eng)
+    assert [r["status"] for r in rows] == ["failed", "failed"]
+    assert "ValueError: The decoder prompt (length 64)" in rows[0]["error"]

@@ -68,7 +68,7 @@ def test_decode_tokrows_unpack_variants(unpack):
 
 
 def test_tokrows_config_plumbing():
-    assert DEFAULT_CONFIG.layout == 0  # the default stays the query-row kernel
+    assert DEFAULT_CONFIG.layout == 1 and DEFAULT_CONFIG.maxnreg == 128  # the H200 sweep's best
     tok = DecodeConfig(2, 2, 1, 4, 1, maxnreg=128, layout=1)
     assert tok.name != DecodeConfig(2, 2, 1, 4, 1, maxnreg=128).name and tok.name.endswith("L1")
     assert DecodeConfig().name == "u2k2v1w4s1x1"  # names of layout-0 entries are unchanged (sweep history)

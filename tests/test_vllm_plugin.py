@@ -502,12 +502,12 @@ def test_backend_env_lists_only_non_default_knobs():
     from kvarn.bench.config import BenchConfig
     from kvarn.vllm_plugin.common import backend_env
 
-    assert backend_env({}) == "" and backend_env({"KVARN_PREFILL": "kernel", "KVARN_FULL_GRAPH": "1"}) == ""
-    assert backend_env({"KVARN_PREFILL": "dense", "KVARN_FULL_GRAPH": "0", "OTHER": "x"}) == \
-        "KVARN_FULL_GRAPH=0;KVARN_PREFILL=dense"
+    assert backend_env({}) == "" and backend_env({"KVARN_PREFILL": "dense", "KVARN_FULL_GRAPH": "1"}) == ""
+    assert backend_env({"KVARN_PREFILL": "kernel", "KVARN_FULL_GRAPH": "0", "OTHER": "x"}) == \
+        "KVARN_FULL_GRAPH=0;KVARN_PREFILL=kernel"
     base = dict(model="m", kv_dtype="kvarn_k4v2_g128", tp=1, engine="vllm", mode="offline", burst=2048,
                 prompt_len=1024, output_len=1024, requests=4, gpu_memory_utilization=0.9, max_num_seqs=None,
                 dummy_weights=True, seed=0)
-    plain, dense = BenchConfig(**base), BenchConfig(**base, backend_env="KVARN_PREFILL=dense")
+    plain, dense = BenchConfig(**base), BenchConfig(**base, backend_env="KVARN_PREFILL=kernel")
     assert "backend_env" not in plain.hash_fields()  # default runs keep the hashes they always had
     assert plain.hash != dense.hash  # a knob makes its own cell (resume never mixes them)

@@ -325,10 +325,13 @@ class VLLMEngine:
             raise EngineError(f"vLLM run for {fmt.name} passed its {self.cfg.timeout_s:.0f} s limit (log: {log})",
                               "timeout")
         if proc.returncode != 0:
-            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-            text = " | ".join(tail)
+            from ..bench.engines.vllm_engine import last_error_line
+
+            text = log.read_text(errors="replace")
             status = "oom" if "out of memory" in text.lower() else "failed"
-            raise EngineError(f"vLLM exited {proc.returncode} for {fmt.name}: {text[-300:]} (log: {log})", status)
+            # the exception, not the shutdown chatter that follows it in the log
+            raise EngineError(f"vLLM exited {proc.returncode} for {fmt.name}: {last_error_line(text)[:300]} (log: {log})",
+                              status)
 
     def generate(self, fmt: KVFormat, requests: list[GenRequest], params: GenParams) -> Iterator[GenResult]:
         job = {"mode": "generate", "llm": self._llm_args(fmt, params.chunk, None),

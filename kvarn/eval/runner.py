@@ -191,7 +191,8 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
 
     # data first when it needs no tokenizer: a missing file or an unreachable hub fails before a model loads
     lopts = LoadOptions(data=o.data, limit=o.limit, seed=o.seed, fewshot=o.fewshot, contexts=p.contexts,
-                        needle=o.needle, window=p.contexts[0] if spec.kind == "ppl" else None)
+                        needle=o.needle, window=p.contexts[0] if spec.kind == "ppl" else None,
+                        reserve=p.params.max_tokens if spec.name == "niah" else 0)
     items, source = (None, None) if spec.needs_tokenizer else spec.loader(lopts, None)
     if items is not None and not items:
         raise KvarnError(f"{spec.name}: no problems to run (empty data)")
@@ -212,7 +213,7 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
         need = max(map(len, prompts.values())) + p.params.max_tokens
     else:
         prompts = {}
-        need = p.contexts[0]
+        need = p.contexts[0] + 1  # vLLM scores prompt log-probs of a request that generates one token
         rep.info(f"ppl: {len(items)} windows x {p.contexts[0]} tokens from {source}, fed in chunks of {p.chunk}")
 
     if hasattr(eng, "cfg") and getattr(eng.cfg, "max_model_len", 0) is None:

@@ -37,6 +37,7 @@ class LoadOptions:
     contexts: tuple[int, ...] = ()
     needle: str = "kv"
     window: int | None = None
+    reserve: int = 0  # niah: tokens kept free for the answer (RULER's convention: context = prompt + answer)
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ def load_niah(opts: LoadOptions, tok):
         raise KvarnError(f"niah filler {src} has too few sentences ({len(sents)})")
     lens = [_ntok(tok, " " + s) for s in sents]
     n = opts.limit or 10
+    special = len(tok(NIAH_INTRO)["input_ids"]) - _ntok(tok, NIAH_INTRO)  # e.g. a BOS the tokenizer adds
     items = []
     for ctx in opts.contexts:
         for j, depth in enumerate(niah_depths(n)):
@@ -191,7 +193,8 @@ def load_niah(opts: LoadOptions, tok):
                 needle = f"One of the special magic numbers for {key} is: {value}."
                 question = (f"What is the special magic number for {key} mentioned in the provided text? "
                             f"The special magic number for {key} mentioned in the provided text is")
-            budget = ctx - _ntok(tok, NIAH_INTRO) - _ntok(tok, " " + needle) - _ntok(tok, "\n" + question)
+            limit = ctx - opts.reserve  # the whole sequence, answer included, fits the context (and the model)
+            budget = limit - special - _ntok(tok, NIAH_INTRO) - _ntok(tok, " " + needle) - _ntok(tok, "\n" + question)
             if budget < 16:
                 raise KvarnError(f"niah context {ctx} is too short for the needle and question; use at least 256")
             start = rng.randrange(len(sents))
@@ -218,6 +221,13 @@ def load_niah(opts: LoadOptions, tok):
                     acc += hay_len[pos]
             hay.insert(at, needle)
             prompt = NIAH_INTRO + " ".join(hay) + "\n" + question
+            # sentences tokenized one by one can merge differently (and a BOS may be added): trim filler far from the
+            # needle until the real prompt fits
+            while len(tok(prompt)["input_ids"]) > limit and len(hay) > 1:
+                drop = len(hay) - 1 if at < len(hay) - 1 else 0
+                hay.pop(drop)
+                at -= drop < at
+                prompt = NIAH_INTRO + " ".join(hay) + "\n" + question
             items.append(Item(f"{ctx}-{j}", prompt, value,
                               {"context": ctx, "depth": round(depth, 4), "needle": opts.needle, "key": key}))
     return items, src

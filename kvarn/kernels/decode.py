@@ -80,9 +80,10 @@ class DecodeConfig:
         return cls(int(u), int(k), int(v), int(w), int(st), float(x), int(r) if r else None, int(lay) if lay else 0)
 
 
-# H200 sweep, 2026-11-29 (B=64, ctx 16384, 32/8 heads, D=128, k4v2_g128): w4 s1 1.97 ms, + register cap 128 1.39 ms
-# (more resident programs per SM), s3 1.45 ms, w8 2.80-3.90 ms; split count 1/4/8/auto within 8%.
-DEFAULT_CONFIG = DecodeConfig(maxnreg=128)
+# H200 sweeps, 2026-11-29 (B=64, ctx 16384, 32/8 heads, D=128, k4v2_g128). Query-row kernel (layout 0): w4 s1
+# 2.14 ms, + register cap 128 1.52 ms, s3 1.48 ms, w8 2.9-4.0 ms. Token-row kernel (layout 1): w4 s1 1.40 ms, + register
+# cap 128 1.11 ms (the best), s2 1.18, s3 1.15, w8 1.68; split count 1/4/8/auto within 7%.
+DEFAULT_CONFIG = DecodeConfig(maxnreg=128, layout=1)
 # the --sweep table (every entry a separate compile, ~5-10 s each on the device)
 # (offline sm_90 compile, k4v2_g128 D=128: stages 1 -> 168 registers, no spills; stages 2 -> 246: the pipeliner
 #  keeps the next tile in registers; 8 warps stages 2 -> 210)

@@ -404,12 +404,13 @@ DENSE_KEY_BUDGET = 65536  # keys materialized at once (16-bit K + V: 256 MiB at 
 
 
 def prefill_mode() -> str:
-    """How continuation chunks / prefix hits attend over the quantized prefix. `kernel` (default): the fused
-    Triton prefill kernel on the records. `dense` (KVARN_PREFILL=dense): the post-store K/V of those requests are
-    materialized 16-bit (records dequantized, tail copied) and FlashAttention varlen runs over them, trading a
-    transient buffer for FA's speed; same semantics (the chunk attends to the post-store state)."""
-    mode = os.environ.get("KVARN_PREFILL", "kernel").strip().lower()
-    return mode if mode in ("kernel", "dense") else "kernel"
+    """How continuation chunks / prefix hits attend over the quantized prefix. `dense` (default): the post-store K/V
+    of those requests are materialized 16-bit (records dequantized, tail copied) and FlashAttention varlen runs over
+    them, trading a transient buffer (<= DENSE_KEY_BUDGET keys) for FA's speed (H200, 4 x 8K context, 512-token
+    chunks: 1.28 ms vs 2.37 ms for the kernel; FA3 on fp16 0.50 ms). `kernel` (KVARN_PREFILL=kernel): the fused
+    Triton prefill kernel on the records, no buffer. Same semantics (the chunk attends to the post-store state)."""
+    mode = os.environ.get("KVARN_PREFILL", "dense").strip().lower()
+    return mode if mode in ("kernel", "dense") else "dense"
 
 
 def dense_varlen_torch(q, k, v, cu_q, cu_k, scale):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Device-side driver (the lent H200). The bundle chunks c0..c4 were staged into /tmp/stage by earlier calls
 # (see ../shared/device/README.md); this call carries .device/c5 and .device/bin (and .device/data for eval data).
-#   bash scripts/device/run.sh PART [PART ...]     PART = a script scripts/device/PART.sh, run in order
-# Each part gets its own time limit (KVARN_PART_TIMEOUT, default 240 s) and its log under $OUT/PART.log.
+#   bash scripts/device/run.sh PART[:SECS] [PART[:SECS] ...]   PART = a script scripts/device/PART.sh, run in order
+# Each part gets its own time limit (SECS, else KVARN_PART_TIMEOUT, default 240 s) and its log under $OUT/PART.log.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 test -d /tmp/stage || { echo "RESTAGE: /tmp/stage missing"; exit 3; }
@@ -21,9 +21,10 @@ if [ -d .device/results/parts ]; then mkdir -p "$OUT/bench" && cp -r .device/res
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
 python3 -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)" 2>&1 | tail -1
 summary=()
-for part in "$@"; do
+for spec in "$@"; do
+  part=${spec%%:*}; secs=${KVARN_PART_TIMEOUT:-240}; [ "$spec" != "$part" ] && secs=${spec#*:}
   start=$(date +%s)
-  timeout -k 10 "${KVARN_PART_TIMEOUT:-240}" bash "scripts/device/$part.sh" > "$OUT/$part.log" 2>&1
+  timeout -k 10 "$secs" bash "scripts/device/$part.sh" > "$OUT/$part.log" 2>&1
   rc=$?
   # leftover engines keep GPU memory: end them before the next part
   for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
