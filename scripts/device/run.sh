@@ -18,6 +18,23 @@ for whl in .device/data/*.whl; do
 done
 # bench results of earlier calls (resume across calls): carry .device/results (= a previous call's bench/parts)
 if [ -d .device/results/parts ]; then mkdir -p "$OUT/bench" && cp -r .device/results/parts "$OUT/bench/"; fi
+# compile caches across sessions (each session gets a fresh machine; engine starts and first kernel uses spend most
+# of their time compiling): KVARN_SAVE_CACHE=1 writes $OUT/0cache.tar.xz at the end (Triton, TorchInductor, vLLM
+# torch.compile; dropped if over 15 MiB; the leading 0 sorts it among the <= 8 files a call returns); a later call
+# (or session: same GPU and versions) restores it from .device/cache/cache.tar.xz when it carries .device/cache
+CACHE_DIRS=("${HOME#/}/.triton/cache" "${HOME#/}/.cache/vllm" "tmp/torchinductor_${USER:-root}")
+if [ -f .device/cache/cache.tar.xz ]; then
+  tar -C / -xJf .device/cache/cache.tar.xz 2>/dev/null && echo "compile caches restored ($(du -sh .device/cache/cache.tar.xz | cut -f1))"
+fi
+save_cache() {
+  [ "${KVARN_SAVE_CACHE:-0}" = 1 ] || return 0
+  local have=(); for d in "${CACHE_DIRS[@]}"; do [ -d "/$d" ] && have+=("$d"); done
+  [ ${#have[@]} -gt 0 ] || return 0
+  tar -C / -cf - "${have[@]}" 2>/dev/null | xz -T0 -3 > "$OUT/0cache.tar.xz"
+  local mb=$(( $(stat -c %s "$OUT/0cache.tar.xz") / 1048576 ))
+  if [ "$mb" -gt 15 ]; then echo "compile caches: ${mb} MiB, over 15: not kept"; rm -f "$OUT/0cache.tar.xz"
+  else echo "compile caches saved: $OUT/0cache.tar.xz (${mb} MiB); carry it as .device/cache/cache.tar.xz"; fi
+}
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
 python3 -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)" 2>&1 | tail -1
 summary=()
@@ -31,4 +48,5 @@ for spec in "$@"; do
   summary+=("$part rc=$rc $(( $(date +%s) - start ))s")
   echo "=== $part (rc=$rc) last lines:"; tail -n "${KVARN_TAIL:-25}" "$OUT/$part.log"
 done
+save_cache
 echo "=== summary"; printf '%s\n' "${summary[@]}"
