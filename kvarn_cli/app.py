@@ -39,14 +39,25 @@ def main(argv: list[str] | None = None) -> int:
     except (typer.Abort, KeyboardInterrupt):
         err("aborted")
         return 130
-    except Exception as e:  # click usage errors in non-standalone mode
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
+    except Exception as e:  # click usage errors (unknown option, bad value) in non-standalone mode
+        if isinstance(e, _click_exceptions()):
             e.show(file=sys.stderr)
             return e.exit_code
         raise
     return 0
+
+
+def _click_exceptions() -> tuple[type, ...]:
+    """ClickException of click and of the copy newer Typer releases vendor as typer._click (distinct classes)."""
+    import importlib
+
+    found = []
+    for mod in ("click.exceptions", "typer._click.exceptions"):
+        try:
+            found.append(importlib.import_module(mod).ClickException)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
 
 
 if __name__ == "__main__":

@@ -53,3 +53,15 @@ def test_help_lists_all_commands():
     assert r.returncode == 0
     for c in ("capacity", "env", "bench", "eval", "report", "gate", "fidelity", "microbench", "suite"):
         assert c in r.stdout
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["bench", "--bogus"], "No such option: --bogus"),
+    (["results", "--out", "x"], "No such option: --out"),
+    (["bench", "--requests", "many"], "Invalid value for '--requests'"),
+])
+def test_usage_errors_are_one_clean_message(args, msg):
+    # Typer >= 0.25 raises its vendored click's exceptions (typer._click), not click's: both are usage errors here
+    r = run_cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert msg in r.stderr and "Traceback" not in r.stderr
