@@ -56,6 +56,27 @@ def test_decode_tokrows_matches_reference_and_layout0(name, D, Hq, Hk, dtype, se
     assert out.dtype == dtype and rel_err(out, ref) < (2e-3 if dtype == torch.float16 else 8e-3)
 
 
+# sweep candidates beside the default token-row kernel: N = 8 (mma.sync tiles), int16-pair tiles (layout 2), both
+VARIANTS = [DecodeConfig(layout=1, bn=8), DecodeConfig(layout=2), DecodeConfig(layout=2, bn=8)]
+
+
+@pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: c.name)
+@pytest.mark.parametrize("name,D,Hq,Hk,dtype,seq_lens", TOK_CASES)
+def test_decode_tok_variants_match_reference(name, D, Hq, Hk, dtype, seq_lens, cfg):
+    fmt, st, q, scale, args = _args(name, D, Hq, Hk, dtype, seq_lens, seed=D + 10 * Hq + 5)
+    ref = decode_reference(q, st, fmt, D, scale)
+    kw = dict(num_splits=3, out=torch.empty(q.shape, dtype=torch.float32))
+    out = decode_attention(*args, config=cfg, **kw)
+    out_tok = decode_attention(*args, config=DecodeConfig(layout=1), **kw)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-3, (rel_err(out, ref), rel_err(out_tok, ref))
+    assert rel_err(out, out_tok) < 2e-5  # same fp16 operands and fp32 accumulation, other MMA shapes / order
+    for b, s in enumerate(seq_lens):
+        if s == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+    assert DecodeConfig.from_name(cfg.name) == cfg
+
+
 @pytest.mark.parametrize("unpack", [0, 1])
 def test_decode_tokrows_unpack_variants(unpack):
     # UNPACK 2 (inline PTX) maps to 1 under the interpreter; 0 (Triton casts) is its own code path

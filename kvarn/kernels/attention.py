@@ -32,6 +32,8 @@ kvarn_attention_tok_kernel (decode only, DecodeConfig.layout = 1) is the same co
 and channels (values) are the MMA M dimension, the unpacked codes the A operand, the group's query heads the N
 dimension (padded to 16): on sm_90 that is wgmma with A in registers (M = 128) instead of 16-row mma.sync tiles.
 It writes the same partials, so tail_attention_kernel and finish_kernel are shared.
+kvarn_attention_pair_kernel (layout = 2) is that kernel with the code bytes read as int16 pairs of M rows, so the
+conversion of the byte tiles to the MMA operand layout moves 16-bit elements (ldmatrix) instead of single bytes.
 """
 from __future__ import annotations
 
@@ -512,6 +514,162 @@ def kvarn_attention_tok_kernel(
     tl.store(plse_ptr + row * (num_splits + 1) + split, lse, mask=col_ok)
 
 
+# ------------------------------------------------------------------------------- token-row layout, 16-bit pairs
+
+
+@triton.jit
+def _pair_plane(x, SHIFT: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr):
+    """x: int16 = two bytes of one packed column (low byte: row 2i, high byte: row 2i + 1). The codes of one bit
+    plane of the two rows as exact fp16: (even, odd). On the GPU 2 pairs per register (bytes 0 / 2 the even rows,
+    1 / 3 the odd ones): the code stays at bit SHIFT of its half and the half gets the fp16 exponent of
+    E = 2^(10 - SHIFT), so it reads E + code (SHIFT + BITS <= 10); one lop3 + one sub.f16x2 per 2 codes, and one
+    shr (by 8, shared by all planes) for the odd rows."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if UNPACK == 2:
+        M2: tl.constexpr = (MASK << SHIFT) * 0x10001
+        E2: tl.constexpr = ((25 - SHIFT) << 10) * 0x10001  # fp16 2^(10 - SHIFT) in both halves
+        return tl.inline_asm_elementwise(
+            f"{{ .reg .b32 t0, t1, k; shr.b32 t1, $2, 8; lop3.b32 t0, $2, {M2}, {E2}, 0xEA; "
+            f"lop3.b32 t1, t1, {M2}, {E2}, 0xEA; mov.b32 k, {E2}; sub.f16x2 $0, t0, k; sub.f16x2 $1, t1, k; }}",
+            "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        e = ((x >> SHIFT) & MASK) | 0x6400
+        o = ((x >> (SHIFT + 8)) & MASK) | 0x6400
+        return e.to(tl.float16, bitcast=True) - 1024.0, o.to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def kvarn_attention_pair_kernel(
+    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr,
+    po_r_ptr, plse_ptr,
+    num_splits, stride_btb, stride_cb16, stride_ch16, HQ,
+    GROUP: tl.constexpr, BN: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+    OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
+    OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
+    UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
+):
+    """kvarn_attention_tok_kernel with the packed bytes read as int16 pairs (DecodeConfig.layout = 2): the byte
+    tiles are token-contiguous (keys) / channel-contiguous (values), but the MMA A operand wants pairs along its K
+    dim, so the tok kernel's layout conversion of the byte tile (through shared memory) runs one byte at a time
+    (LDS.U8 + byte permutes). As int16 elements it is a 16-bit conversion (ldmatrix-able), and each int16 holds
+    two M rows: the even / odd tokens (keys) and channels (values) become two M = G/2 (D/2) dots each. Same math,
+    same partials. Offsets and strides are in fp16 (2-byte) units."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+    S = tl.load(seq_lens_ptr + b)
+
+    PERK: tl.constexpr = 8 // KB
+    DP: tl.constexpr = D // PERK
+    PERV: tl.constexpr = 8 // VB
+    BT: tl.constexpr = G // PERV
+    G2: tl.constexpr = G // 2
+    D2: tl.constexpr = D // 2
+
+    n = tl.arange(0, BN)
+    col_ok = n < GROUP
+    row = (b * HQ + kvh * GROUP + n).to(tl.int64)
+    dp = tl.arange(0, DP)
+    u = tl.arange(0, G2)  # token pairs (2u, 2u + 1)
+    v = tl.arange(0, D2)  # channel pairs (2v, 2v + 1)
+    bt = tl.arange(0, BT)
+    q0, q1, q2, q3, qnorm = _query_planes(qr_ptr + row[None, :] * D + dp[:, None], col_ok[None, :], DP, PERK)
+
+    n_full = S // G
+    n_tiles = (S + G - 1) // G
+    per_split = (n_tiles + num_splits - 1) // num_splits
+    t_begin = split * per_split
+    t_end = tl.minimum(t_begin + per_split, n_tiles)
+
+    m_i = tl.full([BN], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BN], dtype=tl.float32)
+    acc_e = tl.zeros([D2, BN], dtype=tl.float32)  # o^T of the even / odd channels, rotated basis
+    acc_o = tl.zeros([D2, BN], dtype=tl.float32)
+
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    for t in tl.range(t_begin, tl.minimum(t_end, n_full), num_stages=STAGES):
+        blk = tl.load(bt_row + t).to(tl.int64)
+        rec = cache16_ptr + blk * stride_cb16 + kvh * stride_ch16
+        sk_ptr = rec + OFF_SK // 2
+        zk_ptr = rec + OFF_ZK // 2
+        # ---- keys: pk bytes [DP, G] as int16 [G/2, DP] (token pairs x channels)
+        pk = tl.load(rec + OFF_PK // 2 + dp[None, :] * G2 + u[:, None]).to(tl.int16, bitcast=True)
+        s_e = tl.zeros([G2, BN], dtype=tl.float32)
+        s_o = tl.zeros([G2, BN], dtype=tl.float32)
+        b_hi, b_lo, qz = _key_plane_t(q0, sk_ptr, zk_ptr, DP, KSPLIT)
+        c_e, c_o = _pair_plane(pk, 0, KB, UNPACK)
+        s_e = _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT)
+        s_o = _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
+        b_hi, b_lo, z1 = _key_plane_t(q1, sk_ptr + DP, zk_ptr + DP, DP, KSPLIT)
+        c_e, c_o = _pair_plane(pk, KB, KB, UNPACK)
+        s_e = _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT)
+        s_o = _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
+        qz += z1
+        if PERK == 4:
+            b_hi, b_lo, z2 = _key_plane_t(q2, sk_ptr + 2 * DP, zk_ptr + 2 * DP, DP, KSPLIT)
+            c_e, c_o = _pair_plane(pk, 2 * KB, KB, UNPACK)
+            s_e = _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT)
+            s_o = _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
+            b_hi, b_lo, z3 = _key_plane_t(q3, sk_ptr + 3 * DP, zk_ptr + 3 * DP, DP, KSPLIT)
+            c_e, c_o = _pair_plane(pk, 3 * KB, KB, UNPACK)
+            s_e = _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT)
+            s_o = _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
+            qz += z2 + z3
+        rk = rec + OFF_RK // 2 + 2 * u
+        s_e = (s_e + qz[None, :]) * (tl.load(rk).to(tl.float32) * qnorm)[:, None]
+        s_o = (s_o + qz[None, :]) * (tl.load(rk + 1).to(tl.float32) * qnorm)[:, None]
+        # ---- online softmax per column over both token halves
+        m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p_e = tl.exp2(s_e - m_new[None, :])
+        p_o = tl.exp2(s_o - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p_e + p_o, axis=0)
+        m_i = m_new
+        sv = rec + OFF_SV // 2 + 2 * u
+        zv = rec + OFF_ZV // 2 + 2 * u
+        pz = tl.sum(p_e * tl.load(zv).to(tl.float32)[:, None] + p_o * tl.load(zv + 1).to(tl.float32)[:, None], axis=0)
+        ps_e = p_e * tl.load(sv).to(tl.float32)[:, None]
+        ps_o = p_o * tl.load(sv + 1).to(tl.float32)[:, None]
+        ps = tl.reshape(tl.permute(tl.join(ps_e, ps_o), (0, 2, 1)), [G, BN])  # tokens in order
+        # ---- values: pv bytes [BT, D] as int16 [D/2, BT] (channel pairs x tokens of a plane)
+        pv = tl.load(rec + OFF_PV // 2 + bt[None, :] * D2 + v[:, None]).to(tl.int16, bitcast=True)
+        o_e = tl.zeros([D2, BN], dtype=tl.float32)
+        o_o = tl.zeros([D2, BN], dtype=tl.float32)
+        if PERV == 2:
+            ps0, ps1 = _halves(ps, BT, BN)
+            o_e, o_o = _pair_values(pv, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT)
+            o_e, o_o = _pair_values(pv, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT)
+        else:
+            tl.static_assert(PERV == 4, "codes are 2 or 4 bits")
+            h0, h1 = _halves(ps, 2 * BT, BN)
+            ps0, ps1 = _halves(h0, BT, BN)
+            ps2, ps3 = _halves(h1, BT, BN)
+            o_e, o_o = _pair_values(pv, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT)
+            o_e, o_o = _pair_values(pv, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT)
+            o_e, o_o = _pair_values(pv, ps2, o_e, o_o, 2, VB, UNPACK, VSPLIT)
+            o_e, o_o = _pair_values(pv, ps3, o_e, o_o, 3, VB, UNPACK, VSPLIT)
+        cv = rec + OFF_CV // 2 + 2 * v
+        acc_e = acc_e * alpha[None, :] + (o_e + pz[None, :]) * tl.load(cv).to(tl.float32)[:, None]
+        acc_o = acc_o * alpha[None, :] + (o_o + pz[None, :]) * tl.load(cv + 1).to(tl.float32)[:, None]
+
+    has = l_i > 0.0
+    inv_l = 1.0 / tl.where(has, l_i, 1.0)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    out = po_r_ptr + (row * num_splits + split)[None, :] * D + 2 * v[:, None]
+    tl.store(out, acc_e * inv_l[None, :], mask=col_ok[None, :])
+    tl.store(out + 1, acc_o * inv_l[None, :], mask=col_ok[None, :])
+    tl.store(plse_ptr + row * (num_splits + 1) + split, lse, mask=col_ok)
+
+
+@triton.jit
+def _pair_values(pv, ps, o_e, o_o, J: tl.constexpr, VB: tl.constexpr, UNPACK: tl.constexpr, VSPLIT: tl.constexpr):
+    # o^T of the even / odd channels += Vcodes_J^T [D/2, BT] x (p * sV)_J^T [BT, BN]
+    hi, lo = _split16(ps, VSPLIT)
+    c_e, c_o = _pair_plane(pv, J * VB, VB, UNPACK)
+    return _dot16_t(c_e, hi, lo, o_e, VSPLIT), _dot16_t(c_o, hi, lo, o_o, VSPLIT)
+
+
 @triton.jit
 def tail_attention_kernel(
     q_ptr, seq_lens_ptr, qsl_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, po_t_ptr, plse_ptr,
@@ -612,3 +770,12 @@ def unpack_selftest_kernel(src_ptr, out_ptr, N: tl.constexpr, SHIFT: tl.constexp
     i = tl.arange(0, N)
     x = tl.load(src_ptr + i)
     tl.store(out_ptr + i, _asm_plane(x, SHIFT, BITS))
+
+
+@triton.jit
+def pair_selftest_kernel(src_ptr, even_ptr, odd_ptr, N: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """Inline-PTX unpack of N int16 pairs (kvarn_attention_pair_kernel's), for the same self-check."""
+    i = tl.arange(0, N)
+    e, o = _pair_plane(tl.load(src_ptr + i), SHIFT, BITS, 2)
+    tl.store(even_ptr + i, e)
+    tl.store(odd_ptr + i, o)

@@ -39,12 +39,12 @@ import triton
 
 from ..errors import KvarnError
 from ..formats import KVFormat
-from .attention import (LOG2E, finish_kernel, kvarn_attention_kernel, kvarn_attention_tok_kernel, mma_bf16,
-                        rotate_rows_kernel, tail_attention_kernel)
+from .attention import (LOG2E, finish_kernel, kvarn_attention_kernel, kvarn_attention_pair_kernel,
+                        kvarn_attention_tok_kernel, mma_bf16, rotate_rows_kernel, tail_attention_kernel)
 from .common import as_format, check_cache, check_tail, f16_view, layout
 
 
-_NAME = re.compile(r"u([012])k([12])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:L([01]))?")
+_NAME = re.compile(r"u([012])k([12])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:n(\d+))?(?:L([012]))?")
 
 
 @dataclass(frozen=True)
@@ -61,13 +61,15 @@ class DecodeConfig:
     maxnreg: int | None = None  # register cap per thread (more resident programs per SM, maybe spills)
     layout: int = 0  # decode tiles: 0 query rows as the MMA M dim (kvarn_attention_kernel, GQA group padded to 16);
     #                  1 tokens / channels as M, codes as the A operand (kvarn_attention_tok_kernel; decode only,
-    #                  prefill always uses 0)
+    #                  prefill always uses 0); 2 the same with the code bytes read as int16 pairs
+    #                  (kvarn_attention_pair_kernel: 16-bit tile conversion instead of byte-wise, two M/2 dots)
+    bn: int = 0  # layouts 1/2: MMA N (query heads, padded); 0: max(16, group). 8 gives mma.sync (n8) tiles
 
     @property
     def name(self) -> str:
         return (f"u{self.unpack}k{self.ksplit}v{self.vsplit}w{self.num_warps}s{self.num_stages}"
                 f"x{self.split_mult:g}" + (f"r{self.maxnreg}" if self.maxnreg else "")
-                + (f"L{self.layout}" if self.layout else ""))
+                + (f"n{self.bn}" if self.bn else "") + (f"L{self.layout}" if self.layout else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "DecodeConfig":
@@ -76,8 +78,9 @@ class DecodeConfig:
         if not m:
             raise KvarnError(f"decode config {name!r} is not a name like 'u2k2v1w4s1x1r128' or 'u2k2v1w4s2x1L1' "
                              "(unpack, ksplit, vsplit, warps, stages, split multiplier, [register cap], [layout])")
-        u, k, v, w, st, x, r, lay = m.groups()
-        return cls(int(u), int(k), int(v), int(w), int(st), float(x), int(r) if r else None, int(lay) if lay else 0)
+        u, k, v, w, st, x, r, bn, lay = m.groups()
+        return cls(int(u), int(k), int(v), int(w), int(st), float(x), int(r) if r else None, int(lay) if lay else 0,
+                   int(bn) if bn else 0)
 
 
 # H200 sweeps, 2026-11-29 (B=64, ctx 16384, 32/8 heads, D=128, k4v2_g128). Query-row kernel (layout 0): w4 s1
@@ -97,6 +100,12 @@ SWEEP_CONFIGS = [
     DecodeConfig(2, 2, 1, 4, 1, maxnreg=128, layout=1),
     # pipelined tile loop: the token-row kernel has the registers for it (offline sm_90: 168 at 2 stages, no spills)
     DecodeConfig(2, 2, 1, 4, 2, layout=1), DecodeConfig(2, 2, 1, 4, 3, layout=1),
+    # unmeasured candidates (offline sm_90 compile, loop SASS per 128-token tile per warp, default r128L1: 1322
+    # instructions, 128 registers, 96 B spilled): n8 = N 8 (mma.sync instead of wgmma n16, half the padded fp32
+    # softmax) 1122, no spills; L2 = int16-pair tiles (the byte transposes become ldmatrix) 1053; both 752
+    DecodeConfig(2, 2, 1, 4, 1, maxnreg=128, layout=1, bn=8), DecodeConfig(2, 2, 1, 4, 1, maxnreg=128, layout=2),
+    DecodeConfig(2, 2, 1, 4, 1, maxnreg=128, layout=2, bn=8), DecodeConfig(2, 2, 1, 4, 1, layout=2, bn=8),
+    DecodeConfig(2, 2, 1, 4, 2, maxnreg=128, layout=2, bn=8),
 ]
 # candidates the run-time tuner times on the first eager call per key (compiles shared with the sweep)
 TUNE_CONFIGS = [DecodeConfig(2, 2, 1, 4, 1), DecodeConfig(2, 2, 1, 4, 2), DecodeConfig(2, 2, 1, 8, 2),
@@ -144,17 +153,26 @@ def asm_unpack_ok(device: torch.device) -> bool:
         return _ASM_OK[idx]
     if torch.cuda.is_current_stream_capturing():
         return False
-    from .attention import unpack_selftest_kernel
+    from .attention import pair_selftest_kernel, unpack_selftest_kernel
 
     ok = True
     try:
         src = torch.arange(256, dtype=torch.uint8, device=device).repeat(4)
+        i = torch.arange(1024, dtype=torch.int32, device=device)
+        pairs = (i % 256) | ((i * 37 % 256) << 8)  # every byte value in both bytes
+        pairs = torch.where(pairs >= 32768, pairs - 65536, pairs).to(torch.int16)
         for bits in (2, 4):
             for shift in range(0, 8, bits):
                 got = torch.empty(src.shape, dtype=torch.float16, device=device)
                 unpack_selftest_kernel[(1,)](src, got, N=src.numel(), SHIFT=shift, BITS=bits)
                 want = ((src.to(torch.int32) >> shift) & ((1 << bits) - 1)).to(torch.float16)
                 ok = ok and bool(torch.equal(got, want))
+                even, odd = (torch.empty(pairs.shape, dtype=torch.float16, device=device) for _ in range(2))
+                pair_selftest_kernel[(1,)](pairs, even, odd, N=pairs.numel(), SHIFT=shift, BITS=bits)
+                p32 = pairs.to(torch.int32) & 0xFFFF
+                for got, off in ((even, 0), (odd, 8)):
+                    want = ((p32 >> (shift + off)) & ((1 << bits) - 1)).to(torch.float16)
+                    ok = ok and bool(torch.equal(got, want))
     except Exception:  # noqa: BLE001 - a PTX the driver rejects means: do not use it
         ok = False
     _ASM_OK[idx] = ok
@@ -184,7 +202,7 @@ def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slo
     rotate_rows_kernel[(triton.cdiv(R, 16),)](q, qr, R, qk, q.stride(0), q.stride(1), HQ=Hq, D=D, BR=16,
                                                MMA_BF16=mma, num_warps=4)
     bm = max(16, bq * gp)
-    if not prefill and cfg.layout == 1:
+    if not prefill and cfg.layout in (1, 2):
         _launch_tok(qr, cache, block_table, seq_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma)
     else:
         _launch_rows(qr, cache, block_table, seq_lens, qsl, po_r, plse, lay, group, gp, splits, cfg, Hq, qk, mma,
@@ -227,18 +245,24 @@ def tok_warps(lay, num_warps: int) -> int:
 
 
 def _launch_tok(qr, cache, block_table, seq_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma):
-    """Layout 1 (decode only): M = tokens (keys) / channels (values), the group's query heads as N >= 16."""
+    """Layouts 1 / 2 (decode only): M = tokens (keys) / channels (values), the group's query heads as N."""
     B, Hk = seq_lens.shape[0], cache.shape[1]
-    kvarn_attention_tok_kernel[(B, 1, Hk * splits)](
-        qr, cache, f16_view(cache), block_table, seq_lens, po_r, plse, splits,
-        block_table.stride(0), cache.stride(0), cache.stride(1), Hq,
-        GROUP=group, BN=max(16, gp), G=lay.g, D=lay.d, KB=lay.kb, VB=lay.vb,
-        OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
-        OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-        UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages,
-        num_warps=tok_warps(lay, cfg.num_warps), num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}),
-    )
+    bn = max(cfg.bn, gp) if cfg.bn else max(16, gp)
+    common = dict(GROUP=group, BN=bn, G=lay.g, D=lay.d, KB=lay.kb, VB=lay.vb,
+                  OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
+                  OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
+                  UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages,
+                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}))
+    if cfg.layout == 2:  # int16 pairs: M = g/2 token pairs, d/2 channel pairs; offsets in 2-byte units
+        kvarn_attention_pair_kernel[(B, 1, Hk * splits)](
+            qr, f16_view(cache), block_table, seq_lens, po_r, plse, splits,
+            block_table.stride(0), cache.stride(0) // 2, cache.stride(1) // 2, Hq,
+            num_warps=min(cfg.num_warps, max(4, min(lay.g, lay.d) // 32)), **common)
+    else:
+        kvarn_attention_tok_kernel[(B, 1, Hk * splits)](
+            qr, cache, f16_view(cache), block_table, seq_lens, po_r, plse, splits,
+            block_table.stride(0), cache.stride(0), cache.stride(1), Hq,
+            num_warps=tok_warps(lay, cfg.num_warps), **common)
 
 
 def _launch(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, out, lay, group, gp, scale, splits,
