@@ -58,3 +58,14 @@ def test_compact_flag(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "compacted 2 parts into 1 (4 rows)" in out and "3 rows" in out
     assert len(ResultsStore(d).files()) == 1
+
+
+def test_narrow_terminal_keeps_the_key_columns(tmp_path, capsys, monkeypatch):
+    from kvarn_cli import console
+
+    d = str(_store(tmp_path))
+    monkeypatch.setattr(console.out, "width", 80)
+    assert main(["results", d, "--kind", "bench"]) == 0
+    text = capsys.readouterr().out
+    assert "turboquant_k3v4_nc" in text and "Qwen/Qwen3-32B" in text  # whole values, not folded
+    assert "hidden for the terminal's width: created_at" in text and max(map(len, text.splitlines())) <= 80

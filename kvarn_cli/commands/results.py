@@ -21,6 +21,9 @@ DEFAULT_COLUMNS = {
              "delta_vs_fp16", "error"),
     None: ("created_at", "kind", "model", "kv_dtype", "tp", "engine", "task", "repeat", "status", "error"),
 }
+# What the default view leaves out first when the terminal is too narrow for every default column
+NARROW_DROP = ("created_at", "repeat", "engine", "mode", "requests", "tp", "ttft_ms_p50", "tpot_ms_p50",
+               "output_tok_s_ratio_vs_fp16", "kv_ratio_vs_fp16", "delta_vs_fp16", "task", "kind")
 
 
 def _match(series, spec: str | None, contains: bool = False):
@@ -32,6 +35,21 @@ def _match(series, spec: str | None, contains: bool = False):
             mask |= col.str.contains(w, regex=False)
         return mask
     return col.isin(wanted)
+
+
+def _fit(df, cols: list[str], width: int) -> list[str]:
+    """Drop NARROW_DROP columns (in that order) until the table's natural width fits the terminal."""
+    def need(cs):
+        # long headers fold onto a few lines (~10 characters wide), cells do not (the error text folds at ~24)
+        return sum(min(max(min(len(c), 10), max((len(_cell(v)) for v in df[c]), default=1)),
+                       24 if c == "error" else 10 ** 6) + 3 for c in cs) + 1
+    cols = list(cols)
+    for c in NARROW_DROP:
+        if need(cols) <= width:
+            break
+        if c in cols:
+            cols.remove(c)
+    return cols
 
 
 def _cell(v) -> str:
@@ -111,11 +129,19 @@ def register(app: typer.Typer) -> None:
         if df.empty:
             out.print(f"no rows match in {directory} ({len(store.read())} rows stored)")
             return
+        hidden = []
         if not columns:  # default view: leave out columns empty in every selected row (e.g. serve-only metrics)
             cols = [c for c in cols if df[c].notna().any() and (df[c].astype(str) != "").any()]
+            if "created_at" in cols:  # minutes are enough to tell runs apart in a listing
+                df = df.assign(created_at=df["created_at"].astype(str).str.slice(0, 16).str.replace("T", " "))
+            kept = _fit(df, cols, out.width)
+            hidden, cols = [c for c in cols if c not in kept], kept
         t = Table(title=f"{len(df)} rows in {directory}")
-        for c in cols:
-            t.add_column(c, overflow="fold")
+        for c in cols:  # identifying values stay whole; free text folds
+            t.add_column(c, overflow="fold", no_wrap=c in ("model", "kv_dtype", "status", "task", "created_at"))
         for rec in df[cols].to_dict("records"):
             t.add_row(*(_cell(rec[c]) for c in cols))
         out.print(t)
+        if hidden:
+            out.print(f"[dim]hidden for the terminal's width: {', '.join(hidden)} (--columns all, or a wider "
+                      "terminal)[/dim]")
