@@ -464,10 +464,68 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
                        "quant_err_k_ours": _rel(kd, k[0:1]), "quant_err_k_reference": _rel(kr, k[0:1])}
     extra = {**check_extra, "model": shape.name, "layers": L, "flush_ms_all_layers": flush_ms, "decode_step_attn_ms": step_ms,
              "flush_frac_of_step": flush_ms / step_ms, "batch_flush_ms_all_layers": allb * L,
-             "amortized_frac": (batch / g) * flush_ms / step_ms}
+             "amortized_frac": (batch / g) * flush_ms / step_ms,
+             "variants": _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check)}
     return BenchResult("store", str(dev), dev.type == "cpu", fmt.name, batch, context, q_heads, kv_heads, D,
                        flush_ms, f"decode attention step x {L} layers", step_ms, flush_ms / step_ms, nbytes, gbps,
                        copy, gbps / copy, err, extra)
+
+
+def _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check) -> list:
+    """Every store variant (kvarn.kernels.store BALANCE_VARIANTS x DECODE_GRIDS) on the same inputs, all ms x L
+    layers: flush_ms = one tile (every head) per call, as `ms`; flush_b2b_ms = L such calls back to back in one
+    timed region (host launch cost hidden behind the GPU: closer to the kernel's own latency); batch_flush_ms =
+    --batch tiles per call; decode_idle_ms / decode_one_ms = store_decode (tail write + store launch) for a step
+    where no row / one row completes its tile (the CUDA-graph decode path runs it every layer)."""
+    from . import store as S
+
+    g, H, D = fmt.group, k.shape[1], k.shape[-1]
+    it = max(1, iters // 5)
+    cache = torch.zeros(batch + 1, H, fmt.record_bytes(D), dtype=torch.uint8, device=dev)
+    ids = torch.ones(1, dtype=torch.int32, device=dev)
+    idb = torch.arange(batch, dtype=torch.int32, device=dev)
+    # decode: row b has seq_len g*(b+1)+1 (mid-tile); "one" makes row 0 complete its first tile
+    kd = torch.randn(batch, H, D, device=dev, dtype=k.dtype)
+    tail_k = torch.randn(batch + 1, H, g, D, device=dev, dtype=k.dtype)
+    tail_v = torch.randn_like(tail_k)
+    slots = torch.arange(batch, dtype=torch.int32, device=dev)
+    bt = torch.arange(batch * (batch + 2), dtype=torch.int32, device=dev).reshape(batch, batch + 2) % (batch + 1)
+    idle = (torch.arange(batch, dtype=torch.int32, device=dev) + 1) * g + 1
+    one = idle.clone()
+    one[0] = g
+    ref = None
+    if check:
+        from ..method.reference import dequantize_tiles, quantize_tiles
+
+        ref = dequantize_tiles(quantize_tiles(k, v, fmt), fmt, D)
+    rows = []
+    for bal in S.BALANCE_VARIANTS:
+        for grid in S.DECODE_GRIDS:
+            row = {"balance": bal, "decode_grid": grid}
+            try:
+                if grid == S.DECODE_GRIDS[0]:  # store_tiles does not depend on the decode grid
+                    row["flush_ms"] = L * time_ms(lambda: S.store_tiles(k, v, cache, ids, fmt, balance=bal), dev, iters,
+                                                  warmup=2)
+
+                    def b2b():
+                        for _ in range(L):
+                            S.store_tiles(k, v, cache, ids, fmt, balance=bal)
+                    row["flush_b2b_ms"] = time_ms(b2b, dev, it, warmup=1)
+                    row["batch_flush_ms"] = L * time_ms(lambda: S.store_tiles(kb, vb, cache[:batch], idb, fmt,
+                                                                              balance=bal), dev, it, warmup=1)
+                    if ref is not None:
+                        S.store_tiles(k, v, cache, ids, fmt, balance=bal)
+                        got = dequantize_tiles(cache[1:2], fmt, D)
+                        row["rel_err"] = max(_rel(got[0], ref[0]), _rel(got[1], ref[1]))
+                for name, sl in (("decode_idle_ms", idle), ("decode_one_ms", one)):
+                    def dec(sl=sl):
+                        for _ in range(L):
+                            S.store_decode(kd, kd, cache, bt, sl, tail_k, tail_v, slots, fmt, balance=bal, grid=grid)
+                    row[name] = time_ms(dec, dev, it, warmup=1)
+            except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            rows.append(row)
+    return rows
 
 
 TARGETS = {"decode": bench_decode, "prefill": bench_prefill, "store": bench_store}

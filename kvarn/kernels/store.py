@@ -25,11 +25,13 @@ All launch a fixed grid from shapes only and never sync with the host, so they c
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from .rotate import (h_times_x, h_times_x_acc, hadamard_pm1, hadamard_pm1_block, rot_scale, x_times_h,
+from .rotate import (h_times_x, h_times_x_acc, hadamard_pm1_block, rot_scale, x_times_h,
                      x_times_h_acc)
 
 from ..errors import KvarnError
@@ -116,6 +118,68 @@ def _quantize_matrix(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, IT
 
 
 @triton.jit
+def _var(t, AXIS: tl.constexpr, N: tl.constexpr):
+    # population variance along AXIS, two-pass like _std, unclamped (the caller clamps var, not std)
+    mean = tl.sum(t, axis=AXIS) / N
+    if AXIS == 0:
+        dev = t - mean[None, :]
+    else:
+        dev = t - mean[:, None]
+    return tl.sum(dev * dev, axis=AXIS) / N
+
+
+@triton.jit
+def _quantize_matrix_mul(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr):
+    """_quantize_matrix with the balance kept as the factors er = exp(-lr), ec = exp(-lc) instead of the
+    log-scales (the same iterates in exact arithmetic, rounding aside):
+    * lc = clip(lc + log(clamp(std)), -0.3, 10)  <=>  ec = clamp(ec * rsqrt(clamp(var, 1e-6, 1e6)), e^-10, e^0.3):
+      one MUFU per column instead of a libdevice log (~29 instructions) plus an exp, each done for the 32
+      columns every thread holds (the column vectors are replicated over the 8 x 8 rows of lanes and warps);
+    * the row std the imbalance needs after the row update is not measured: only rows were rescaled, so it is
+      the pre-update row std times er_new / er (one tile pass and its reductions fewer per iteration);
+    * the imbalance compares variances (max/min of sqrt is sqrt of max/min);
+    * the epilogue multiplies by reciprocals where the reference divides element-wise (codes may move by one
+      on a rounding boundary, which the contract allows)."""
+    E_MIN: tl.constexpr = 4.5399929762484854e-05  # exp(-10): lc <= 10
+    E_MAX: tl.constexpr = 1.3498588075760032  # exp(0.3): lc >= -0.3
+    ec = tl.full([C], 1.0, dtype=tl.float32)
+    er = tl.full([R], 1.0, dtype=tl.float32)
+    best_ec = ec
+    best_er = er
+    best = float("inf")
+    # clamp(std, 1e-3, 1e3) == sqrt(clamp(var, 1e-6, 1e6)); vc / vr are clamped variances
+    vc = tl.minimum(tl.maximum(_var(x, 0, R), 1e-6), 1e6)
+    for _ in range(ITERS):
+        ec = tl.minimum(tl.maximum(ec * tl.rsqrt(vc), E_MIN), E_MAX)
+        u = x * ec[None, :]
+        vr = tl.minimum(tl.maximum(_var(u * er[:, None], 1, C), 1e-6), 1e6)
+        er_new = tl.minimum(tl.maximum(er * tl.rsqrt(vr), E_MIN), E_MAX)
+        f = er_new / er
+        vr = tl.minimum(tl.maximum(vr * f * f, 1e-6), 1e6)
+        er = er_new
+        vc = tl.minimum(tl.maximum(_var(u * er[:, None], 0, R), 1e-6), 1e6)
+        imb = tl.sqrt(tl.max(vc, axis=0) / tl.min(vc, axis=0)) + tl.sqrt(tl.max(vr, axis=0) / tl.min(vr, axis=0))
+        better = imb < best  # strict: ties keep the earlier iterate, like the reference
+        best = tl.where(better, imb, best)
+        best_er = tl.where(better, er, best_er)
+        best_ec = tl.where(better, ec, best_ec)
+    t = x * best_ec[None, :] * best_er[:, None]
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    mn = tl.min(t, axis=1)
+    mx = tl.max(t, axis=1)
+    row = 1.0 / best_er
+    s = _to_f16_range((mx - mn) / QMAX * row)
+    z = _to_f16_range(mn * row)
+    c = _to_f16_range(1.0 / best_ec)
+    c_safe = tl.where(tl.abs(c) > 1e-12, c, 1.0)
+    s_ok = tl.abs(s) > 1e-12
+    s_inv = tl.where(s_ok, 1.0 / tl.where(s_ok, s, 1.0), 0.0)  # 0: a constant row gets code 0
+    q = (x * (1.0 / c_safe)[None, :] - z[:, None]) * s_inv[:, None]
+    q = tl.minimum(tl.maximum(_round_half_even(q), 0.0), QMAX)
+    return q.to(tl.int32), s, z, c
+
+
+@triton.jit
 def _pack_store(q, dst_ptr, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
     # planar pack along rows: byte[i, c] = sum_j q[i + j*R/PER, c] << (j*BITS)
     PER: tl.constexpr = 8 // BITS
@@ -162,14 +226,65 @@ def _values_rotated_blocked(vp, stride_vg, D: tl.constexpr, G: tl.constexpr, RB:
 
 
 @triton.jit
+def _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, stride_kh, stride_kg, stride_vt,
+               stride_vh, stride_vg, stride_cb, stride_ch, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr,
+               VB: tl.constexpr, ITERS: tl.constexpr, OFF_PK: tl.constexpr, OFF_SK: tl.constexpr,
+               OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr, OFF_PV: tl.constexpr, OFF_SV: tl.constexpr,
+               OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr, MMA_BF16: tl.constexpr, RB: tl.constexpr,
+               BAL: tl.constexpr, z0):
+    # one (tile, head): keys when program_id(1) == 0, else values, from tile row `src` into record row `blk`.
+    # z0 is 0; inside the compact grid's loop it is a runtime 0 that keeps the index tensors and the Hadamard
+    # from being hoisted out of the loop (held across it they spill: 1.5 KiB of stack per thread).
+    base = blk.to(tl.int64) * stride_cb + head * stride_ch  # byte offset of the record
+    b16 = base // 2
+    di = tl.arange(0, D) + z0
+    gi = tl.arange(0, G) + z0
+    if RB == 0:
+        hpm = hadamard_pm1_block(D, D, z0, z0, MMA_BF16)  # +-1 Hadamard in registers
+    if tl.program_id(1) == 0:
+        # keys: X = (K @ Hn)^T = Hn @ K^T  [D, g] (Hn symmetric), rows = channels
+        kp = k_ptr + src * stride_kt + head * stride_kh
+        if RB == 0:
+            kt = _sanitize(tl.load(kp + gi[None, :] * stride_kg + di[:, None]).to(tl.float32))
+            x = h_times_x(hpm, kt, D, MMA_BF16)
+        else:
+            x = _keys_rotated_blocked(kp, stride_kg, D, G, RB, MMA_BF16)
+        if BAL == 1:
+            qk, sk, zk, rk = _quantize_matrix_mul(x, D, G, KB, ITERS)
+        else:
+            qk, sk, zk, rk = _quantize_matrix(x, D, G, KB, ITERS)
+        _pack_store(qk, cache_ptr + base + OFF_PK, D, G, KB)
+        tl.store(cache16_ptr + b16 + OFF_SK // 2 + di, sk.to(tl.float16))
+        tl.store(cache16_ptr + b16 + OFF_ZK // 2 + di, zk.to(tl.float16))
+        tl.store(cache16_ptr + b16 + OFF_RK // 2 + gi, rk.to(tl.float16))
+    else:
+        # values: Y = V @ Hn  [g, D], rows = tokens
+        vp = v_ptr + src * stride_vt + head * stride_vh
+        if RB == 0:
+            vt = _sanitize(tl.load(vp + gi[:, None] * stride_vg + di[None, :]).to(tl.float32))
+            y = x_times_h(vt, hpm, D, MMA_BF16)
+        else:
+            y = _values_rotated_blocked(vp, stride_vg, D, G, RB, MMA_BF16)
+        if BAL == 1:
+            qv, sv, zv, cv = _quantize_matrix_mul(y, G, D, VB, ITERS)
+        else:
+            qv, sv, zv, cv = _quantize_matrix(y, G, D, VB, ITERS)
+        _pack_store(qv, cache_ptr + base + OFF_PV, G, D, VB)
+        tl.store(cache16_ptr + b16 + OFF_SV // 2 + gi, sv.to(tl.float16))
+        tl.store(cache16_ptr + b16 + OFF_ZV // 2 + gi, zv.to(tl.float16))
+        tl.store(cache16_ptr + b16 + OFF_CV // 2 + di, cv.to(tl.float16))
+
+
+@triton.jit
 def _store_tiles_kernel(
     k_ptr, v_ptr, cache_ptr, cache16_ptr, block_ids_ptr, src_rows_ptr, seq_lens_ptr, bt_ptr,
     stride_kt, stride_kh, stride_kg, stride_vt, stride_vh, stride_vg,
-    stride_cb, stride_ch, stride_bt,
+    stride_cb, stride_ch, stride_bt, n_rows,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
-    MMA_BF16: tl.constexpr, DECODE: tl.constexpr, RB: tl.constexpr,
+    MMA_BF16: tl.constexpr, DECODE: tl.constexpr, RB: tl.constexpr, BAL: tl.constexpr = 0,
+    COMPACT: tl.constexpr = 0, BP: tl.constexpr = 1,
 ):
     # grid (tiles * H, 2): axis 1 picks keys or values, so the two balancing chains (the kernel's latency) run
     # on different SMs. DECODE: tile = batch row b of a one-token-per-row step; its tile is complete iff
@@ -177,79 +292,106 @@ def _store_tiles_kernel(
     # table. Everything is derived on the device, so the launch is the same every step (CUDA-graph safe).
     # RB > 0: the rotation is accumulated over RB-channel blocks (D=256: the whole-tile dots overflow the
     # shared memory of an sm_90); RB == 0: one whole-tile rotation.
+    # BAL: 0 = balancing as the reference writes it (log-scales), 1 = _quantize_matrix_mul.
+    # COMPACT > 0 (DECODE only): grid (H * COMPACT, 2); program (head, j) quantizes the completed tiles of rank
+    # j, j + COMPACT, ... among the n_rows batch rows (BP = n_rows rounded up to a power of two). A step where no
+    # tile completes then launches H * COMPACT * 2 programs instead of n_rows * H * 2 (each one holds a whole SM:
+    # 160 KiB of shared memory, 255 registers x 256 threads), and a burst of completions still spreads over them.
     pid = tl.program_id(0)
-    tile = pid // H
-    head = pid % H
-    if DECODE:
-        s = tl.load(seq_lens_ptr + tile)
-        full = (s > 0) & (s % G == 0)
-        blk = tl.load(bt_ptr + tile.to(tl.int64) * stride_bt + tl.maximum(s // G - 1, 0), mask=full, other=-1)
-        src = tl.load(src_rows_ptr + tile, mask=full, other=0).to(tl.int64)
+    if COMPACT > 0:
+        head = pid % H
+        j = pid // H
+        bi = tl.arange(0, BP)
+        sl = tl.load(seq_lens_ptr + bi, mask=bi < n_rows, other=0)
+        full = ((sl > 0) & (sl % G == 0)).to(tl.int32)
+        rank = tl.cumsum(full, axis=0) - full
+        for r in range(j, tl.sum(full, axis=0), COMPACT):
+            tile = tl.sum(tl.where((full > 0) & (rank == r), bi, 0), axis=0)
+            s = tl.load(seq_lens_ptr + tile)
+            blk = tl.load(bt_ptr + tile.to(tl.int64) * stride_bt + s // G - 1)
+            src = tl.load(src_rows_ptr + tile).to(tl.int64)
+            if blk >= 0:
+                _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, stride_kh, stride_kg,
+                           stride_vt, stride_vh, stride_vg, stride_cb, stride_ch, G, D, KB, VB, ITERS, OFF_PK,
+                           OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, MMA_BF16, RB, BAL, s % G)
     else:
-        blk = tl.load(block_ids_ptr + tile)
-        src = tile.to(tl.int64)
-    if blk >= 0:
-        base = blk.to(tl.int64) * stride_cb + head * stride_ch  # byte offset of the record
-        b16 = base // 2
-        di = tl.arange(0, D)
-        gi = tl.arange(0, G)
-        if RB == 0:
-            hpm = hadamard_pm1(D, MMA_BF16)  # +-1 Hadamard in registers
-        if tl.program_id(1) == 0:
-            # keys: X = (K @ Hn)^T = Hn @ K^T  [D, g] (Hn symmetric), rows = channels
-            kp = k_ptr + src * stride_kt + head * stride_kh
-            if RB == 0:
-                kt = _sanitize(tl.load(kp + gi[None, :] * stride_kg + di[:, None]).to(tl.float32))
-                x = h_times_x(hpm, kt, D, MMA_BF16)
-            else:
-                x = _keys_rotated_blocked(kp, stride_kg, D, G, RB, MMA_BF16)
-            qk, sk, zk, rk = _quantize_matrix(x, D, G, KB, ITERS)
-            _pack_store(qk, cache_ptr + base + OFF_PK, D, G, KB)
-            tl.store(cache16_ptr + b16 + OFF_SK // 2 + di, sk.to(tl.float16))
-            tl.store(cache16_ptr + b16 + OFF_ZK // 2 + di, zk.to(tl.float16))
-            tl.store(cache16_ptr + b16 + OFF_RK // 2 + gi, rk.to(tl.float16))
+        tile = pid // H
+        head = pid % H
+        if DECODE:
+            s = tl.load(seq_lens_ptr + tile)
+            full = (s > 0) & (s % G == 0)
+            blk = tl.load(bt_ptr + tile.to(tl.int64) * stride_bt + tl.maximum(s // G - 1, 0), mask=full,
+                          other=-1)
+            src = tl.load(src_rows_ptr + tile, mask=full, other=0).to(tl.int64)
         else:
-            # values: Y = V @ Hn  [g, D], rows = tokens
-            vp = v_ptr + src * stride_vt + head * stride_vh
-            if RB == 0:
-                vt = _sanitize(tl.load(vp + gi[:, None] * stride_vg + di[None, :]).to(tl.float32))
-                y = x_times_h(vt, hpm, D, MMA_BF16)
-            else:
-                y = _values_rotated_blocked(vp, stride_vg, D, G, RB, MMA_BF16)
-            qv, sv, zv, cv = _quantize_matrix(y, G, D, VB, ITERS)
-            _pack_store(qv, cache_ptr + base + OFF_PV, G, D, VB)
-            tl.store(cache16_ptr + b16 + OFF_SV // 2 + gi, sv.to(tl.float16))
-            tl.store(cache16_ptr + b16 + OFF_ZV // 2 + gi, zv.to(tl.float16))
-            tl.store(cache16_ptr + b16 + OFF_CV // 2 + di, cv.to(tl.float16))
+            blk = tl.load(block_ids_ptr + tile)
+            src = tile.to(tl.int64)
+        if blk >= 0:
+            _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, stride_kh, stride_kg,
+                       stride_vt, stride_vh, stride_vg, stride_cb, stride_ch, G, D, KB, VB, ITERS, OFF_PK, OFF_SK,
+                       OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, MMA_BF16, RB, BAL, 0)
 
 
 # Channel block of the blocked rotation per head dim (0 = whole-tile rotation). D=256 needs it on sm_90 (the
 # whole-tile form asks for 448 KiB of shared memory); tests may override it to run the blocked path at small D.
 ROTATION_BLOCK = {64: 0, 128: 0, 256: 64}
 
+# Store variants (unmeasured on a GPU; `kvarn microbench store` times each against the default):
+#   balance: "log" = today's kernel (the reference's log-scales), "mul" = _quantize_matrix_mul
+#   decode grid: "rows" = one program per (batch row, head, K|V), "compact" = H * COMPACT programs per K|V
+# KVARN_STORE_BALANCE / KVARN_STORE_DECODE_GRID set the process default (read at import).
+BALANCE_VARIANTS = {"log": 0, "mul": 1}
+DECODE_GRIDS = ("rows", "compact")
+STORE_BALANCE = os.environ.get("KVARN_STORE_BALANCE", "log")
+STORE_DECODE_GRID = os.environ.get("KVARN_STORE_DECODE_GRID", "rows")
+_SM_COUNT: dict = {}
+
+
+def _compact_splits(dev: torch.device, H: int) -> int:
+    # programs per (head, K|V): about one wave of single-CTA-per-SM programs in all (host-only, cached)
+    if dev.type != "cuda":
+        return 2
+    n = _SM_COUNT.get(dev.index)
+    if n is None:
+        n = _SM_COUNT[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return max(1, n // (2 * H))
+
+
+def _variant(balance, grid):
+    balance = balance or STORE_BALANCE
+    grid = grid or STORE_DECODE_GRID
+    if balance not in BALANCE_VARIANTS or grid not in DECODE_GRIDS:
+        raise KvarnError(f"store variant: balance must be one of {sorted(BALANCE_VARIANTS)}, decode grid one of "
+                         f"{list(DECODE_GRIDS)}; got {balance!r}, {grid!r}")
+    return BALANCE_VARIANTS[balance], grid
+
 
 def _launch_store(k, v, cache, lay, n_tiles, H, iters, *, block_ids=None, src_rows=None, seq_lens=None,
-                  block_table=None):
+                  block_table=None, balance=None, grid=None):
     """k, v: tile sources [*, H, g, D] (strided). Plain mode: block_ids [n_tiles]; decode mode: src_rows, seq_lens,
     block_table [n_tiles, *] (the block ids are derived in the kernel)."""
     decode = block_ids is None
+    bal, grid = _variant(balance, grid)
+    compact = _compact_splits(k.device, H) if decode and grid == "compact" else 0
     dummy = seq_lens if decode else block_ids  # unused pointer arguments of the other mode
     g, D = lay.g, k.shape[-1]
-    _store_tiles_kernel[(n_tiles * H, 2)](
+    _store_tiles_kernel[(H * compact if compact else n_tiles * H, 2)](
         k, v, cache, f16_view(cache), dummy if decode else block_ids, src_rows if decode else dummy,
         seq_lens if decode else dummy, block_table if decode else dummy,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        cache.stride(0), cache.stride(1), block_table.stride(0) if decode else 0,
+        cache.stride(0), cache.stride(1), block_table.stride(0) if decode else 0, n_tiles,
         H=H, G=g, D=D, KB=lay.kb, VB=lay.vb, ITERS=int(iters),
         OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
         OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-        MMA_BF16=mma_bf16(), DECODE=decode, RB=ROTATION_BLOCK[D], num_warps=16 if D * g > 16384 else 8,
+        MMA_BF16=mma_bf16(), DECODE=decode, RB=ROTATION_BLOCK[D], BAL=bal, COMPACT=compact,
+        BP=triton.next_power_of_2(n_tiles) if compact else 1, num_warps=16 if D * g > 16384 else 8,
     )
 
 
 def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
-                fmt: KVFormat | str, iters: int = 8) -> None:
-    """Quantize T complete tiles per head into `cache[block_ids[t], h]` (see the module docstring)."""
+                fmt: KVFormat | str, iters: int = 8, *, balance: str | None = None) -> None:
+    """Quantize T complete tiles per head into `cache[block_ids[t], h]` (see the module docstring).
+    balance: a BALANCE_VARIANTS key (default STORE_BALANCE, "log")."""
     fmt = as_format(fmt)
     if k.dim() != 4 or k.shape != v.shape:
         raise KvarnError(f"k and v must both be [T, H, g, D], got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -266,7 +408,7 @@ def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids
         return
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
-    _launch_store(k, v, cache, lay, T, H, iters, block_ids=block_ids)
+    _launch_store(k, v, cache, lay, T, H, iters, block_ids=block_ids, balance=balance)
 
 
 @triton.jit
@@ -332,11 +474,13 @@ def _decode_tail_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, slot_ptr, seq_lens_ptr,
 
 def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor,
-                 fmt: KVFormat | str, iters: int = 8) -> None:
+                 fmt: KVFormat | str, iters: int = 8, *, balance: str | None = None,
+                 grid: str | None = None) -> None:
     """The KV write of a step where batch row b has exactly one new token k[b], v[b] ([B, H, D]) at position
     seq_lens[b] - 1 (seq_lens int32 [B]; 0 = padded row, skipped): the token goes to tail row tail_slots[b], and
     when it completes its tile (seq_len % g == 0) the tile is quantized from the tail into
-    cache[block_table[b, seq_len // g - 1]]. Two launches of fixed grids, no host data: CUDA-graph capturable."""
+    cache[block_table[b, seq_len // g - 1]]. Two launches of fixed grids, no host data: CUDA-graph capturable.
+    balance / grid: store variants (BALANCE_VARIANTS, DECODE_GRIDS; defaults STORE_BALANCE, STORE_DECODE_GRID)."""
     fmt = as_format(fmt)
     if k.dim() != 3 or k.shape != v.shape:
         raise KvarnError(f"k and v must both be [B, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -358,7 +502,7 @@ def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ta
         H=H, G=lay.g, D=D, num_warps=1,
     )
     _launch_store(tail_k, tail_v, cache, lay, B, H, iters, src_rows=tail_slots, seq_lens=seq_lens,
-                  block_table=block_table)
+                  block_table=block_table, balance=balance, grid=grid)
 
 
 __all__ = ["store_tiles", "store_tail_tokens", "store_decode", "FP16_MAX"]

@@ -69,7 +69,7 @@ def _print(r) -> None:
     if r.rel_err is not None:
         t.add_row("rel. error vs reference", f"{r.rel_err:.2e}")
     for k, v in r.extra.items():
-        if v is not None and k != "sweep":
+        if v is not None and k not in ("sweep", "variants"):
             t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
     out.print(t)
     if r.extra.get("sweep"):
@@ -82,6 +82,16 @@ def _print(r) -> None:
                       f"{row['gbps']:.0f}" if "gbps" in row else "-",
                       f"{row['rel_err']:.1e}" if "rel_err" in row else "-",
                       f"{row['first_call_s']:.1f}" if "first_call_s" in row else "-", row.get("error", ""))
+        out.print(s)
+    if r.extra.get("variants"):
+        cols = ("flush_ms", "flush_b2b_ms", "batch_flush_ms", "decode_idle_ms", "decode_one_ms", "rel_err")
+        s = Table(title="store variants (ms x layers; b2b: layers back to back; decode: store_decode, no row / one "
+                        "row completing a tile)")
+        for c in ("balance", "decode grid", *cols, "error"):
+            s.add_column(c, justify="left" if c in ("balance", "decode grid", "error") else "right")
+        for row in r.extra["variants"]:
+            s.add_row(row["balance"], row["decode_grid"], *(f"{row[c]:.4g}" if c in row else "-" for c in cols),
+                      row.get("error", ""))
         out.print(s)
     if r.interpreter:
         out.print("CPU: kernels ran through the Triton interpreter at small sizes; times are not performance.")
