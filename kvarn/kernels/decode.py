@@ -108,8 +108,8 @@ SWEEP_CONFIGS = [
     DecodeConfig(2, 2, 1, 4, 2, maxnreg=128, layout=2, bn=8),
 ]
 # candidates the run-time tuner times on the first eager call per key (compiles shared with the sweep)
-TUNE_CONFIGS = [DecodeConfig(2, 2, 1, 4, 1), DecodeConfig(2, 2, 1, 4, 2), DecodeConfig(2, 2, 1, 8, 2),
-                DecodeConfig(2, 2, 1, 4, 1, maxnreg=128)]
+TUNE_CONFIGS = [DEFAULT_CONFIG, DecodeConfig(2, 2, 1, 4, 1, maxnreg=128, layout=2, bn=8),
+                DecodeConfig(2, 2, 1, 4, 3, layout=1), DecodeConfig(2, 2, 1, 4, 1, maxnreg=128)]
 TUNE_SPLIT_MULTS = (0.5, 1.0, 2.0)
 
 _ASM_OK: dict[int, bool] = {}  # device index -> inline-PTX unpack verified
