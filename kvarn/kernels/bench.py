@@ -10,9 +10,11 @@ the command works (the result says so).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -291,6 +293,8 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
             except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             rows_out.append(row)
+            # each row also goes to stderr as it is measured: a sweep cut by a time limit keeps what it measured
+            print("sweep-row " + json.dumps(row), file=sys.stderr, flush=True)
             return row
 
         for cfg in SWEEP_CONFIGS:

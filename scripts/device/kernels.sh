@@ -30,7 +30,7 @@ mb decode 30 0 decode $H200 --check
 mb decode_b8 15 1 decode --batch 8 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --check
 mb decode_c4k 12 1 decode --batch 64 --context 4096 --q-heads 32 --kv-heads 8 --head-dim 128
 mb decode_d64 15 0 decode --batch 64 --context 8192 --q-heads 9 --kv-heads 3 --head-dim 64 --check
-mb store 15 0 store --batch 64 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --model qwen3-8b
+mb store "${KVARN_STORE_SECS:-120}" 0 store --batch 64 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --model qwen3-8b --check
 mb prefill 20 0 prefill --batch 4 --context 8192 --q-heads 32 --kv-heads 8 --head-dim 128 --chunk 512 --check
 # 4. a short correctness smoke on the compiled path (graph capture, one decode preset, prefill)
 left=$(( ${KVARN_KERNELS_SECS:-360} - ($(date +%s) - T0) )); [ "$left" -gt 60 ] && left=60
@@ -56,6 +56,9 @@ for p in sorted(out.glob("mb_*.json")):
     except Exception:
         print(f"{p.stem[3:]:<11} FAILED: " + (out / (p.stem + ".err")).read_text().strip()[-300:].replace("\n", " | "))
 sw = rows.get("sweep", {}).get("extra", {}).get("sweep") or []
+if not sw and (out / "mb_sweep.err").exists():  # cut by its time limit: the rows it printed as it went
+    sw = [json.loads(l[len("sweep-row "):]) for l in (out / "mb_sweep.err").read_text().splitlines()
+          if l.startswith("sweep-row ")]
 if sw:
     print(f"\nsweep (B=64 ctx=16384 32/8 D=128 k4v2_g128): {'config':<18} {'splits':>6} {'ms':>8} {'GB/s':>6} {'err':>8} {'1st s':>6}")
     for r in sw:
@@ -64,6 +67,13 @@ if sw:
         er = f"{r['rel_err']:8.1e}" if "rel_err" in r else "       -"
         fc = f"{r['first_call_s']:6.1f}" if "first_call_s" in r else "     -"
         print(f"{'':44}{r['config']:<18} {str(r.get('splits') or 'auto'):>6} {ms} {gb} {er} {fc} {r.get('error', '')}")
+var = rows.get("store", {}).get("extra", {}).get("variants") or []
+if var:
+    cols = ("flush_ms", "flush_b2b_ms", "batch_flush_ms", "decode_idle_ms", "decode_one_ms", "rel_err")
+    print(f"\nstore variants (ms x 36 layers): {'balance':<8} {'grid':<8} " + " ".join(f"{c:>15}" for c in cols))
+    for v in var:
+        print(f"{'':32}{v['balance']:<8} {v['decode_grid']:<8} "
+              + " ".join(f"{v[c]:15.4g}" if c in v else f"{'-':>15}" for c in cols) + " " + v.get("error", ""))
 print(f"\n{'target':<11} {'ours ms':>9} {'base ms':>9} {'ratio':>7} {'GB/s':>7} {'%copy':>6} {'rel err':>9}  note")
 for name, r in rows.items():
     e = r["extra"]
