@@ -120,3 +120,14 @@ def test_vllm_crash_row_names_the_exception(tmp_path, fake_vllm):
     rows = R.run_eval(o, engine_obj=eng)
     assert [r["status"] for r in rows] == ["failed", "failed"]
     assert "ValueError: The decoder prompt (length 64)" in rows[0]["error"]
+
+
+def test_vllm_ppl_window_at_the_model_limit_is_a_clear_error(tmp_path, fake_vllm, monkeypatch):
+    from kvarn.errors import KvarnError
+
+    monkeypatch.setattr(R, "_model_max_len", lambda src: 64)
+    o = R.EvalOptions(task="ppl", engine="hf", context="64", limit=1, kv_dtypes="kvarn_k4v2_g128",
+                      out=str(tmp_path / "res"))
+    with pytest.raises(KvarnError, match="use --context 63 or less"):
+        R.run_eval(o, engine_obj=_engine(tmp_path))
+    assert not fake_vllm.exists()  # no engine was started

@@ -218,6 +218,9 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
 
     if hasattr(eng, "cfg") and getattr(eng.cfg, "max_model_len", 0) is None:
         cap = _model_max_len(model_source(o.model, o.weights))
+        if cap and need > cap and spec.kind == "ppl":
+            raise KvarnError(f"--context {p.contexts[0]}: a ppl window on vLLM needs one position more (its scoring "
+                             f"request generates a token) and the model holds {cap}; use --context {cap - 1} or less")
         if cap and need > cap:
             rep.info(f"max_model_len capped at the model's {cap} tokens (prompt + --max-tokens wants {need}); "
                      "answers that reach it count as truncated")
