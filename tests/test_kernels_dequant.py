@@ -7,6 +7,7 @@ import torch
 
 from kvarn.formats import get_format
 from kvarn.kernels.dequant import dequantize_to_rows
+from kvarn.method.hadamard import hadamard
 from kvarn.method.reference import dequantize_tiles, quantize_tiles
 
 
@@ -17,7 +18,8 @@ from kvarn.method.reference import dequantize_tiles, quantize_tiles
     ("kvarn_k2v2_g128", 64, torch.float32),
     ("kvarn_k4v2_g64", 64, torch.float32),
 ])
-def test_dequantize_to_rows_matches_reference(name, D, dtype):
+@pytest.mark.parametrize("rotated", [False, True])
+def test_dequantize_to_rows_matches_reference(name, D, dtype, rotated):
     fmt = get_format(name)
     g, H, T = fmt.group, 2, 3
     gen = torch.Generator().manual_seed(0)
@@ -33,8 +35,10 @@ def test_dequantize_to_rows_matches_reference(name, D, dtype):
     N = 3 * g + 1
     k_out = torch.full((N, H, D), float("nan"), dtype=dtype)
     v_out = torch.full((N, H, D), float("nan"), dtype=dtype)
-    dequantize_to_rows(cache, blocks, dst, k_out, v_out, fmt)
+    dequantize_to_rows(cache, blocks, dst, k_out, v_out, fmt, rotated=rotated)
     kr, vr = dequantize_tiles(recs, fmt, D)  # [T, H, g, D]
+    if rotated:  # the stored basis
+        kr, vr = kr @ hadamard(D), vr @ hadamard(D)
     for t in range(T):
         rows = slice(int(dst[t]), int(dst[t]) + g)
         for got, want in ((k_out[rows], kr[t]), (v_out[rows], vr[t])):

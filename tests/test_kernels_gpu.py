@@ -184,8 +184,9 @@ def test_gpu_dequantize_to_rows_matches_reference(name, D):
     assert rel_err(v_out[idx].float(), vr.transpose(1, 2).reshape(-1, H, D)) < 5e-3
 
 
+@pytest.mark.parametrize("rotated", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_dense_prefill_matches_reference(dtype):
+def test_gpu_dense_prefill_matches_reference(dtype, rotated):
     """KVARN_PREFILL=dense on the GPU: records dequantized + tail copied into 16-bit K/V, then vLLM's FlashAttention
     varlen (bottom-right causal) when importable, else the torch varlen; vs the fp32 reference on the same cache."""
     import numpy as np
@@ -215,7 +216,8 @@ def test_gpu_dense_prefill_matches_reference(dtype):
                                           **({} if ver is None else {"fa_version": ver}))
     except Exception:  # noqa: BLE001 - no vLLM: the torch varlen on the GPU still checks the materialization
         pass
-    out = ops.dense_prefill(plan, q, st["cache"], st["block_table"], st["tail_k"], st["tail_v"], fmt, scale, varlen)
+    out = ops.dense_prefill(plan, q, st["cache"], st["block_table"], st["tail_k"], st["tail_v"], fmt, scale, varlen,
+                            rotated=rotated)
     assert torch.isfinite(out.float()).all()
     assert rel_err(out.float(), ref) < 1e-2  # K/V rounded to 16 bits (and FA rounds p to 16 bits)
 

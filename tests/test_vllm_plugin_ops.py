@@ -122,10 +122,11 @@ class Engine:
             torch.testing.assert_close(got, want, atol=atol, rtol=1e-4 if atol < 1e-4 else 1e-3)
 
 
-@pytest.fixture(params=["kernel", "dense"])
+@pytest.fixture(params=["kernel", "dense", "dense_rot"])
 def prefill_mode(request, monkeypatch):
-    """Both ways continuation chunks attend over the quantized prefix (KVARN_PREFILL); on CPU the dense one runs the
-    reference decoder + torch varlen, the kernel one the torch reference path."""
+    """Every way continuation chunks attend over the quantized prefix (KVARN_PREFILL); on CPU the dense ones run the
+    reference decoder + torch varlen (dense_rot in the stored basis: rotated q, K/V, output), the kernel one the
+    torch reference path."""
     monkeypatch.setenv("KVARN_PREFILL", request.param)
     monkeypatch.setattr(ops, "DENSE_KEY_BUDGET", 150)  # several row groups per step (the transient-buffer bound)
     assert ops.prefill_mode() == request.param
@@ -186,10 +187,11 @@ def test_prefix_hit_starts_on_a_tile_boundary(prefill_mode):
     eng.step([(b, 42)])  # prefix-hit continuation: attends over the shared quantized tiles + its own new tokens
 
 
-def test_dense_prefill_calls_varlen_like_flash_attention(monkeypatch):
+@pytest.mark.parametrize("mode", ["dense", "dense_rot"])
+def test_dense_prefill_calls_varlen_like_flash_attention(monkeypatch, mode):
     """The dense path hands FlashAttention-style arguments (cu_seqlens_q / _k as int32 device tensors, bottom-right
     causal) to the varlen function; a fake with FA's semantics must reproduce the reference."""
-    monkeypatch.setenv("KVARN_PREFILL", "dense")
+    monkeypatch.setenv("KVARN_PREFILL", mode)
     calls = []
 
     def fake_fa(q, k, v, cu, max_len, cu_k=None, max_k=None):
@@ -254,8 +256,10 @@ def test_slot_table_and_step_slots():
     assert tail_bytes(255, 8, 128, 128, 2) == 2 * 256 * 8 * 128 * 128 * 2
 
 
-def test_materialize_dense_kernel_equals_reference_decoder():
-    """The dense path's K/V through the Triton decoder (interpreter here) equal the reference decoder's."""
+@pytest.mark.parametrize("rotated", [False, True])
+def test_materialize_dense_kernel_equals_reference_decoder(rotated):
+    """The dense path's K/V through the Triton decoder (interpreter here) equal the reference decoder's, in the
+    unrotated and in the stored basis."""
     gen = torch.Generator().manual_seed(7)
     eng = Engine()
     a, b = Req("a", 200, gen), Req("b", 150, gen)
@@ -266,8 +270,16 @@ def test_materialize_dense_kernel_equals_reference_decoder():
     bt = torch.zeros(2, 3, dtype=torch.int32)
     bt[0, :len(a.blocks)] = torch.tensor(a.blocks, dtype=torch.int32)
     bt[1, :len(b.blocks)] = torch.tensor(b.blocks, dtype=torch.int32)
-    ref = ops.materialize_dense(rows, seq, slots, eng.cache, bt, eng.tk, eng.tv, FMT, torch.float32, use_kernels=False)
-    got = ops.materialize_dense(rows, seq, slots, eng.cache, bt, eng.tk, eng.tv, FMT, torch.float32, use_kernels=True)
+    ref = ops.materialize_dense(rows, seq, slots, eng.cache, bt, eng.tk, eng.tv, FMT, torch.float32, use_kernels=False,
+                                rotated=rotated)
+    got = ops.materialize_dense(rows, seq, slots, eng.cache, bt, eng.tk, eng.tv, FMT, torch.float32, use_kernels=True,
+                                rotated=rotated)
+    if rotated:  # the stored basis is the unrotated one times Hn
+        from kvarn.method.hadamard import hadamard
+
+        plain = ops.materialize_dense(rows, seq, slots, eng.cache, bt, eng.tk, eng.tv, FMT, torch.float32,
+                                      use_kernels=False)
+        torch.testing.assert_close(ref[0], plain[0] @ hadamard(D), atol=1e-4, rtol=1e-4)
     assert ref[2].tolist() == got[2].tolist() == [0, 150, 220]
     for x, y in zip(got[:2], ref[:2]):
         assert ((x - y).norm() / y.norm()).item() < 1e-5

@@ -357,8 +357,10 @@ def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, ta
         rows = plan.cont_rows_t
         qc = q[plan.cont_tok]
         fn = _kernel("prefill", "prefill_attention") if use_kernels else None
-        if prefill_mode() == "dense" and (raw_varlen is not None or not use_kernels):
-            o = dense_prefill(plan, qc, cache, block_table, tail_k, tail_v, fmt, scale, raw_varlen)
+        mode = prefill_mode()
+        if mode != "kernel" and (raw_varlen is not None or not use_kernels):
+            o = dense_prefill(plan, qc, cache, block_table, tail_k, tail_v, fmt, scale, raw_varlen,
+                              rotated=mode == "dense_rot")
         elif fn is not None:
             o = fn(qc, cache, block_table[rows], plan.cont_qsl, seq_lens_dev[rows], tail_k, tail_v,
                    plan.tail_slots[rows], fmt, scale, plan.cont_max_q)
@@ -403,14 +405,20 @@ DENSE_TILES_PER_PASS = 256  # records dequantized per torch pass (bounds the fp3
 DENSE_KEY_BUDGET = 65536  # keys materialized at once (16-bit K + V: 256 MiB at Hk 8, D 128)
 
 
+PREFILL_MODES = ("dense", "kernel", "dense_rot")
+
+
 def prefill_mode() -> str:
     """How continuation chunks / prefix hits attend over the quantized prefix. `dense` (default): the post-store K/V
     of those requests are materialized 16-bit (records dequantized, tail copied) and FlashAttention varlen runs over
     them, trading a transient buffer (<= DENSE_KEY_BUDGET keys) for FA's speed (H200, 4 x 8K context, 512-token
     chunks: 1.28 ms vs 2.37 ms for the kernel; FA3 on fp16 0.50 ms). `kernel` (KVARN_PREFILL=kernel): the fused
-    Triton prefill kernel on the records, no buffer. Same semantics (the chunk attends to the post-store state)."""
+    Triton prefill kernel on the records, no buffer. `dense_rot` (unmeasured): like dense, but the K/V stay in the
+    stored (rotated) basis, so the record decode is elementwise (no Hadamard over the whole prefix); the chunk's
+    queries, the tail rows and the output are rotated instead. Same semantics (the chunk attends to the post-store
+    state)."""
     mode = os.environ.get("KVARN_PREFILL", "dense").strip().lower()
-    return mode if mode in ("kernel", "dense") else "dense"
+    return mode if mode in PREFILL_MODES else "dense"
 
 
 def dense_varlen_torch(q, k, v, cu_q, cu_k, scale):
@@ -430,11 +438,13 @@ def dense_varlen_torch(q, k, v, cu_q, cu_k, scale):
 
 
 def materialize_dense(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cache, block_table, tail_k, tail_v,
-                      fmt: KVFormat, dtype, use_kernels: bool | None = None):
+                      fmt: KVFormat, dtype, use_kernels: bool | None = None, rotated: bool = False):
     """Post-store K/V of batch rows `rows` (seq_lens / slots: their lengths and tail slots, host), back to back:
     (k, v [sum seq_len, Hk, D] in `dtype`, cu_k int64 host). Full tiles come from the records, dequantized to the
     unrotated basis (kvarn.kernels.dequantize_to_rows on CUDA, else the reference decoder in passes of
-    DENSE_TILES_PER_PASS records), the last seq_len % g tokens from the tail rows."""
+    DENSE_TILES_PER_PASS records), the last seq_len % g tokens from the tail rows. rotated=True: everything in the
+    stored basis (unrotated K/V times Hn): records decoded without the Hadamard, tail rows rotated forward."""
+    from ..method.hadamard import hadamard
     from ..method.reference import dequantize_tiles
 
     g = fmt.group
@@ -453,11 +463,14 @@ def materialize_dense(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray,
         bids = block_table[torch.from_numpy(np.asarray(rows)[seg]).to(dev), torch.from_numpy(cols).to(dev)].long()
         dst0 = torch.from_numpy(cu_k[seg] + cols * g).to(dev)
         if fn is not None and D in (64, 128):
-            fn(cache, bids, dst0, k, v, fmt)
+            fn(cache, bids, dst0, k, v, fmt, rotated=rotated)
         else:
             off = torch.arange(g, device=dev)
             for a in range(0, len(seg), DENSE_TILES_PER_PASS):
                 kd, vd = dequantize_tiles(cache[bids[a:a + DENSE_TILES_PER_PASS]], fmt, D)  # [n, Hk, g, D] fp32
+                if rotated:
+                    hn = hadamard(D, dev)
+                    kd, vd = kd @ hn, vd @ hn
                 idx = (dst0[a:a + DENSE_TILES_PER_PASS, None] + off[None, :]).reshape(-1)
                 k[idx] = kd.transpose(1, 2).reshape(-1, Hk, D).to(dtype)
                 v[idx] = vd.transpose(1, 2).reshape(-1, Hk, D).to(dtype)
@@ -465,8 +478,12 @@ def materialize_dense(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray,
     if len(tseg):
         dst = torch.from_numpy(cu_k[tseg] + n_full[tseg] * g + tpos).to(dev)
         sl, ps = torch.from_numpy(slots[tseg]).to(dev), torch.from_numpy(tpos).to(dev)
-        k[dst] = tail_k[sl, :, ps].to(dtype)
-        v[dst] = tail_v[sl, :, ps].to(dtype)
+        tk, tv = tail_k[sl, :, ps], tail_v[sl, :, ps]
+        if rotated:  # at most g - 1 rows per request: a small fp32 matmul
+            hn = hadamard(D, dev)
+            tk, tv = tk.float() @ hn, tv.float() @ hn
+        k[dst] = tk.to(dtype)
+        v[dst] = tv.to(dtype)
     return k, v, cu_k
 
 
@@ -483,10 +500,17 @@ def _groups(lens: np.ndarray, budget: int):
 
 
 def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: KVFormat, scale: float,
-                  varlen: Callable | None = None, key_budget: int | None = None, use_kernels: bool | None = None):
+                  varlen: Callable | None = None, key_budget: int | None = None, use_kernels: bool | None = None,
+                  rotated: bool = False):
     """Attention of the continuation rows' queries qc [n, Hq, D] over their materialized post-store K/V, in groups
     of rows holding at most `key_budget` keys (bounds the transient 16-bit buffer): varlen(q, k, v, cu_q, max_q,
-    cu_k=, max_k=) (vLLM's FlashAttention) when given, else the torch reference. Returns [n, Hq, D]."""
+    cu_k=, max_k=) (vLLM's FlashAttention) when given, else the torch reference. Returns [n, Hq, D].
+    rotated=True: K/V in the stored basis; q goes in as q @ Hn and the output comes back times Hn."""
+    if rotated:
+        from ..method.hadamard import hadamard
+
+        hn = hadamard(qc.shape[-1], qc.device)
+        qc = (qc.float() @ hn).to(qc.dtype)
     rows = plan.cont_rows
     key_budget = DENSE_KEY_BUDGET if key_budget is None else key_budget
     s = plan.seq_lens[rows].astype(np.int64)
@@ -496,7 +520,7 @@ def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: K
     outs = []
     for a, e in _groups(s, key_budget):
         k, v, cu_k = materialize_dense(rows[a:e], s[a:e], plan.tail_slots_np[rows[a:e]], cache, block_table,
-                                       tail_k, tail_v, fmt, qc.dtype, use_kernels)
+                                       tail_k, tail_v, fmt, qc.dtype, use_kernels, rotated)
         q = qc[int(q_cu[a]):int(q_cu[e])]
         cu_q = q_cu[a:e + 1] - q_cu[a]
         if varlen is not None:
@@ -505,7 +529,8 @@ def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: K
                                max_k=int(s[a:e].max())))
         else:
             outs.append(dense_varlen_torch(q, k, v, cu_q, cu_k, scale))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    o = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return (o.float() @ hn).to(o.dtype) if rotated else o
 
 
 def default_scale(head_dim: int) -> float:
