@@ -57,7 +57,9 @@ def test_decode_tokrows_matches_reference_and_layout0(name, D, Hq, Hk, dtype, se
 
 
 # sweep candidates beside the default token-row kernel: N = 8 (mma.sync tiles), int16-pair tiles (layout 2), both
-VARIANTS = [DecodeConfig(layout=1, bn=8), DecodeConfig(layout=2), DecodeConfig(layout=2, bn=8)]
+VARIANTS = [DecodeConfig(layout=1, bn=8), DecodeConfig(layout=2), DecodeConfig(layout=2, bn=8),
+            # pair kernel with every tile load pipelineable (int32 scale pairs, per-row softmax denominator)
+            DecodeConfig(layout=2, bn=8, pipe=1), DecodeConfig(layout=2, pipe=1)]
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: c.name)

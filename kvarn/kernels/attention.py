@@ -34,6 +34,7 @@ dimension (padded to 16): on sm_90 that is wgmma with A in registers (M = 128) i
 It writes the same partials, so tail_attention_kernel and finish_kernel are shared.
 kvarn_attention_pair_kernel (layout = 2) is that kernel with the code bytes read as int16 pairs of M rows, so the
 conversion of the byte tiles to the MMA operand layout moves 16-bit elements (ldmatrix) instead of single bytes.
+kvarn_attention_pair_pipe_kernel (layout = 2, pipe = 1) is the pair kernel with every load of a tile pipelineable.
 """
 from __future__ import annotations
 
@@ -668,6 +669,180 @@ def _pair_values(pv, ps, o_e, o_o, J: tl.constexpr, VB: tl.constexpr, UNPACK: tl
     hi, lo = _split16(ps, VSPLIT)
     c_e, c_o = _pair_plane(pv, J * VB, VB, UNPACK)
     return _dot16_t(c_e, hi, lo, o_e, VSPLIT), _dot16_t(c_o, hi, lo, o_o, VSPLIT)
+
+
+@triton.jit
+def _pair_scales(x):
+    # int32 = fp16 pair (low half: element 2i, high half: 2i + 1) -> the two values as fp32
+    e = x.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    o = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return e, o
+
+
+@triton.jit
+def _pair_tile_load(rec16, rec32, u, v, dp, bt, G2: tl.constexpr, D2: tl.constexpr, DP: tl.constexpr,
+                    PERK: tl.constexpr, OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr,
+                    OFF_RK: tl.constexpr, OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr,
+                    OFF_CV: tl.constexpr):
+    """Every global load of one record tile, issued together. The per-token / per-channel scale runs are read as
+    int32 pairs: one 4-byte load per (even, odd) M-row pair instead of two 2-byte loads, already in the even / odd
+    split of the pair tiles (and 4 bytes wide, so the pipeliner can make them async copies)."""
+    pk = tl.load(rec16 + OFF_PK // 2 + dp[None, :] * G2 + u[:, None])
+    pv = tl.load(rec16 + OFF_PV // 2 + bt[None, :] * D2 + v[:, None])
+    sk0 = tl.load(rec16 + OFF_SK // 2 + dp)
+    zk0 = tl.load(rec16 + OFF_ZK // 2 + dp)
+    sk1 = tl.load(rec16 + OFF_SK // 2 + DP + dp)
+    zk1 = tl.load(rec16 + OFF_ZK // 2 + DP + dp)
+    if PERK == 4:
+        sk2 = tl.load(rec16 + OFF_SK // 2 + 2 * DP + dp)
+        zk2 = tl.load(rec16 + OFF_ZK // 2 + 2 * DP + dp)
+        sk3 = tl.load(rec16 + OFF_SK // 2 + 3 * DP + dp)
+        zk3 = tl.load(rec16 + OFF_ZK // 2 + 3 * DP + dp)
+    else:
+        sk2 = sk0
+        zk2 = zk0
+        sk3 = sk0
+        zk3 = zk0
+    rk = tl.load(rec32 + OFF_RK // 4 + u)
+    sv = tl.load(rec32 + OFF_SV // 4 + u)
+    zv = tl.load(rec32 + OFF_ZV // 4 + u)
+    cv = tl.load(rec32 + OFF_CV // 4 + v)
+    return pk, pv, sk0, zk0, sk1, zk1, sk2, zk2, sk3, zk3, rk, sv, zv, cv
+
+
+@triton.jit
+def _key_plane_p(qT, sk, zk, KSPLIT: tl.constexpr):
+    # _key_plane_t with the (prefetched) fp16 scale vectors as values
+    hi, lo = _split16(qT * sk.to(tl.float32)[:, None], KSPLIT)
+    return hi, lo, tl.sum(qT * zk.to(tl.float32)[:, None], axis=0)
+
+
+@triton.jit
+def kvarn_attention_pair_pipe_kernel(
+    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr,
+    po_r_ptr, plse_ptr,
+    num_splits, stride_btb, stride_cb16, stride_ch16, HQ,
+    GROUP: tl.constexpr, BN: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+    OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
+    OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
+    UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
+):
+    """kvarn_attention_pair_kernel restructured for the pipeliner (DecodeConfig.pipe = 1; use with num_stages 2-3).
+
+    In the pair kernel's loop the tile's loads go out in five dependent waves (codes, sK/zK, rK, sV/zV + values,
+    cV), each consumed right after it is issued, and its per-token scale runs are 2-byte loads, which the
+    pipeliner does not turn into async copies. Here all loads of a tile are issued together at the top of the
+    iteration and the per-token / per-channel runs are read as int32 (even, odd) pairs, so with num_stages >= 2
+    every load of the tile (not only the code tiles) becomes a cp.async into shared memory one or two tiles ahead.
+    The softmax denominator is kept per token row and reduced across warps once after the loop (one cross-warp
+    reduction fewer per tile). Same math and partials as the pair kernel."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+    S = tl.load(seq_lens_ptr + b)
+
+    PERK: tl.constexpr = 8 // KB
+    DP: tl.constexpr = D // PERK
+    PERV: tl.constexpr = 8 // VB
+    BT: tl.constexpr = G // PERV
+    G2: tl.constexpr = G // 2
+    D2: tl.constexpr = D // 2
+
+    n = tl.arange(0, BN)
+    col_ok = n < GROUP
+    row = (b * HQ + kvh * GROUP + n).to(tl.int64)
+    dp = tl.arange(0, DP)
+    u = tl.arange(0, G2)
+    v = tl.arange(0, D2)
+    bt = tl.arange(0, BT)
+    q0, q1, q2, q3, qnorm = _query_planes(qr_ptr + row[None, :] * D + dp[:, None], col_ok[None, :], DP, PERK)
+
+    n_full = S // G
+    n_tiles = (S + G - 1) // G
+    per_split = (n_tiles + num_splits - 1) // num_splits
+    t_begin = split * per_split
+    t_end = tl.minimum(t_begin + per_split, n_tiles)
+    t_stop = tl.minimum(t_end, n_full)
+
+    m_i = tl.full([BN], float("-inf"), dtype=tl.float32)
+    l_part = tl.zeros([G2, BN], dtype=tl.float32)  # per token-pair row; summed over rows after the loop
+    acc_e = tl.zeros([D2, BN], dtype=tl.float32)
+    acc_o = tl.zeros([D2, BN], dtype=tl.float32)
+
+    c32 = cache16_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    for t in tl.range(t_begin, t_stop, num_stages=STAGES):
+        blk = tl.load(bt_row + t).to(tl.int64)
+        pk, pv, sk0, zk0, sk1, zk1, sk2, zk2, sk3, zk3, rk, sv, zv, cv = _pair_tile_load(
+            cache16_ptr + blk * stride_cb16 + kvh * stride_ch16, c32 + blk * (stride_cb16 // 2) + kvh * (stride_ch16 // 2),
+            u, v, dp, bt, G2, D2, DP, PERK, OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV)
+        # ---- keys (as kvarn_attention_pair_kernel)
+        pki = pk.to(tl.int16, bitcast=True)
+        s_e = tl.zeros([G2, BN], dtype=tl.float32)
+        s_o = tl.zeros([G2, BN], dtype=tl.float32)
+        b_hi, b_lo, qz = _key_plane_p(q0, sk0, zk0, KSPLIT)
+        c_e, c_o = _pair_plane(pki, 0, KB, UNPACK)
+        s_e = _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT)
+        s_o = _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
+        b_hi, b_lo, z1 = _key_plane_p(q1, sk1, zk1, KSPLIT)
+        c_e, c_o = _pair_plane(pki, KB, KB, UNPACK)
+        s_e = _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT)
+        s_o = _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
+        qz += z1
+        if PERK == 4:
+            b_hi, b_lo, z2 = _key_plane_p(q2, sk2, zk2, KSPLIT)
+            c_e, c_o = _pair_plane(pki, 2 * KB, KB, UNPACK)
+            s_e = _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT)
+            s_o = _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
+            b_hi, b_lo, z3 = _key_plane_p(q3, sk3, zk3, KSPLIT)
+            c_e, c_o = _pair_plane(pki, 3 * KB, KB, UNPACK)
+            s_e = _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT)
+            s_o = _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
+            qz += z2 + z3
+        rk_e, rk_o = _pair_scales(rk)
+        s_e = (s_e + qz[None, :]) * (rk_e * qnorm)[:, None]
+        s_o = (s_o + qz[None, :]) * (rk_o * qnorm)[:, None]
+        # ---- online softmax; the denominator stays per row (l_part)
+        m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p_e = tl.exp2(s_e - m_new[None, :])
+        p_o = tl.exp2(s_o - m_new[None, :])
+        l_part = l_part * alpha[None, :] + (p_e + p_o)
+        m_i = m_new
+        sv_e, sv_o = _pair_scales(sv)
+        zv_e, zv_o = _pair_scales(zv)
+        pz = tl.sum(p_e * zv_e[:, None] + p_o * zv_o[:, None], axis=0)
+        ps = tl.reshape(tl.permute(tl.join(p_e * sv_e[:, None], p_o * sv_o[:, None]), (0, 2, 1)), [G, BN])
+        # ---- values
+        pvi = pv.to(tl.int16, bitcast=True)
+        o_e = tl.zeros([D2, BN], dtype=tl.float32)
+        o_o = tl.zeros([D2, BN], dtype=tl.float32)
+        if PERV == 2:
+            ps0, ps1 = _halves(ps, BT, BN)
+            o_e, o_o = _pair_values(pvi, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT)
+            o_e, o_o = _pair_values(pvi, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT)
+        else:
+            tl.static_assert(PERV == 4, "codes are 2 or 4 bits")
+            h0, h1 = _halves(ps, 2 * BT, BN)
+            ps0, ps1 = _halves(h0, BT, BN)
+            ps2, ps3 = _halves(h1, BT, BN)
+            o_e, o_o = _pair_values(pvi, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT)
+            o_e, o_o = _pair_values(pvi, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT)
+            o_e, o_o = _pair_values(pvi, ps2, o_e, o_o, 2, VB, UNPACK, VSPLIT)
+            o_e, o_o = _pair_values(pvi, ps3, o_e, o_o, 3, VB, UNPACK, VSPLIT)
+        cv_e, cv_o = _pair_scales(cv)
+        acc_e = acc_e * alpha[None, :] + (o_e + pz[None, :]) * cv_e[:, None]
+        acc_o = acc_o * alpha[None, :] + (o_o + pz[None, :]) * cv_o[:, None]
+
+    l_i = tl.sum(l_part, axis=0)
+    has = l_i > 0.0
+    inv_l = 1.0 / tl.where(has, l_i, 1.0)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    out = po_r_ptr + (row * num_splits + split)[None, :] * D + 2 * v[:, None]
+    tl.store(out, acc_e * inv_l[None, :], mask=col_ok[None, :])
+    tl.store(out + 1, acc_o * inv_l[None, :], mask=col_ok[None, :])
+    tl.store(plse_ptr + row * (num_splits + 1) + split, lse, mask=col_ok)
 
 
 @triton.jit

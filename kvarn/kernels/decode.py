@@ -40,11 +40,12 @@ import triton
 from ..errors import KvarnError
 from ..formats import KVFormat
 from .attention import (LOG2E, finish_kernel, kvarn_attention_kernel, kvarn_attention_pair_kernel,
-                        kvarn_attention_tok_kernel, mma_bf16, rotate_rows_kernel, tail_attention_kernel)
+                        kvarn_attention_pair_pipe_kernel, kvarn_attention_tok_kernel, mma_bf16, rotate_rows_kernel,
+                        tail_attention_kernel)
 from .common import as_format, check_cache, check_tail, f16_view, layout
 
 
-_NAME = re.compile(r"u([012])k([12])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:n(\d+))?(?:L([012]))?")
+_NAME = re.compile(r"u([012])k([12])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:n(\d+))?(?:L([012]))?(?:p([01]))?")
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,15 @@ class DecodeConfig:
     #                  prefill always uses 0); 2 the same with the code bytes read as int16 pairs
     #                  (kvarn_attention_pair_kernel: 16-bit tile conversion instead of byte-wise, two M/2 dots)
     bn: int = 0  # layouts 1/2: MMA N (query heads, padded); 0: max(16, group). 8 gives mma.sync (n8) tiles
+    pipe: int = 0  # layout 2: 1 = kvarn_attention_pair_pipe_kernel (all tile loads pipelineable: scale runs as
+    #                int32 pairs, cp.async with num_stages >= 2; softmax denominator per row)
 
     @property
     def name(self) -> str:
         return (f"u{self.unpack}k{self.ksplit}v{self.vsplit}w{self.num_warps}s{self.num_stages}"
                 f"x{self.split_mult:g}" + (f"r{self.maxnreg}" if self.maxnreg else "")
-                + (f"n{self.bn}" if self.bn else "") + (f"L{self.layout}" if self.layout else ""))
+                + (f"n{self.bn}" if self.bn else "") + (f"L{self.layout}" if self.layout else "")
+                + (f"p{self.pipe}" if self.pipe else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "DecodeConfig":
@@ -77,10 +81,10 @@ class DecodeConfig:
         m = _NAME.fullmatch(name.strip())
         if not m:
             raise KvarnError(f"decode config {name!r} is not a name like 'u2k2v1w4s1x1r128' or 'u2k2v1w4s2x1L1' "
-                             "(unpack, ksplit, vsplit, warps, stages, split multiplier, [register cap], [layout])")
-        u, k, v, w, st, x, r, bn, lay = m.groups()
+                             "(unpack, ksplit, vsplit, warps, stages, split multiplier, [register cap], [N], [layout], [pipe])")
+        u, k, v, w, st, x, r, bn, lay, pipe = m.groups()
         return cls(int(u), int(k), int(v), int(w), int(st), float(x), int(r) if r else None, int(lay) if lay else 0,
-                   int(bn) if bn else 0)
+                   int(bn) if bn else 0, int(pipe) if pipe else 0)
 
 
 # H200 sweeps, 2026-11-29 (B=64, ctx 16384, 32/8 heads, D=128, k4v2_g128). Query-row kernel (layout 0): w4 s1
@@ -105,7 +109,11 @@ SWEEP_CONFIGS = [
     # softmax) 1122, no spills; L2 = int16-pair tiles (the byte transposes become ldmatrix) 1053; both 752
     DecodeConfig(2, 2, 1, 4, 1, maxnreg=128, layout=1, bn=8), DecodeConfig(2, 2, 1, 4, 1, maxnreg=128, layout=2),
     DecodeConfig(2, 2, 1, 4, 1, maxnreg=128, layout=2, bn=8), DecodeConfig(2, 2, 1, 4, 1, layout=2, bn=8),
-    DecodeConfig(2, 2, 1, 4, 2, maxnreg=128, layout=2, bn=8),
+    # pipe = 1 (kvarn_attention_pair_pipe_kernel, offline sm_90 per tile at r128: s2 804 instructions, 14 barriers,
+    # every tile load a cp.async, 4 B spilled outside the loop; s3 15 barriers, 24 B spilled); its s2 entry replaces
+    # the pair kernel's (unmeasured) s2 one, whose rK/sV/zV/cV loads and block index stayed synchronous
+    DecodeConfig(2, 2, 1, 4, 2, maxnreg=128, layout=2, bn=8, pipe=1),
+    DecodeConfig(2, 2, 1, 4, 3, maxnreg=128, layout=2, bn=8, pipe=1),
 ]
 # candidates the run-time tuner times on the first eager call per key (compiles shared with the sweep)
 TUNE_CONFIGS = [DEFAULT_CONFIG, DecodeConfig(2, 2, 1, 4, 1, maxnreg=128, layout=2, bn=8),
@@ -254,7 +262,12 @@ def _launch_tok(qr, cache, block_table, seq_lens, po_r, plse, lay, group, gp, sp
                   UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages,
                   num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}))
     if cfg.layout == 2:  # int16 pairs: M = g/2 token pairs, d/2 channel pairs; offsets in 2-byte units
-        kvarn_attention_pair_kernel[(B, 1, Hk * splits)](
+        # the pipe kernel reads the scale runs as int32: needs 4-byte aligned records (always, for torch-allocated
+        # caches and the record sizes of docs/format.md; else the plain pair kernel)
+        pipe = (cfg.pipe and cache.data_ptr() % 4 == 0 and cache.stride(0) % 4 == 0 and cache.stride(1) % 4 == 0
+                and all(o % 4 == 0 for o in (lay.rk, lay.sv, lay.zv, lay.cv)))
+        kern = kvarn_attention_pair_pipe_kernel if pipe else kvarn_attention_pair_kernel
+        kern[(B, 1, Hk * splits)](
             qr, f16_view(cache), block_table, seq_lens, po_r, plse, splits,
             block_table.stride(0), cache.stride(0) // 2, cache.stride(1) // 2, Hq,
             num_warps=min(cfg.num_warps, max(4, min(lay.g, lay.d) // 32)), **common)
