@@ -1,5 +1,6 @@
-"""The store kernel's variants (kvarn.kernels.store: balance "mul", decode grid "compact") against the PyTorch
-reference with the same checks as the default in test_kernels.py (interpreter on a CPU)."""
+"""The store kernel's variants (kvarn.kernels.store: balance "mul", "mulsm", "fused", "fusedsm", "fusedsm4w",
+decode grid "compact") against the PyTorch reference with the same checks as the default in test_kernels.py
+(interpreter on a CPU)."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,9 @@ import torch
 from kvarn.formats import get_format
 from kvarn.kernels import store_decode, store_tiles
 from tests.test_kernels import _store_and_compare
+
+
+VARIANTS = ["mul", "mulsm", "fused", "fusedsm", "fusedsm4w"]  # every BALANCE_VARIANTS key but the default
 
 
 def _inputs(name, D, dtype, T=3, H=2):
@@ -21,6 +25,7 @@ def _inputs(name, D, dtype, T=3, H=2):
     return k.to(dtype), v.to(dtype)
 
 
+@pytest.mark.parametrize("balance", VARIANTS)
 @pytest.mark.parametrize("name,D,dtype", [
     ("kvarn_k4v2_g64", 64, torch.float16),
     ("kvarn_k4v4_g128", 64, torch.bfloat16),
@@ -28,10 +33,10 @@ def _inputs(name, D, dtype, T=3, H=2):
     ("kvarn_k4v2_g128", 128, torch.bfloat16),
     ("kvarn_k4v2_g128", 256, torch.bfloat16),  # the channel-blocked rotation
 ])
-def test_store_mul_balance_matches_reference(monkeypatch, name, D, dtype):
+def test_store_variant_matches_reference(monkeypatch, name, D, dtype, balance):
     from kvarn.kernels import store as store_mod
 
-    monkeypatch.setattr(store_mod, "STORE_BALANCE", "mul")  # what KVARN_STORE_BALANCE=mul sets
+    monkeypatch.setattr(store_mod, "STORE_BALANCE", balance)  # what KVARN_STORE_BALANCE=<balance> sets
     fmt = get_format(name)
     k, v = _inputs(name, D, dtype)
     codes, ek, ev, _ = _store_and_compare(fmt, k, v)  # a padded slot (< 0) must not be written
@@ -39,7 +44,7 @@ def test_store_mul_balance_matches_reference(monkeypatch, name, D, dtype):
     assert ek < 0.06 and ev < 0.06, (ek, ev)
 
 
-def test_store_mul_balance_constant_tile():
+def test_store_variants_constant_tile():
     # a constant tile: zero-variance rows and columns everywhere but one channel after rotation
     fmt = get_format("kvarn_k4v2_g64")
     k = torch.full((2, 1, 64, 64), 0.75, dtype=torch.float16)
@@ -48,15 +53,16 @@ def test_store_mul_balance_constant_tile():
     assert codes > 0.997 and ek < 0.06 and ev < 0.06, (codes, ek, ev)
     from kvarn.kernels import store as store_mod
 
-    store_mod.STORE_BALANCE = "mul"
-    try:
-        codes, ek, ev, _ = _store_and_compare(fmt, k, v)
-    finally:
-        store_mod.STORE_BALANCE = "log"
-    assert codes > 0.997 and ek < 0.06 and ev < 0.06, (codes, ek, ev)
+    for balance in VARIANTS:
+        store_mod.STORE_BALANCE = balance
+        try:
+            codes, ek, ev, _ = _store_and_compare(fmt, k, v)
+        finally:
+            store_mod.STORE_BALANCE = "log"
+        assert codes > 0.997 and ek < 0.06 and ev < 0.06, (balance, codes, ek, ev)
 
 
-@pytest.mark.parametrize("balance", ["log", "mul"])
+@pytest.mark.parametrize("balance", ["log"] + VARIANTS)
 def test_store_decode_compact_grid_equals_rows_grid(balance):
     """store_decode with the compact grid writes exactly the records of the row grid (same kernel body), for
     rows that complete a tile, rows that do not, a padded row (seq_len 0) and more completions than programs."""
@@ -92,11 +98,12 @@ def test_store_decode_compact_grid_equals_rows_grid(balance):
     assert torch.equal(cache[[int(bt[b, seq[b] // g - 1]) for b in rows]], ref)
 
 
-def test_store_mul_balance_nan_inf_guard(monkeypatch):
+@pytest.mark.parametrize("balance", VARIANTS)
+def test_store_variant_nan_inf_guard(monkeypatch, balance):
     from kvarn.kernels import store as store_mod
     from kvarn.method.reference import dequantize_tiles
 
-    monkeypatch.setattr(store_mod, "STORE_BALANCE", "mul")
+    monkeypatch.setattr(store_mod, "STORE_BALANCE", balance)
     fmt = get_format("kvarn_k4v2_g64")
     k = torch.randn(2, 1, 64, 64, dtype=torch.bfloat16)
     v = torch.randn(2, 1, 64, 64, dtype=torch.bfloat16)
@@ -108,3 +115,11 @@ def test_store_mul_balance_nan_inf_guard(monkeypatch):
     kd, vd = dequantize_tiles(got, fmt, 64)
     assert torch.isfinite(kd).all() and torch.isfinite(vd).all()
     assert ek < 0.06 and ev < 0.06, (ek, ev)
+
+
+def test_store_variant_table():
+    # every variant names a known balancing kernel; only "log" (the default) keeps the whole-tile rotation
+    from kvarn.kernels import store as store_mod
+
+    assert set(VARIANTS) | {"log"} == set(store_mod.BALANCE_VARIANTS)
+    assert store_mod.STORE_BALANCE == "log" and store_mod.BALANCE_VARIANTS["log"] == (0, None, 0, None)

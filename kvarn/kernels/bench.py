@@ -480,7 +480,10 @@ def _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check) -> list:
     layers: flush_ms = one tile (every head) per call, as `ms`; flush_b2b_ms = L such calls back to back in one
     timed region (host launch cost hidden behind the GPU: closer to the kernel's own latency); batch_flush_ms =
     --batch tiles per call; decode_idle_ms / decode_one_ms = store_decode (tail write + store launch) for a step
-    where no row / one row completes its tile (the CUDA-graph decode path runs it every layer)."""
+    where no row / one row completes its tile (the CUDA-graph decode path runs it every layer). The balance
+    column names the kernel variant (store.BALANCE_VARIANTS: log, mul, mulsm = mul + 32-channel blocked rotation
+    and byte pack, fused = mul with 2 cross-warp reductions per iteration, fusedsm = both, fusedsm4w = fusedsm
+    on 4 warps); KVARN_STORE_BALANCE=<name> makes one the process default."""
     from . import store as S
 
     g, H, D = fmt.group, k.shape[1], k.shape[-1]

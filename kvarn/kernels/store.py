@@ -180,6 +180,90 @@ def _quantize_matrix_mul(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr
 
 
 @triton.jit
+def _add2(a, b, c, d):
+    return a + c, b + d
+
+
+@triton.jit
+def _maxmin(a0, a1, b0, b1):
+    return tl.maximum(a0, b0), tl.minimum(a1, b1)
+
+
+@triton.jit
+def _quantize_matrix_fused(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr):
+    """_quantize_matrix_mul with the cross-warp reductions cut from 8 chained ones per iteration to 2:
+    * the column variance of t = x * ec * er is ec^2 times that of w = x * er, measured in ONE reduction of the
+      pair (sum d, sum d^2), d = w - pm, var = E[d^2] - E[d]^2: pm (a pilot per column) is the exact column mean
+      of w from the previous measurement, so d is near zero-mean and the subtraction loses no precision worth
+      the name (a column that stays constant gives d == 0 exactly, var 0 as in the two-pass form);
+    * the row variance stays two-pass: in the tensor-core (dot output) layout each warp owns whole rows, so it
+      is in-thread sums plus 2 quad shuffles, no shared memory and no barrier;
+    * the imbalance's max and min of a variance vector are one 2-operand reduction, not two."""
+    E_MIN: tl.constexpr = 4.5399929762484854e-05  # exp(-10): lc <= 10
+    E_MAX: tl.constexpr = 1.3498588075760032  # exp(0.3): lc >= -0.3
+    ec = tl.full([C], 1.0, dtype=tl.float32)
+    er = tl.full([R], 1.0, dtype=tl.float32)
+    best_ec = ec
+    best_er = er
+    best = float("inf")
+    pm = tl.sum(x, axis=0) / R  # exact two-pass start (also the first pilot)
+    d0 = x - pm[None, :]
+    vc = tl.minimum(tl.maximum(tl.sum(d0 * d0, axis=0) / R, 1e-6), 1e6)
+    for _ in range(ITERS):
+        ec = tl.minimum(tl.maximum(ec * tl.rsqrt(vc), E_MIN), E_MAX)
+        u = x * ec[None, :]
+        vr = tl.minimum(tl.maximum(_var(u * er[:, None], 1, C), 1e-6), 1e6)
+        er_new = tl.minimum(tl.maximum(er * tl.rsqrt(vr), E_MIN), E_MAX)
+        f = er_new / er
+        vr = tl.minimum(tl.maximum(vr * f * f, 1e-6), 1e6)
+        er = er_new
+        d = x * er[:, None] - pm[None, :]
+        sd, sq = tl.reduce((d, d * d), 0, _add2)
+        md = sd / R
+        pm = pm + md
+        vc = tl.minimum(tl.maximum(ec * ec * tl.maximum(sq / R - md * md, 0.0), 1e-6), 1e6)
+        cmax, cmin = tl.reduce((vc, vc), 0, _maxmin)  # column vectors are whole in every warp: warp-local
+        rmax, rmin = tl.reduce((vr, vr), 0, _maxmin)  # rows span the warps: one exchange for both
+        imb = tl.sqrt(cmax / cmin) + tl.sqrt(rmax / rmin)
+        better = imb < best  # strict: ties keep the earlier iterate, like the reference
+        best = tl.where(better, imb, best)
+        best_er = tl.where(better, er, best_er)
+        best_ec = tl.where(better, ec, best_ec)
+    t = x * best_ec[None, :] * best_er[:, None]
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    mn = tl.min(t, axis=1)
+    mx = tl.max(t, axis=1)
+    row = 1.0 / best_er
+    s = _to_f16_range((mx - mn) / QMAX * row)
+    z = _to_f16_range(mn * row)
+    c = _to_f16_range(1.0 / best_ec)
+    c_safe = tl.where(tl.abs(c) > 1e-12, c, 1.0)
+    s_ok = tl.abs(s) > 1e-12
+    s_inv = tl.where(s_ok, 1.0 / tl.where(s_ok, s, 1.0), 0.0)  # 0: a constant row gets code 0
+    q = (x * (1.0 / c_safe)[None, :] - z[:, None]) * s_inv[:, None]
+    q = tl.minimum(tl.maximum(_round_half_even(q), 0.0), QMAX)
+    return q.to(tl.int32), s, z, c
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _pack_store8(q, dst_ptr, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
+    # _pack_store on bytes: the planes j of a byte sit in different warps of the dot layout, so the reduction
+    # goes through shared memory; as uint8 with OR its scratch is 1/4 of the int32 sum's (64 -> 16 KiB at 128^2)
+    PER: tl.constexpr = 8 // BITS
+    q3 = tl.reshape(q.to(tl.uint8), [PER, R // PER, C])
+    shifts = (tl.arange(0, PER) * BITS).to(tl.uint8)[:, None, None]
+    packed = tl.reduce(q3 << shifts, 0, _or)
+    ri = tl.arange(0, R // PER)
+    ci = tl.arange(0, C)
+    tl.store(dst_ptr + ri[:, None] * C + ci[None, :], packed)
+
+
+@triton.jit
 def _pack_store(q, dst_ptr, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
     # planar pack along rows: byte[i, c] = sum_j q[i + j*R/PER, c] << (j*BITS)
     PER: tl.constexpr = 8 // BITS
@@ -231,7 +315,7 @@ def _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, 
                VB: tl.constexpr, ITERS: tl.constexpr, OFF_PK: tl.constexpr, OFF_SK: tl.constexpr,
                OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr, OFF_PV: tl.constexpr, OFF_SV: tl.constexpr,
                OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr, MMA_BF16: tl.constexpr, RB: tl.constexpr,
-               BAL: tl.constexpr, z0):
+               BAL: tl.constexpr, z0, PACK8: tl.constexpr = 0):
     # one (tile, head): keys when program_id(1) == 0, else values, from tile row `src` into record row `blk`.
     # z0 is 0; inside the compact grid's loop it is a runtime 0 that keeps the index tensors and the Hadamard
     # from being hoisted out of the loop (held across it they spill: 1.5 KiB of stack per thread).
@@ -249,11 +333,16 @@ def _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, 
             x = h_times_x(hpm, kt, D, MMA_BF16)
         else:
             x = _keys_rotated_blocked(kp, stride_kg, D, G, RB, MMA_BF16)
-        if BAL == 1:
+        if BAL == 2:
+            qk, sk, zk, rk = _quantize_matrix_fused(x, D, G, KB, ITERS)
+        elif BAL == 1:
             qk, sk, zk, rk = _quantize_matrix_mul(x, D, G, KB, ITERS)
         else:
             qk, sk, zk, rk = _quantize_matrix(x, D, G, KB, ITERS)
-        _pack_store(qk, cache_ptr + base + OFF_PK, D, G, KB)
+        if PACK8:
+            _pack_store8(qk, cache_ptr + base + OFF_PK, D, G, KB)
+        else:
+            _pack_store(qk, cache_ptr + base + OFF_PK, D, G, KB)
         tl.store(cache16_ptr + b16 + OFF_SK // 2 + di, sk.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_ZK // 2 + di, zk.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_RK // 2 + gi, rk.to(tl.float16))
@@ -265,11 +354,16 @@ def _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, 
             y = x_times_h(vt, hpm, D, MMA_BF16)
         else:
             y = _values_rotated_blocked(vp, stride_vg, D, G, RB, MMA_BF16)
-        if BAL == 1:
+        if BAL == 2:
+            qv, sv, zv, cv = _quantize_matrix_fused(y, G, D, VB, ITERS)
+        elif BAL == 1:
             qv, sv, zv, cv = _quantize_matrix_mul(y, G, D, VB, ITERS)
         else:
             qv, sv, zv, cv = _quantize_matrix(y, G, D, VB, ITERS)
-        _pack_store(qv, cache_ptr + base + OFF_PV, G, D, VB)
+        if PACK8:
+            _pack_store8(qv, cache_ptr + base + OFF_PV, G, D, VB)
+        else:
+            _pack_store(qv, cache_ptr + base + OFF_PV, G, D, VB)
         tl.store(cache16_ptr + b16 + OFF_SV // 2 + gi, sv.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_ZV // 2 + gi, zv.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_CV // 2 + di, cv.to(tl.float16))
@@ -284,7 +378,7 @@ def _store_tiles_kernel(
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     MMA_BF16: tl.constexpr, DECODE: tl.constexpr, RB: tl.constexpr, BAL: tl.constexpr = 0,
-    COMPACT: tl.constexpr = 0, BP: tl.constexpr = 1,
+    COMPACT: tl.constexpr = 0, BP: tl.constexpr = 1, PACK8: tl.constexpr = 0,
 ):
     # grid (tiles * H, 2): axis 1 picks keys or values, so the two balancing chains (the kernel's latency) run
     # on different SMs. DECODE: tile = batch row b of a one-token-per-row step; its tile is complete iff
@@ -292,7 +386,8 @@ def _store_tiles_kernel(
     # table. Everything is derived on the device, so the launch is the same every step (CUDA-graph safe).
     # RB > 0: the rotation is accumulated over RB-channel blocks (D=256: the whole-tile dots overflow the
     # shared memory of an sm_90); RB == 0: one whole-tile rotation.
-    # BAL: 0 = balancing as the reference writes it (log-scales), 1 = _quantize_matrix_mul.
+    # BAL: 0 = balancing as the reference writes it (log-scales), 1 = _quantize_matrix_mul, 2 = _quantize_matrix_fused.
+    # PACK8: pack the codes with a uint8 OR reduction (_pack_store8: 1/4 of the shared-memory scratch).
     # COMPACT > 0 (DECODE only): grid (H * COMPACT, 2); program (head, j) quantizes the completed tiles of rank
     # j, j + COMPACT, ... among the n_rows batch rows (BP = n_rows rounded up to a power of two). A step where no
     # tile completes then launches H * COMPACT * 2 programs instead of n_rows * H * 2 (each one holds a whole SM:
@@ -313,7 +408,8 @@ def _store_tiles_kernel(
             if blk >= 0:
                 _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, stride_kh, stride_kg,
                            stride_vt, stride_vh, stride_vg, stride_cb, stride_ch, G, D, KB, VB, ITERS, OFF_PK,
-                           OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, MMA_BF16, RB, BAL, s % G)
+                           OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, MMA_BF16, RB, BAL, s % G,
+                           PACK8)
     else:
         tile = pid // H
         head = pid % H
@@ -329,7 +425,7 @@ def _store_tiles_kernel(
         if blk >= 0:
             _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, stride_kh, stride_kg,
                        stride_vt, stride_vh, stride_vg, stride_cb, stride_ch, G, D, KB, VB, ITERS, OFF_PK, OFF_SK,
-                       OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, MMA_BF16, RB, BAL, 0)
+                       OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, MMA_BF16, RB, BAL, 0, PACK8)
 
 
 # Channel block of the blocked rotation per head dim (0 = whole-tile rotation). D=256 needs it on sm_90 (the
@@ -337,10 +433,17 @@ def _store_tiles_kernel(
 ROTATION_BLOCK = {64: 0, 128: 0, 256: 64}
 
 # Store variants (unmeasured on a GPU; `kvarn microbench store` times each against the default):
-#   balance: "log" = today's kernel (the reference's log-scales), "mul" = _quantize_matrix_mul
+#   balance: a named kernel variant -> (BAL, rotation block or None = ROTATION_BLOCK, PACK8, warps or None):
+#     "log" = today's kernel (the reference's log-scales), "mul" = _quantize_matrix_mul,
+#     "mulsm" = mul with the rotation in 32-channel blocks and the byte pack: the whole-tile rotation stages the
+#       +-1 H (twice: A and B operand layouts) and three bf16 parts of the tile for the tensor-core dots
+#       (160 KiB at D=128); blocked, only one 32-channel slice of each is staged,
+#     "fused" = _quantize_matrix_fused (2 cross-warp reductions per balancing iteration instead of 8),
+#     "fusedsm" = both, "fusedsm4w" = both on 4 warps per program instead of 8.
 #   decode grid: "rows" = one program per (batch row, head, K|V), "compact" = H * COMPACT programs per K|V
 # KVARN_STORE_BALANCE / KVARN_STORE_DECODE_GRID set the process default (read at import).
-BALANCE_VARIANTS = {"log": 0, "mul": 1}
+BALANCE_VARIANTS = {"log": (0, None, 0, None), "mul": (1, None, 0, None), "mulsm": (1, 32, 1, None),
+                    "fused": (2, None, 0, None), "fusedsm": (2, 32, 1, None), "fusedsm4w": (2, 32, 1, 4)}
 DECODE_GRIDS = ("rows", "compact")
 STORE_BALANCE = os.environ.get("KVARN_STORE_BALANCE", "log")
 STORE_DECODE_GRID = os.environ.get("KVARN_STORE_DECODE_GRID", "rows")
@@ -371,7 +474,7 @@ def _launch_store(k, v, cache, lay, n_tiles, H, iters, *, block_ids=None, src_ro
     """k, v: tile sources [*, H, g, D] (strided). Plain mode: block_ids [n_tiles]; decode mode: src_rows, seq_lens,
     block_table [n_tiles, *] (the block ids are derived in the kernel)."""
     decode = block_ids is None
-    bal, grid = _variant(balance, grid)
+    (bal, rb, pack8, warps), grid = _variant(balance, grid)
     compact = _compact_splits(k.device, H) if decode and grid == "compact" else 0
     dummy = seq_lens if decode else block_ids  # unused pointer arguments of the other mode
     g, D = lay.g, k.shape[-1]
@@ -383,8 +486,9 @@ def _launch_store(k, v, cache, lay, n_tiles, H, iters, *, block_ids=None, src_ro
         H=H, G=g, D=D, KB=lay.kb, VB=lay.vb, ITERS=int(iters),
         OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
         OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-        MMA_BF16=mma_bf16(), DECODE=decode, RB=ROTATION_BLOCK[D], BAL=bal, COMPACT=compact,
-        BP=triton.next_power_of_2(n_tiles) if compact else 1, num_warps=16 if D * g > 16384 else 8,
+        MMA_BF16=mma_bf16(), DECODE=decode, RB=ROTATION_BLOCK[D] if rb is None else min(rb, D), BAL=bal,
+        COMPACT=compact, BP=triton.next_power_of_2(n_tiles) if compact else 1, PACK8=pack8,
+        num_warps=warps or (16 if D * g > 16384 else 8),
     )
 
 
