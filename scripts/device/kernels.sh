@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# KVarN Triton kernels on the GPU, bounded to ~360 s worst case (KVARN_KERNELS_SECS; the sweep KVARN_SWEEP_SECS=200) (every step has its own timeout): the
+# KVarN Triton kernels on the GPU (every step has its own timeout; KVARN_SWEEP_SECS=200 for the decode sweep,
+# KVARN_STORE_SECS=150 for the store variants (6 balancing kernels x 2 decode grids), 0 skips either): the
 # microbench targets, then a short correctness smoke. A warning 'inline-PTX code unpack failed its self-check' in
 # mb_*.err means the u2 rows silently ran the u1 (pure Triton) unpack.
 #   bash scripts/device/kernels.sh          (logs and JSON under "$OUT", default ./out-kernels)
@@ -30,7 +31,7 @@ mb decode 30 0 decode $H200 --check
 mb decode_b8 15 1 decode --batch 8 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --check
 mb decode_c4k 12 1 decode --batch 64 --context 4096 --q-heads 32 --kv-heads 8 --head-dim 128
 mb decode_d64 15 0 decode --batch 64 --context 8192 --q-heads 9 --kv-heads 3 --head-dim 64 --check
-mb store "${KVARN_STORE_SECS:-120}" 0 store --batch 64 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --model qwen3-8b --check
+[ "${KVARN_STORE_SECS:-150}" != 0 ] && mb store "${KVARN_STORE_SECS:-150}" 0 store --batch 64 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --model qwen3-8b --check
 mb prefill 20 0 prefill --batch 4 --context 8192 --q-heads 32 --kv-heads 8 --head-dim 128 --chunk 512 --check
 # 4. a short correctness smoke on the compiled path (graph capture, one decode preset, prefill)
 left=$(( ${KVARN_KERNELS_SECS:-360} - ($(date +%s) - T0) )); [ "$left" -gt 60 ] && left=60
