@@ -383,3 +383,4 @@ def test_microbench_prefill_times_the_dense_path_too():
     ex = row["extra"]
     assert row["rel_err"] < 1e-3 and ex["dense_ms"] > 0 and "torch varlen" in ex["dense_path"]
     assert ex["dense_rel_err"] < 1e-2  # K/V rounded to the bf16 query dtype
+    assert ex["dense_rot_ms"] > 0 and ex["dense_rot_rel_err"] < 1e-2  # the same path in the stored basis

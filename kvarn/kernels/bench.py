@@ -367,14 +367,19 @@ def bench_prefill(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device=
         bms = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
             q4, k, v, attn_mask=mask, scale=scale, enable_gqa=Hq != Hk), dev, iters)
     dense_extra, dense = _dense_prefill_runner(st, fmt, q, qsl, scale, fa, bname)
-    if dense is not None:
+    runners = {"dense": dense}
+    if dense is not None:  # the same path in the stored basis (KVARN_PREFILL=dense_rot)
+        runners["dense_rot"] = _dense_prefill_runner(st, fmt, q, qsl, scale, fa, bname, rotated=True)[1]
+    for key, fn in runners.items():
+        if fn is None:
+            continue
         try:
-            dense()
+            fn()
             _sync(dev)
-            dms = time_ms(dense, dev, iters)
-            dense_extra.update(dense_ms=dms, dense_ratio_vs_baseline=dms / bms if bms else None)
+            dms = time_ms(fn, dev, iters)
+            dense_extra.update({f"{key}_ms": dms, f"{key}_ratio_vs_baseline": dms / bms if bms else None})
         except Exception as e:  # noqa: BLE001 - report, keep the kernel's numbers
-            dense_extra["dense_error"] = f"{type(e).__name__}: {e}"[:200]
+            dense_extra[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
     copy = copy_bandwidth_gbps(dev)
     gbps = nbytes / (ms * 1e-3) / 1e9
     err, check_extra = None, {}
@@ -382,8 +387,9 @@ def bench_prefill(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device=
         rows = min(B, 2)
         ours()
         ref = torch.cat(_reference_out(st, fmt, D, q, scale, rows, causal_q=[int(x) for x in qsl.tolist()]))
-        if dense is not None and "dense_ms" in dense_extra:
-            dense_extra["dense_rel_err"] = _rel(dense()[: rows * chunk].float(), ref)
+        for key, fn in runners.items():
+            if fn is not None and f"{key}_ms" in dense_extra:
+                dense_extra[f"{key}_rel_err"] = _rel(fn()[: rows * chunk].float(), ref)
         out32 = torch.empty(q.shape, dtype=torch.float32, device=dev)
         prefill_attention(q, st["cache"], st["block_table"], qsl, st["seq_lens"], st["tail_k"], st["tail_v"],
                           st["tail_slots"], fmt, scale, chunk, out=out32)
@@ -394,7 +400,7 @@ def bench_prefill(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device=
                        {"chunk": chunk, **check_extra, **dense_extra})
 
 
-def _dense_prefill_runner(st, fmt, q, qsl, scale, fa, bname):
+def _dense_prefill_runner(st, fmt, q, qsl, scale, fa, bname, rotated=False):
     """The backend's KVARN_PREFILL=dense path on the same inputs (records dequantized + tail into 16-bit K/V, then
     FlashAttention varlen when the baseline found one, else torch): ({"dense_path": what}, callable) or ({}, None)."""
     import types
@@ -418,7 +424,7 @@ def _dense_prefill_runner(st, fmt, q, qsl, scale, fa, bname):
 
         what = f"{dec} + FlashAttention {ver} varlen"
     return {"dense_path": what}, lambda: vops.dense_prefill(plan, q, st["cache"], st["block_table"], st["tail_k"],
-                                                            st["tail_v"], fmt, scale, varlen)
+                                                            st["tail_v"], fmt, scale, varlen, rotated=rotated)
 
 
 def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="auto", check=False, iters=None,

@@ -88,6 +88,9 @@ for name, r in rows.items():
         if e.get("dense_ms"):
             note += (f" | dense path {e['dense_ms']:.4f} ms = {e.get('dense_ratio_vs_baseline') or 0:.2f}x base, "
                      f"err {e.get('dense_rel_err') or 0:.1e}")
+        if e.get("dense_rot_ms"):
+            note += (f" | dense_rot {e['dense_rot_ms']:.4f} ms = {e.get('dense_rot_ratio_vs_baseline') or 0:.2f}x, "
+                     f"err {e.get('dense_rot_rel_err') or 0:.1e}")
     err = "-" if r["rel_err"] is None else f"{r['rel_err']:.2e}"
     print(f"{name:<11} {r['ms']:9.4f} {r['baseline_ms'] or 0:9.4f} {r['ratio'] or 0:7.3f} {r['gbps']:7.1f} "
           f"{100 * r['bw_frac']:6.1f} {err:>9}  {note}")
