@@ -138,17 +138,21 @@ def test_store_blocked_rotation_matches_reference(monkeypatch, name, D, rb):
     _check_store(name, D, torch.float16)
 
 
-def _check_store(name, D, dtype):
-    fmt = get_format(name)
+def store_inputs(fmt, D, dtype, T=3, H=2):
+    """K/V tiles [T, H, g, D] with outlier channels, a constant key channel and a constant value row."""
     g = fmt.group
-    T, H = 3, 2
     k = torch.randn(T, H, g, D) * 3
     k[..., 5] *= 40.0  # outlier channels
     k[..., D // 2] += 15.0
     v = torch.randn(T, H, g, D)
     k[2, 1, :, 7] = 3.25  # a constant key channel
     v[2, 1, 9, :] = -1.5  # a constant value row
-    codes, ek, ev, _ = _store_and_compare(fmt, k.to(dtype), v.to(dtype))
+    return k.to(dtype), v.to(dtype)
+
+
+def _check_store(name, D, dtype):
+    fmt = get_format(name)
+    codes, ek, ev, _ = _store_and_compare(fmt, *store_inputs(fmt, D, dtype))
     # Codes may differ by one where a value sits on a rounding boundary (fp32 reduction order). The fp16 vectors
     # usually agree to an ulp, but when two balancing iterates have near-equal imbalance, fp32 reduction order can
     # pick the other one ("best iterate" is a strict <), giving an equally good, slightly different quantization

@@ -8,7 +8,7 @@ import torch
 
 from kvarn.formats import get_format
 from kvarn.kernels import store_decode, store_tiles
-from tests.test_kernels import _store_and_compare
+from tests.test_kernels import _store_and_compare, store_inputs
 
 
 # every BALANCE_VARIANTS key but the default whose interpreted code differs ("fusedsm4w" is "fusedsm" on 4 warps:
@@ -26,24 +26,13 @@ def _cases():
     return [(n, d, t, b) for n, d, t in shapes for b in (VARIANTS if n == "kvarn_k4v2_g64" else FAST)]
 
 
-def _inputs(name, D, dtype, T=3, H=2):
-    g = get_format(name).group
-    k = torch.randn(T, H, g, D) * 3
-    k[..., 5] *= 40.0  # outlier channels
-    k[..., D // 2] += 15.0
-    v = torch.randn(T, H, g, D)
-    k[2, 1, :, 7] = 3.25  # a constant key channel
-    v[2, 1, 9, :] = -1.5  # a constant value row
-    return k.to(dtype), v.to(dtype)
-
-
 @pytest.mark.parametrize("name,D,dtype,balance", _cases())
 def test_store_variant_matches_reference(monkeypatch, name, D, dtype, balance):
     from kvarn.kernels import store as store_mod
 
     monkeypatch.setattr(store_mod, "STORE_BALANCE", balance)  # what KVARN_STORE_BALANCE=<balance> sets
     fmt = get_format(name)
-    k, v = _inputs(name, D, dtype)
+    k, v = store_inputs(fmt, D, dtype)
     codes, ek, ev, _ = _store_and_compare(fmt, k, v)  # a padded slot (< 0) must not be written
     assert codes > 0.997, codes
     assert ek < 0.06 and ev < 0.06, (ek, ev)

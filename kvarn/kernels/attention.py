@@ -197,6 +197,24 @@ def _sub_values(p, pv, sv_ptr, zv_ptr, acc, pz, J: tl.constexpr, BT: tl.constexp
 
 
 @triton.jit
+def _split_tiles(S, L, G: tl.constexpr, split, num_splits):
+    """Record tiles [t_begin, t_stop) of one context split: the L visible tokens' tiles dealt out in equal runs,
+    only the S // G full ones read from records (the rest is the tail). Every record kernel partitions alike, so
+    their partials merge in finish_kernel."""
+    n_tiles = (L + G - 1) // G
+    per_split = (n_tiles + num_splits - 1) // num_splits
+    t_begin = split * per_split
+    return t_begin, tl.minimum(tl.minimum(t_begin + per_split, n_tiles), S // G)
+
+
+@triton.jit
+def _partial_stats(m_i, l_i):
+    """1 / l and the log2-sum-exp of a split's partial (rows that saw nothing: 1 and -inf)."""
+    has = l_i > 0.0
+    return 1.0 / tl.where(has, l_i, 1.0), tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+
+
+@triton.jit
 def rotate_rows_kernel(x_ptr, y_ptr, R, scale, stride_xn, stride_xh, HQ: tl.constexpr, D: tl.constexpr,
                        BR: tl.constexpr, MMA_BF16: tl.constexpr):
     """y[r] = (x[n, h] * scale) @ Hn for the R = N*HQ rows r = n*HQ + h; y fp32 [R, D] contiguous."""
@@ -285,11 +303,7 @@ def kvarn_attention_kernel(
     # rotated, scaled query, loaded directly as the key byte planes' column blocks [BM, DP], normalised
     qr0, qr1, qr2, qr3, qnorm = _query_planes(qr_ptr + row[:, None] * D + dp[None, :], row_ok[:, None], DP, PERK)
 
-    n_full = S // G
-    n_tiles = (Lmax + G - 1) // G
-    per_split = (n_tiles + num_splits - 1) // num_splits
-    t_begin = split * per_split
-    t_end = tl.minimum(t_begin + per_split, n_tiles)
+    t_begin, t_stop = _split_tiles(S, Lmax, G, split, num_splits)
 
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
@@ -297,7 +311,7 @@ def kvarn_attention_kernel(
 
     bt = tl.arange(0, BT)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    for t in tl.range(t_begin, tl.minimum(t_end, n_full), num_stages=STAGES):
+    for t in tl.range(t_begin, t_stop, num_stages=STAGES):
         blk = tl.load(bt_row + t).to(tl.int64)
         rec = blk * stride_cb + kvh * stride_ch
         rec16 = rec // 2
@@ -358,9 +372,7 @@ def kvarn_attention_kernel(
 
     # partials (finish_kernel merges the splits + the tail partial and rotates back once): o / l in the rotated
     # basis and log2-sum-exp at [row, split] of [R, num_splits + 1]; empty rows/splits carry lse = -inf and zeros
-    has = l_i > 0.0
-    inv_l = 1.0 / tl.where(has, l_i, 1.0)
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    inv_l, lse = _partial_stats(m_i, l_i)
     tl.store(po_r_ptr + (row * num_splits + split)[:, None] * D + di[None, :], acc_r * inv_l[:, None],
              mask=row_ok[:, None])
     tl.store(plse_ptr + row * (num_splits + 1) + split, lse, mask=row_ok)
@@ -443,19 +455,14 @@ def kvarn_attention_tok_kernel(
     # transposed query planes [DP, BN], normalised by max |q|
     q0, q1, q2, q3, qnorm = _query_planes(qr_ptr + row[None, :] * D + dp[:, None], col_ok[None, :], DP, PERK)
 
-    # the same split partition as kvarn_attention_kernel (decode: every row sees S tokens)
-    n_full = S // G
-    n_tiles = (S + G - 1) // G
-    per_split = (n_tiles + num_splits - 1) // num_splits
-    t_begin = split * per_split
-    t_end = tl.minimum(t_begin + per_split, n_tiles)
+    t_begin, t_stop = _split_tiles(S, S, G, split, num_splits)  # as kvarn_attention_kernel (decode: L = S)
 
     m_i = tl.full([BN], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BN], dtype=tl.float32)
     acc = tl.zeros([D, BN], dtype=tl.float32)  # o^T, rotated basis
 
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    for t in tl.range(t_begin, tl.minimum(t_end, n_full), num_stages=STAGES):
+    for t in tl.range(t_begin, t_stop, num_stages=STAGES):
         blk = tl.load(bt_row + t).to(tl.int64)
         rec = blk * stride_cb + kvh * stride_ch
         rec16 = rec // 2
@@ -507,9 +514,7 @@ def kvarn_attention_tok_kernel(
         acc = acc * alpha[None, :] + (o + pz[None, :]) * cv[:, None]
 
     # partials exactly as kvarn_attention_kernel writes them (po_r rows [R * num_splits, D], plse [R, splits + 1])
-    has = l_i > 0.0
-    inv_l = 1.0 / tl.where(has, l_i, 1.0)
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    inv_l, lse = _partial_stats(m_i, l_i)
     tl.store(po_r_ptr + (row * num_splits + split)[None, :] * D + di[:, None], acc * inv_l[None, :],
              mask=col_ok[None, :])
     tl.store(plse_ptr + row * (num_splits + 1) + split, lse, mask=col_ok)
@@ -537,6 +542,14 @@ def _pair_plane(x, SHIFT: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr
         e = ((x >> SHIFT) & MASK) | 0x6400
         o = ((x >> (SHIFT + 8)) & MASK) | 0x6400
         return e.to(tl.float16, bitcast=True) - 1024.0, o.to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def _pair_key_dot(pk, J: tl.constexpr, b_hi, b_lo, s_e, s_o, KB: tl.constexpr, UNPACK: tl.constexpr,
+                  KSPLIT: tl.constexpr):
+    # scores^T of the even / odd tokens += Kcodes_J^T [G/2, DP] x (q_J * sK_J)^T [DP, BN]
+    c_e, c_o = _pair_plane(pk, J * KB, KB, UNPACK)
+    return _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT), _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
 
 
 @triton.jit
@@ -577,11 +590,7 @@ def kvarn_attention_pair_kernel(
     bt = tl.arange(0, BT)
     q0, q1, q2, q3, qnorm = _query_planes(qr_ptr + row[None, :] * D + dp[:, None], col_ok[None, :], DP, PERK)
 
-    n_full = S // G
-    n_tiles = (S + G - 1) // G
-    per_split = (n_tiles + num_splits - 1) // num_splits
-    t_begin = split * per_split
-    t_end = tl.minimum(t_begin + per_split, n_tiles)
+    t_begin, t_stop = _split_tiles(S, S, G, split, num_splits)
 
     m_i = tl.full([BN], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BN], dtype=tl.float32)
@@ -589,7 +598,7 @@ def kvarn_attention_pair_kernel(
     acc_o = tl.zeros([D2, BN], dtype=tl.float32)
 
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    for t in tl.range(t_begin, tl.minimum(t_end, n_full), num_stages=STAGES):
+    for t in tl.range(t_begin, t_stop, num_stages=STAGES):
         blk = tl.load(bt_row + t).to(tl.int64)
         rec = cache16_ptr + blk * stride_cb16 + kvh * stride_ch16
         sk_ptr = rec + OFF_SK // 2
@@ -599,23 +608,15 @@ def kvarn_attention_pair_kernel(
         s_e = tl.zeros([G2, BN], dtype=tl.float32)
         s_o = tl.zeros([G2, BN], dtype=tl.float32)
         b_hi, b_lo, qz = _key_plane_t(q0, sk_ptr, zk_ptr, DP, KSPLIT)
-        c_e, c_o = _pair_plane(pk, 0, KB, UNPACK)
-        s_e = _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT)
-        s_o = _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
+        s_e, s_o = _pair_key_dot(pk, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
         b_hi, b_lo, z1 = _key_plane_t(q1, sk_ptr + DP, zk_ptr + DP, DP, KSPLIT)
-        c_e, c_o = _pair_plane(pk, KB, KB, UNPACK)
-        s_e = _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT)
-        s_o = _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
+        s_e, s_o = _pair_key_dot(pk, 1, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
         qz += z1
         if PERK == 4:
             b_hi, b_lo, z2 = _key_plane_t(q2, sk_ptr + 2 * DP, zk_ptr + 2 * DP, DP, KSPLIT)
-            c_e, c_o = _pair_plane(pk, 2 * KB, KB, UNPACK)
-            s_e = _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT)
-            s_o = _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
+            s_e, s_o = _pair_key_dot(pk, 2, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
             b_hi, b_lo, z3 = _key_plane_t(q3, sk_ptr + 3 * DP, zk_ptr + 3 * DP, DP, KSPLIT)
-            c_e, c_o = _pair_plane(pk, 3 * KB, KB, UNPACK)
-            s_e = _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT)
-            s_o = _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
+            s_e, s_o = _pair_key_dot(pk, 3, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
             qz += z2 + z3
         rk = rec + OFF_RK // 2 + 2 * u
         s_e = (s_e + qz[None, :]) * (tl.load(rk).to(tl.float32) * qnorm)[:, None]
@@ -635,32 +636,12 @@ def kvarn_attention_pair_kernel(
         ps = tl.reshape(tl.permute(tl.join(ps_e, ps_o), (0, 2, 1)), [G, BN])  # tokens in order
         # ---- values: pv bytes [BT, D] as int16 [D/2, BT] (channel pairs x tokens of a plane)
         pv = tl.load(rec + OFF_PV // 2 + bt[None, :] * D2 + v[:, None]).to(tl.int16, bitcast=True)
-        o_e = tl.zeros([D2, BN], dtype=tl.float32)
-        o_o = tl.zeros([D2, BN], dtype=tl.float32)
-        if PERV == 2:
-            ps0, ps1 = _halves(ps, BT, BN)
-            o_e, o_o = _pair_values(pv, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT)
-            o_e, o_o = _pair_values(pv, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT)
-        else:
-            tl.static_assert(PERV == 4, "codes are 2 or 4 bits")
-            h0, h1 = _halves(ps, 2 * BT, BN)
-            ps0, ps1 = _halves(h0, BT, BN)
-            ps2, ps3 = _halves(h1, BT, BN)
-            o_e, o_o = _pair_values(pv, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT)
-            o_e, o_o = _pair_values(pv, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT)
-            o_e, o_o = _pair_values(pv, ps2, o_e, o_o, 2, VB, UNPACK, VSPLIT)
-            o_e, o_o = _pair_values(pv, ps3, o_e, o_o, 3, VB, UNPACK, VSPLIT)
+        o_e, o_o = _pair_value_planes(pv, ps, D2, BT, BN, VB, UNPACK, VSPLIT)
         cv = rec + OFF_CV // 2 + 2 * v
         acc_e = acc_e * alpha[None, :] + (o_e + pz[None, :]) * tl.load(cv).to(tl.float32)[:, None]
         acc_o = acc_o * alpha[None, :] + (o_o + pz[None, :]) * tl.load(cv + 1).to(tl.float32)[:, None]
 
-    has = l_i > 0.0
-    inv_l = 1.0 / tl.where(has, l_i, 1.0)
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    out = po_r_ptr + (row * num_splits + split)[None, :] * D + 2 * v[:, None]
-    tl.store(out, acc_e * inv_l[None, :], mask=col_ok[None, :])
-    tl.store(out + 1, acc_o * inv_l[None, :], mask=col_ok[None, :])
-    tl.store(plse_ptr + row * (num_splits + 1) + split, lse, mask=col_ok)
+    _store_pair_partials(po_r_ptr, plse_ptr, row, split, num_splits, v, col_ok, acc_e, acc_o, m_i, l_i, D)
 
 
 @triton.jit
@@ -669,6 +650,40 @@ def _pair_values(pv, ps, o_e, o_o, J: tl.constexpr, VB: tl.constexpr, UNPACK: tl
     hi, lo = _split16(ps, VSPLIT)
     c_e, c_o = _pair_plane(pv, J * VB, VB, UNPACK)
     return _dot16_t(c_e, hi, lo, o_e, VSPLIT), _dot16_t(c_o, hi, lo, o_o, VSPLIT)
+
+
+@triton.jit
+def _pair_value_planes(pv, ps, D2: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, VB: tl.constexpr,
+                       UNPACK: tl.constexpr, VSPLIT: tl.constexpr):
+    # o^T of the even / odd channels of one tile: every value byte plane J against its BT rows of p * sV [G, BN]
+    PERV: tl.constexpr = 8 // VB
+    o_e = tl.zeros([D2, BN], dtype=tl.float32)
+    o_o = tl.zeros([D2, BN], dtype=tl.float32)
+    if PERV == 2:
+        ps0, ps1 = _halves(ps, BT, BN)
+        o_e, o_o = _pair_values(pv, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT)
+        o_e, o_o = _pair_values(pv, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT)
+    else:
+        tl.static_assert(PERV == 4, "codes are 2 or 4 bits")
+        h0, h1 = _halves(ps, 2 * BT, BN)
+        ps0, ps1 = _halves(h0, BT, BN)
+        ps2, ps3 = _halves(h1, BT, BN)
+        o_e, o_o = _pair_values(pv, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT)
+        o_e, o_o = _pair_values(pv, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT)
+        o_e, o_o = _pair_values(pv, ps2, o_e, o_o, 2, VB, UNPACK, VSPLIT)
+        o_e, o_o = _pair_values(pv, ps3, o_e, o_o, 3, VB, UNPACK, VSPLIT)
+    return o_e, o_o
+
+
+@triton.jit
+def _store_pair_partials(po_r_ptr, plse_ptr, row, split, num_splits, v, col_ok, acc_e, acc_o, m_i, l_i,
+                         D: tl.constexpr):
+    # the pair kernels' even / odd channel halves interleaved back into kvarn_attention_kernel's partial rows
+    inv_l, lse = _partial_stats(m_i, l_i)
+    out = po_r_ptr + (row * num_splits + split)[None, :] * D + 2 * v[:, None]
+    tl.store(out, acc_e * inv_l[None, :], mask=col_ok[None, :])
+    tl.store(out + 1, acc_o * inv_l[None, :], mask=col_ok[None, :])
+    tl.store(plse_ptr + row * (num_splits + 1) + split, lse, mask=col_ok)
 
 
 @triton.jit
@@ -758,12 +773,7 @@ def kvarn_attention_pair_pipe_kernel(
     bt = tl.arange(0, BT)
     q0, q1, q2, q3, qnorm = _query_planes(qr_ptr + row[None, :] * D + dp[:, None], col_ok[None, :], DP, PERK)
 
-    n_full = S // G
-    n_tiles = (S + G - 1) // G
-    per_split = (n_tiles + num_splits - 1) // num_splits
-    t_begin = split * per_split
-    t_end = tl.minimum(t_begin + per_split, n_tiles)
-    t_stop = tl.minimum(t_end, n_full)
+    t_begin, t_stop = _split_tiles(S, S, G, split, num_splits)
 
     m_i = tl.full([BN], float("-inf"), dtype=tl.float32)
     l_part = tl.zeros([G2, BN], dtype=tl.float32)  # per token-pair row; summed over rows after the loop
@@ -782,23 +792,15 @@ def kvarn_attention_pair_pipe_kernel(
         s_e = tl.zeros([G2, BN], dtype=tl.float32)
         s_o = tl.zeros([G2, BN], dtype=tl.float32)
         b_hi, b_lo, qz = _key_plane_p(q0, sk0, zk0, KSPLIT)
-        c_e, c_o = _pair_plane(pki, 0, KB, UNPACK)
-        s_e = _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT)
-        s_o = _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
+        s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
         b_hi, b_lo, z1 = _key_plane_p(q1, sk1, zk1, KSPLIT)
-        c_e, c_o = _pair_plane(pki, KB, KB, UNPACK)
-        s_e = _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT)
-        s_o = _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
+        s_e, s_o = _pair_key_dot(pki, 1, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
         qz += z1
         if PERK == 4:
             b_hi, b_lo, z2 = _key_plane_p(q2, sk2, zk2, KSPLIT)
-            c_e, c_o = _pair_plane(pki, 2 * KB, KB, UNPACK)
-            s_e = _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT)
-            s_o = _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
+            s_e, s_o = _pair_key_dot(pki, 2, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
             b_hi, b_lo, z3 = _key_plane_p(q3, sk3, zk3, KSPLIT)
-            c_e, c_o = _pair_plane(pki, 3 * KB, KB, UNPACK)
-            s_e = _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT)
-            s_o = _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
+            s_e, s_o = _pair_key_dot(pki, 3, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
             qz += z2 + z3
         rk_e, rk_o = _pair_scales(rk)
         s_e = (s_e + qz[None, :]) * (rk_e * qnorm)[:, None]
@@ -816,33 +818,13 @@ def kvarn_attention_pair_pipe_kernel(
         ps = tl.reshape(tl.permute(tl.join(p_e * sv_e[:, None], p_o * sv_o[:, None]), (0, 2, 1)), [G, BN])
         # ---- values
         pvi = pv.to(tl.int16, bitcast=True)
-        o_e = tl.zeros([D2, BN], dtype=tl.float32)
-        o_o = tl.zeros([D2, BN], dtype=tl.float32)
-        if PERV == 2:
-            ps0, ps1 = _halves(ps, BT, BN)
-            o_e, o_o = _pair_values(pvi, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT)
-            o_e, o_o = _pair_values(pvi, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT)
-        else:
-            tl.static_assert(PERV == 4, "codes are 2 or 4 bits")
-            h0, h1 = _halves(ps, 2 * BT, BN)
-            ps0, ps1 = _halves(h0, BT, BN)
-            ps2, ps3 = _halves(h1, BT, BN)
-            o_e, o_o = _pair_values(pvi, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT)
-            o_e, o_o = _pair_values(pvi, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT)
-            o_e, o_o = _pair_values(pvi, ps2, o_e, o_o, 2, VB, UNPACK, VSPLIT)
-            o_e, o_o = _pair_values(pvi, ps3, o_e, o_o, 3, VB, UNPACK, VSPLIT)
+        o_e, o_o = _pair_value_planes(pvi, ps, D2, BT, BN, VB, UNPACK, VSPLIT)
         cv_e, cv_o = _pair_scales(cv)
         acc_e = acc_e * alpha[None, :] + (o_e + pz[None, :]) * cv_e[:, None]
         acc_o = acc_o * alpha[None, :] + (o_o + pz[None, :]) * cv_o[:, None]
 
     l_i = tl.sum(l_part, axis=0)
-    has = l_i > 0.0
-    inv_l = 1.0 / tl.where(has, l_i, 1.0)
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    out = po_r_ptr + (row * num_splits + split)[None, :] * D + 2 * v[:, None]
-    tl.store(out, acc_e * inv_l[None, :], mask=col_ok[None, :])
-    tl.store(out + 1, acc_o * inv_l[None, :], mask=col_ok[None, :])
-    tl.store(plse_ptr + row * (num_splits + 1) + split, lse, mask=col_ok)
+    _store_pair_partials(po_r_ptr, plse_ptr, row, split, num_splits, v, col_ok, acc_e, acc_o, m_i, l_i, D)
 
 
 @triton.jit

@@ -20,18 +20,7 @@ def hadamard_pm1(D: tl.constexpr, MMA_BF16: tl.constexpr):
 @triton.jit
 def hadamard_pm1_cols(D: tl.constexpr, DP: tl.constexpr, J: tl.constexpr, MMA_BF16: tl.constexpr):
     """Columns J*DP .. (J+1)*DP - 1 of the +-1 Hadamard, [D, DP] (for the planar key planes)."""
-    i = tl.arange(0, D)[:, None]
-    c = (tl.arange(0, DP) + J * DP)[None, :]
-    v = i & c
-    v = v ^ (v >> 8)
-    v = v ^ (v >> 4)
-    v = v ^ (v >> 2)
-    v = v ^ (v >> 1)
-    h = 1.0 - 2.0 * (v & 1).to(tl.float32)
-    if MMA_BF16:
-        return h.to(tl.bfloat16)
-    else:
-        return h
+    return hadamard_pm1_block(D, DP, 0, J * DP, MMA_BF16)
 
 
 @triton.jit

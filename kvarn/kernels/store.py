@@ -92,10 +92,7 @@ def _quantize_matrix(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, IT
         cs = _std(t, 0, R)
         rs = _std(t, 1, C)
         imb = tl.max(cs, axis=0) / tl.min(cs, axis=0) + tl.max(rs, axis=0) / tl.min(rs, axis=0)
-        better = imb < best  # strict: ties keep the earlier iterate, like the reference
-        best = tl.where(better, imb, best)
-        best_lr = tl.where(better, lr, best_lr)
-        best_lc = tl.where(better, lc, best_lc)
+        best, best_lr, best_lc = _keep_best(imb, best, lr, best_lr, lc, best_lc)
     col = tl.exp(best_lc)
     row = tl.exp(best_lr)
     t = x / col[None, :] / row[:, None]
@@ -129,6 +126,35 @@ def _var(t, AXIS: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def _keep_best(imb, best, er, best_er, ec, best_ec):
+    # the balance (log-scales or factors) of the least imbalanced iterate so far; strict: ties keep the earlier one,
+    # as the reference
+    better = imb < best
+    return tl.where(better, imb, best), tl.where(better, er, best_er), tl.where(better, ec, best_ec)
+
+
+@triton.jit
+def _codes_from_factors(x, best_ec, best_er, BITS: tl.constexpr):
+    """Round x [R, C] per row after balancing by the factors ec (columns) and er (rows); returns codes, and the
+    folded fp16 vectors s, z (rows) and c (columns). Multiplies by reciprocals where the reference divides
+    element-wise (codes may move by one on a rounding boundary, which the contract allows)."""
+    t = x * best_ec[None, :] * best_er[:, None]
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    mn = tl.min(t, axis=1)
+    mx = tl.max(t, axis=1)
+    row = 1.0 / best_er
+    s = _to_f16_range((mx - mn) / QMAX * row)
+    z = _to_f16_range(mn * row)
+    c = _to_f16_range(1.0 / best_ec)
+    c_safe = tl.where(tl.abs(c) > 1e-12, c, 1.0)
+    s_ok = tl.abs(s) > 1e-12
+    s_inv = tl.where(s_ok, 1.0 / tl.where(s_ok, s, 1.0), 0.0)  # 0: a constant row gets code 0
+    q = (x * (1.0 / c_safe)[None, :] - z[:, None]) * s_inv[:, None]
+    q = tl.minimum(tl.maximum(_round_half_even(q), 0.0), QMAX)
+    return q.to(tl.int32), s, z, c
+
+
+@triton.jit
 def _quantize_matrix_mul(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr):
     """_quantize_matrix with the balance kept as the factors er = exp(-lr), ec = exp(-lc) instead of the
     log-scales (the same iterates in exact arithmetic, rounding aside):
@@ -159,24 +185,8 @@ def _quantize_matrix_mul(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr
         er = er_new
         vc = tl.minimum(tl.maximum(_var(u * er[:, None], 0, R), 1e-6), 1e6)
         imb = tl.sqrt(tl.max(vc, axis=0) / tl.min(vc, axis=0)) + tl.sqrt(tl.max(vr, axis=0) / tl.min(vr, axis=0))
-        better = imb < best  # strict: ties keep the earlier iterate, like the reference
-        best = tl.where(better, imb, best)
-        best_er = tl.where(better, er, best_er)
-        best_ec = tl.where(better, ec, best_ec)
-    t = x * best_ec[None, :] * best_er[:, None]
-    QMAX: tl.constexpr = (1 << BITS) - 1
-    mn = tl.min(t, axis=1)
-    mx = tl.max(t, axis=1)
-    row = 1.0 / best_er
-    s = _to_f16_range((mx - mn) / QMAX * row)
-    z = _to_f16_range(mn * row)
-    c = _to_f16_range(1.0 / best_ec)
-    c_safe = tl.where(tl.abs(c) > 1e-12, c, 1.0)
-    s_ok = tl.abs(s) > 1e-12
-    s_inv = tl.where(s_ok, 1.0 / tl.where(s_ok, s, 1.0), 0.0)  # 0: a constant row gets code 0
-    q = (x * (1.0 / c_safe)[None, :] - z[:, None]) * s_inv[:, None]
-    q = tl.minimum(tl.maximum(_round_half_even(q), 0.0), QMAX)
-    return q.to(tl.int32), s, z, c
+        best, best_er, best_ec = _keep_best(imb, best, er, best_er, ec, best_ec)
+    return _codes_from_factors(x, best_ec, best_er, BITS)
 
 
 @triton.jit
@@ -225,24 +235,8 @@ def _quantize_matrix_fused(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constex
         cmax, cmin = tl.reduce((vc, vc), 0, _maxmin)  # column vectors are whole in every warp: warp-local
         rmax, rmin = tl.reduce((vr, vr), 0, _maxmin)  # rows span the warps: one exchange for both
         imb = tl.sqrt(cmax / cmin) + tl.sqrt(rmax / rmin)
-        better = imb < best  # strict: ties keep the earlier iterate, like the reference
-        best = tl.where(better, imb, best)
-        best_er = tl.where(better, er, best_er)
-        best_ec = tl.where(better, ec, best_ec)
-    t = x * best_ec[None, :] * best_er[:, None]
-    QMAX: tl.constexpr = (1 << BITS) - 1
-    mn = tl.min(t, axis=1)
-    mx = tl.max(t, axis=1)
-    row = 1.0 / best_er
-    s = _to_f16_range((mx - mn) / QMAX * row)
-    z = _to_f16_range(mn * row)
-    c = _to_f16_range(1.0 / best_ec)
-    c_safe = tl.where(tl.abs(c) > 1e-12, c, 1.0)
-    s_ok = tl.abs(s) > 1e-12
-    s_inv = tl.where(s_ok, 1.0 / tl.where(s_ok, s, 1.0), 0.0)  # 0: a constant row gets code 0
-    q = (x * (1.0 / c_safe)[None, :] - z[:, None]) * s_inv[:, None]
-    q = tl.minimum(tl.maximum(_round_half_even(q), 0.0), QMAX)
-    return q.to(tl.int32), s, z, c
+        best, best_er, best_ec = _keep_best(imb, best, er, best_er, ec, best_ec)
+    return _codes_from_factors(x, best_ec, best_er, BITS)
 
 
 @triton.jit
