@@ -5,9 +5,15 @@
 # Each part gets its own time limit (SECS, else KVARN_PART_TIMEOUT, default 240 s) and its log under $OUT/PART.log.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-test -d /tmp/stage || { echo "RESTAGE: /tmp/stage missing"; exit 3; }
-cp .device/c5/* /tmp/stage/ 2>/dev/null || true
-bash .device/bin/assemble.sh > "$OUT/assemble.log" 2>&1 || { tail -20 "$OUT/assemble.log"; exit 3; }
+# Kernel-only parts need no bundle: the image's own torch 2.11 / triton 3.6.0 are the bundle's versions, so a call with
+# KVARN_NO_BUNDLE=1 skips staging (a machine start, not six calls); the decode baseline is then SDPA, not vLLM's FA.
+if [ "${KVARN_NO_BUNDLE:-0}" = 1 ]; then
+  echo "no vLLM bundle (KVARN_NO_BUNDLE=1): the image's torch/triton"
+else
+  test -d /tmp/stage || { echo "RESTAGE: /tmp/stage missing (KVARN_NO_BUNDLE=1 runs kernel parts without it)"; exit 3; }
+  cp .device/c5/* /tmp/stage/ 2>/dev/null || true
+  bash .device/bin/assemble.sh > "$OUT/assemble.log" 2>&1 || { tail -20 "$OUT/assemble.log"; exit 3; }
+fi
 export KVARN_SUITES=$PWD/suites PATH=/tmp/kvarn-site/bin:$PATH PYTHONPATH=/tmp/kvarn-site:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kvarn-site . > "$OUT/install.log" 2>&1 \
   || { tail -20 "$OUT/install.log"; exit 3; }
@@ -36,7 +42,7 @@ save_cache() {
   else echo "compile caches saved: $OUT/0cache.tar.xz (${mb} MiB); carry it as .device/cache/cache.tar.xz"; fi
 }
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
-python3 -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)" 2>&1 | tail -1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; python3 -c "import vllm; print('vllm', vllm.__version__)" 2>/dev/null || echo "vllm: absent"
 summary=()
 for spec in "$@"; do
   part=${spec%%:*}; secs=${KVARN_PART_TIMEOUT:-240}; [ "$spec" != "$part" ] && secs=${spec#*:}
