@@ -91,10 +91,18 @@ def test_gpu_store_decode_equals_store_tiles_and_captures():
     assert len(done) == 2 and torch.equal(cache, want_cache)
 
 
+# the default and the offset-codes candidate, named (no run-time tuning: each case is one compile per config)
+DECODE_CONFIGS = ["default", "u2k2v1w4s3x1r128n8L2p1o8"]
+
+
+@pytest.mark.parametrize("cfg_name", DECODE_CONFIGS)
 @pytest.mark.parametrize("name,D,Hq,Hk", DECODE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_decode_matches_reference(name, D, Hq, Hk, dtype):
+def test_gpu_decode_matches_reference(name, D, Hq, Hk, dtype, cfg_name):
     from kvarn.kernels import decode_attention
+    from kvarn.kernels.decode import DEFAULT_CONFIG, DecodeConfig
+
+    cfg = DEFAULT_CONFIG if cfg_name == "default" else DecodeConfig.from_name(cfg_name)
 
     fmt = get_format(name)
     seq = [1000, 0, 4 * fmt.group, 37, 2 * fmt.group + 5]
@@ -105,7 +113,7 @@ def test_gpu_decode_matches_reference(name, D, Hq, Hk, dtype):
     for splits in (1, 4, None):
         out = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
                                st["tail_slots"], fmt, scale, num_splits=splits,
-                               out=torch.empty(q.shape, dtype=torch.float32, device=DEV))
+                               out=torch.empty(q.shape, dtype=torch.float32, device=DEV), config=cfg)
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) < 1e-3, (splits, rel_err(out, ref))
         assert torch.count_nonzero(out[1]) == 0

@@ -265,7 +265,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
         check_extra = {"rel_err_in_q_dtype": _rel(out[:rows], ref)}
     from dataclasses import replace
 
-    from .decode import SWEEP_CONFIGS, default_num_splits, tuned_entries
+    from .decode import SWEEP_CONFIGS, DecodeConfig, default_num_splits, tuned_entries
 
     check_extra["tuned"] = str(tuned_entries()) if dev.type == "cuda" else None
     check_extra["heuristic_splits"] = default_num_splits(B, Hk, st["block_table"].shape[1], dev)
@@ -297,12 +297,15 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
             print("sweep-row " + json.dumps(row), file=sys.stderr, flush=True)
             return row
 
-        for cfg in SWEEP_CONFIGS:
+        # KVARN_SWEEP_CONFIGS="name,name,...": only these (any DecodeConfig name, e.g. one not in SWEEP_CONFIGS)
+        names = [n.strip() for n in os.environ.get("KVARN_SWEEP_CONFIGS", "").split(",") if n.strip()]
+        configs = [DecodeConfig.from_name(n) for n in names] if names else SWEEP_CONFIGS
+        for cfg in configs:
             one(cfg)
         ok = [r for r in rows_out if "ms" in r and r.get("rel_err", 0.0) < 1e-3]
         if ok:
             best = min(ok, key=lambda r: r["ms"])
-            cfg = next(c for c in SWEEP_CONFIGS if c.name == best["config"])
+            cfg = next(c for c in configs if c.name == best["config"])
             h = check_extra["heuristic_splits"]
             for sp in sorted({1, max(1, h // 2), 2 * h, 4 * h} - {h}):
                 one(replace(cfg, split_mult=1.0), sp)

@@ -28,9 +28,9 @@ else
   # KVARN_BENCH_SHAPE: e.g. "--burst 16640 --prompt-len 16384 --requests 64" (issue 5's burst)
   read -r -a shape <<< "${KVARN_BENCH_SHAPE:---burst 1536 --prompt-len 1024 --requests 64}"
   $KVARN bench --engine vllm --model qwen3-8b --kv-dtype "$kv" "${shape[@]}" \
-    --dummy-weights --timeout 300 --out "$RES" --dry-run 2>&1 | tail -n 15
+    --dummy-weights --timeout "${KVARN_BENCH_TIMEOUT:-300}" --out "$RES" --dry-run 2>&1 | tail -n 15
   timeout -k 20 "$BUDGET" $KVARN bench --engine vllm --model qwen3-8b --kv-dtype "$kv" "${shape[@]}" \
-    --dummy-weights --timeout 300 --out "$RES" > "$OUT/bench_cli.log" 2>&1
+    --dummy-weights --timeout "${KVARN_BENCH_TIMEOUT:-300}" --out "$RES" > "$OUT/bench_cli.log" 2>&1
   echo "kvarn bench rc=$? (124 = budget spent; unfinished cells resume on the next run)"
   grep -E "^(ok|failed|timeout|oom|skipped) " "$OUT/bench_cli.log" | tail -n 10
 fi
