@@ -91,8 +91,8 @@ def test_gpu_store_decode_equals_store_tiles_and_captures():
     assert len(done) == 2 and torch.equal(cache, want_cache)
 
 
-# the default and the offset-codes candidate, named (no run-time tuning: each case is one compile per config)
-DECODE_CONFIGS = ["default", "u2k2v1w4s3x1r128n8L2p1o8"]
+# the default and the previous one (token-row kernel), named: no run-time tuning, one compile per config and case
+DECODE_CONFIGS = ["default", "u2k2v1w4s1x1r128L1"]
 
 
 @pytest.mark.parametrize("cfg_name", DECODE_CONFIGS)

@@ -524,27 +524,13 @@ def kvarn_attention_tok_kernel(
 
 
 @triton.jit
-def _pair_plane(x, SHIFT: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr, OFFSET: tl.constexpr = 0):
+def _pair_plane(x, SHIFT: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr):
     """x: int16 = two bytes of one packed column (low byte: row 2i, high byte: row 2i + 1). The codes of one bit
     plane of the two rows as exact fp16: (even, odd). On the GPU 2 pairs per register (bytes 0 / 2 the even rows,
     1 / 3 the odd ones): the code stays at bit SHIFT of its half and the half gets the fp16 exponent of
     E = 2^(10 - SHIFT), so it reads E + code (SHIFT + BITS <= 10); one lop3 + one sub.f16x2 per 2 codes, and one
-    shr (by 8, shared by all planes) for the odd rows. OFFSET > 0 skips the subtraction for planes with
-    E <= 2^OFFSET: they come back as E + code (exact), and the caller folds E times its operand's sum into the
-    zero-point terms (DecodeConfig.offset)."""
+    shr (by 8, shared by all planes) for the odd rows."""
     MASK: tl.constexpr = (1 << BITS) - 1
-    if OFFSET > 0 and 10 - SHIFT <= OFFSET:
-        M1: tl.constexpr = MASK << SHIFT
-        EH: tl.constexpr = (25 - SHIFT) << 10
-        if UNPACK == 2:
-            return tl.inline_asm_elementwise(
-                f"{{ .reg .b32 t1; shr.b32 t1, $2, 8; lop3.b32 $0, $2, {M1 * 0x10001}, {EH * 0x10001}, 0xEA; "
-                f"lop3.b32 $1, t1, {M1 * 0x10001}, {EH * 0x10001}, 0xEA; }}",
-                "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
-        else:
-            e = (x & M1) | EH
-            o = ((x >> 8) & M1) | EH
-            return e.to(tl.float16, bitcast=True), o.to(tl.float16, bitcast=True)
     if UNPACK == 2:
         M2: tl.constexpr = (MASK << SHIFT) * 0x10001
         E2: tl.constexpr = ((25 - SHIFT) << 10) * 0x10001  # fp16 2^(10 - SHIFT) in both halves
@@ -560,9 +546,9 @@ def _pair_plane(x, SHIFT: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr
 
 @triton.jit
 def _pair_key_dot(pk, J: tl.constexpr, b_hi, b_lo, s_e, s_o, KB: tl.constexpr, UNPACK: tl.constexpr,
-                  KSPLIT: tl.constexpr, OFFSET: tl.constexpr = 0):
+                  KSPLIT: tl.constexpr):
     # scores^T of the even / odd tokens += Kcodes_J^T [G/2, DP] x (q_J * sK_J)^T [DP, BN]
-    c_e, c_o = _pair_plane(pk, J * KB, KB, UNPACK, OFFSET)
+    c_e, c_o = _pair_plane(pk, J * KB, KB, UNPACK)
     return _dot16_t(c_e, b_hi, b_lo, s_e, KSPLIT), _dot16_t(c_o, b_hi, b_lo, s_o, KSPLIT)
 
 
@@ -659,34 +645,33 @@ def kvarn_attention_pair_kernel(
 
 
 @triton.jit
-def _pair_values(pv, ps, o_e, o_o, J: tl.constexpr, VB: tl.constexpr, UNPACK: tl.constexpr, VSPLIT: tl.constexpr,
-                 OFFSET: tl.constexpr = 0):
+def _pair_values(pv, ps, o_e, o_o, J: tl.constexpr, VB: tl.constexpr, UNPACK: tl.constexpr, VSPLIT: tl.constexpr):
     # o^T of the even / odd channels += Vcodes_J^T [D/2, BT] x (p * sV)_J^T [BT, BN]
     hi, lo = _split16(ps, VSPLIT)
-    c_e, c_o = _pair_plane(pv, J * VB, VB, UNPACK, OFFSET)
+    c_e, c_o = _pair_plane(pv, J * VB, VB, UNPACK)
     return _dot16_t(c_e, hi, lo, o_e, VSPLIT), _dot16_t(c_o, hi, lo, o_o, VSPLIT)
 
 
 @triton.jit
 def _pair_value_planes(pv, ps, D2: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, VB: tl.constexpr,
-                       UNPACK: tl.constexpr, VSPLIT: tl.constexpr, OFFSET: tl.constexpr = 0):
+                       UNPACK: tl.constexpr, VSPLIT: tl.constexpr):
     # o^T of the even / odd channels of one tile: every value byte plane J against its BT rows of p * sV [G, BN]
     PERV: tl.constexpr = 8 // VB
     o_e = tl.zeros([D2, BN], dtype=tl.float32)
     o_o = tl.zeros([D2, BN], dtype=tl.float32)
     if PERV == 2:
         ps0, ps1 = _halves(ps, BT, BN)
-        o_e, o_o = _pair_values(pv, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT, OFFSET)
-        o_e, o_o = _pair_values(pv, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT, OFFSET)
+        o_e, o_o = _pair_values(pv, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT)
+        o_e, o_o = _pair_values(pv, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT)
     else:
         tl.static_assert(PERV == 4, "codes are 2 or 4 bits")
         h0, h1 = _halves(ps, 2 * BT, BN)
         ps0, ps1 = _halves(h0, BT, BN)
         ps2, ps3 = _halves(h1, BT, BN)
-        o_e, o_o = _pair_values(pv, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT, OFFSET)
-        o_e, o_o = _pair_values(pv, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT, OFFSET)
-        o_e, o_o = _pair_values(pv, ps2, o_e, o_o, 2, VB, UNPACK, VSPLIT, OFFSET)
-        o_e, o_o = _pair_values(pv, ps3, o_e, o_o, 3, VB, UNPACK, VSPLIT, OFFSET)
+        o_e, o_o = _pair_values(pv, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT)
+        o_e, o_o = _pair_values(pv, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT)
+        o_e, o_o = _pair_values(pv, ps2, o_e, o_o, 2, VB, UNPACK, VSPLIT)
+        o_e, o_o = _pair_values(pv, ps3, o_e, o_o, 3, VB, UNPACK, VSPLIT)
     return o_e, o_o
 
 
@@ -741,18 +726,10 @@ def _pair_tile_load(rec16, rec32, u, v, dp, bt, G2: tl.constexpr, D2: tl.constex
 
 
 @triton.jit
-def _key_plane_p(qT, sk, zk, KSPLIT: tl.constexpr, EK: tl.constexpr):
-    # _key_plane_t with the (prefetched) fp16 scale vectors as values; the zK term comes back unreduced (the kernel
-    # sums the planes' terms in one reduction). EK > 0: the codes read as EK + code (OFFSET), so the term also
-    # takes away EK times the B operand exactly as the MMA sees it (the fp16 hi [+ lo])
+def _key_plane_p(qT, sk, zk, KSPLIT: tl.constexpr):
+    # _key_plane_t with the (prefetched) fp16 scale vectors as values
     hi, lo = _split16(qT * sk.to(tl.float32)[:, None], KSPLIT)
-    zt = qT * zk.to(tl.float32)[:, None]
-    if EK > 0:
-        b = hi.to(tl.float32)
-        if KSPLIT == 2:
-            b += lo.to(tl.float32)
-        zt -= EK * b
-    return hi, lo, zt
+    return hi, lo, tl.sum(qT * zk.to(tl.float32)[:, None], axis=0)
 
 
 @triton.jit
@@ -765,7 +742,6 @@ def kvarn_attention_pair_pipe_kernel(
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
-    OFFSET: tl.constexpr = 0,
 ):
     """kvarn_attention_pair_kernel restructured for the pipeliner (DecodeConfig.pipe = 1; use with num_stages 2-3).
 
@@ -775,14 +751,7 @@ def kvarn_attention_pair_pipe_kernel(
     iteration and the per-token / per-channel runs are read as int32 (even, odd) pairs, so with num_stages >= 2
     every load of the tile (not only the code tiles) becomes a cp.async into shared memory one or two tiles ahead.
     The softmax denominator is kept per token row and reduced across warps once after the loop (one cross-warp
-    reduction fewer per tile). Same math and partials as the pair kernel.
-
-    OFFSET = k > 0 (DecodeConfig.offset): code planes whose E_J = 2^(10 - shift of plane J) is at most 2^k go into
-    the MMAs as E_J + code (the fp16 exponent trick without its subtraction: one lop3 per two codes and nothing
-    else). The E_J terms are linear, so they come out with the zero points: keys take sum_d E_J (q sK)_d from the
-    query's zK term, values take sum_t E_J (p sV)_t from the zV term, each computed from the operand exactly as the
-    MMA sees it (fp16). What remains is fp32 accumulation error on sums E_J / code times larger: ~2^-24 * E_J /
-    code, which the cap k bounds (k = 10, every plane: ~1e-4 of the output in the interpreter; k = 8: ~2e-5)."""
+    reduction fewer per tile). Same math and partials as the pair kernel."""
     b = tl.program_id(0)
     kvh = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
@@ -810,14 +779,6 @@ def kvarn_attention_pair_pipe_kernel(
     l_part = tl.zeros([G2, BN], dtype=tl.float32)  # per token-pair row; summed over rows after the loop
     acc_e = tl.zeros([D2, BN], dtype=tl.float32)
     acc_o = tl.zeros([D2, BN], dtype=tl.float32)
-    # OFFSET: E of each key plane (its shift J * KB) and of each token pair's value plane (tokens 2u, 2u + 1 sit in
-    # plane 2u // BT, shift VB times that)
-    EK0: tl.constexpr = (1 << 10) if 0 < OFFSET and 10 <= OFFSET else 0
-    EK1: tl.constexpr = (1 << (10 - KB)) if 0 < OFFSET and 10 - KB <= OFFSET else 0
-    EK2: tl.constexpr = (1 << (10 - 2 * KB)) if 0 < OFFSET and 10 - 2 * KB <= OFFSET and PERK == 4 else 0
-    EK3: tl.constexpr = (1 << (10 - 3 * KB)) if 0 < OFFSET and 10 - 3 * KB <= OFFSET and PERK == 4 else 0
-    elog = 10 - VB * ((2 * u) // BT)
-    ev = tl.where((OFFSET > 0) & (elog <= OFFSET), tl.exp2(elog.to(tl.float32)), 0.0)
 
     c32 = cache16_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
@@ -830,18 +791,17 @@ def kvarn_attention_pair_pipe_kernel(
         pki = pk.to(tl.int16, bitcast=True)
         s_e = tl.zeros([G2, BN], dtype=tl.float32)
         s_o = tl.zeros([G2, BN], dtype=tl.float32)
-        b_hi, b_lo, zt = _key_plane_p(q0, sk0, zk0, KSPLIT, EK0)
-        s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT, OFFSET)
-        b_hi, b_lo, z1 = _key_plane_p(q1, sk1, zk1, KSPLIT, EK1)
-        s_e, s_o = _pair_key_dot(pki, 1, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT, OFFSET)
-        zt += z1
+        b_hi, b_lo, qz = _key_plane_p(q0, sk0, zk0, KSPLIT)
+        s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+        b_hi, b_lo, z1 = _key_plane_p(q1, sk1, zk1, KSPLIT)
+        s_e, s_o = _pair_key_dot(pki, 1, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+        qz += z1
         if PERK == 4:
-            b_hi, b_lo, z2 = _key_plane_p(q2, sk2, zk2, KSPLIT, EK2)
-            s_e, s_o = _pair_key_dot(pki, 2, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT, OFFSET)
-            b_hi, b_lo, z3 = _key_plane_p(q3, sk3, zk3, KSPLIT, EK3)
-            s_e, s_o = _pair_key_dot(pki, 3, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT, OFFSET)
-            zt += z2 + z3
-        qz = tl.sum(zt, axis=0)
+            b_hi, b_lo, z2 = _key_plane_p(q2, sk2, zk2, KSPLIT)
+            s_e, s_o = _pair_key_dot(pki, 2, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+            b_hi, b_lo, z3 = _key_plane_p(q3, sk3, zk3, KSPLIT)
+            s_e, s_o = _pair_key_dot(pki, 3, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+            qz += z2 + z3
         rk_e, rk_o = _pair_scales(rk)
         s_e = (s_e + qz[None, :]) * (rk_e * qnorm)[:, None]
         s_o = (s_o + qz[None, :]) * (rk_o * qnorm)[:, None]
@@ -854,19 +814,11 @@ def kvarn_attention_pair_pipe_kernel(
         m_i = m_new
         sv_e, sv_o = _pair_scales(sv)
         zv_e, zv_o = _pair_scales(zv)
-        ps_e = p_e * sv_e[:, None]
-        ps_o = p_o * sv_o[:, None]
-        pzt = p_e * zv_e[:, None] + p_o * zv_o[:, None]
-        if OFFSET > 0:
-            if VSPLIT == 1:  # the MMA's operand is fp16: round here, so the E term is taken from the same values
-                ps_e = ps_e.to(tl.float16)
-                ps_o = ps_o.to(tl.float16)
-            pzt -= ev[:, None] * (ps_e.to(tl.float32) + ps_o.to(tl.float32))
-        pz = tl.sum(pzt, axis=0)
-        ps = tl.reshape(tl.permute(tl.join(ps_e, ps_o), (0, 2, 1)), [G, BN])
+        pz = tl.sum(p_e * zv_e[:, None] + p_o * zv_o[:, None], axis=0)
+        ps = tl.reshape(tl.permute(tl.join(p_e * sv_e[:, None], p_o * sv_o[:, None]), (0, 2, 1)), [G, BN])
         # ---- values
         pvi = pv.to(tl.int16, bitcast=True)
-        o_e, o_o = _pair_value_planes(pvi, ps, D2, BT, BN, VB, UNPACK, VSPLIT, OFFSET)
+        o_e, o_o = _pair_value_planes(pvi, ps, D2, BT, BN, VB, UNPACK, VSPLIT)
         cv_e, cv_o = _pair_scales(cv)
         acc_e = acc_e * alpha[None, :] + (o_e + pz[None, :]) * cv_e[:, None]
         acc_o = acc_o * alpha[None, :] + (o_o + pz[None, :]) * cv_o[:, None]
@@ -978,10 +930,9 @@ def unpack_selftest_kernel(src_ptr, out_ptr, N: tl.constexpr, SHIFT: tl.constexp
 
 
 @triton.jit
-def pair_selftest_kernel(src_ptr, even_ptr, odd_ptr, N: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
-                         OFFSET: tl.constexpr = 0):
+def pair_selftest_kernel(src_ptr, even_ptr, odd_ptr, N: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr):
     """Inline-PTX unpack of N int16 pairs (kvarn_attention_pair_kernel's), for the same self-check."""
     i = tl.arange(0, N)
-    e, o = _pair_plane(tl.load(src_ptr + i), SHIFT, BITS, 2, OFFSET)
+    e, o = _pair_plane(tl.load(src_ptr + i), SHIFT, BITS, 2)
     tl.store(even_ptr + i, e)
     tl.store(odd_ptr + i, o)
