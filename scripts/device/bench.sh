@@ -7,6 +7,11 @@
 #   imports), turboquant_k3v4_nc, turboquant_4bit_nc; each cell a fresh engine process with a 300 s timeout (the
 #   first TurboQuant start compiles for minutes). The issue's showcase (96 x (14336 + 2048)) is the same command
 #   with --burst 16k --requests 96 --prompt-len 14336; it needs ~25 min for five formats.
+# A cell longer than one call (TurboQuant at the showcase burst: ~10-12 min with its compile) runs in the background
+# and is collected by back-to-back calls (the machine must stay warm: < 30 s between calls):
+#   KVARN_BG=1 KVARN_BENCH_KV=turboquant_k3v4_nc KVARN_BENCH_SHAPE="--burst 16k --requests 96 --prompt-len 14336
+#     --output-len 2048" KVARN_BENCH_TIMEOUT=1100 KVARN_BENCH_BUDGET=1150 bash scripts/device/run.sh bench:1200
+#   bash scripts/device/run.sh wait:560      (again until it prints the table)
 # serve: Qwen3-0.6B shape, `vllm serve` + streamed /v1/completions, 32 x (1024 + 256), goodput SLOs.
 # Results: $OUT/bench (Parquet parts + logs/<config_hash>-r<k>.log). Last: the summary table with ratios vs FP16.
 set -uo pipefail

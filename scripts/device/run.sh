@@ -3,8 +3,43 @@
 # (see ../shared/device/README.md); this call carries .device/c5 and .device/bin (and .device/data for eval data).
 #   bash scripts/device/run.sh PART[:SECS] [PART[:SECS] ...]   PART = a script scripts/device/PART.sh, run in order
 # Each part gets its own time limit (SECS, else KVARN_PART_TIMEOUT, default 240 s) and its log under $OUT/PART.log.
+#   KVARN_BG=1 bash scripts/device/run.sh PART...   the same, started in its own process session (setsid: it outlives
+#                                                  the call, until the machine goes back) and returning at once;
+#   bash scripts/device/run.sh wait[:SECS]           a later call (back to back, the machine still warm) waits up to SECS
+#                                                  (default 540) for it, then brings its $OUT back. For runs longer than
+#                                                  one call's 10 minutes (a TurboQuant cell of the showcase burst).
+# At the end the logs go into $OUT/logs.tar.xz: a call returns at most 8 files, and the Parquet parts (bench/parts,
+# eval-results/parts, needed to resume in a later call) and the compile-cache archive must be among them.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+BG=/tmp/kvarn-bg
+pack_logs() {
+  (cd "$1" && find . -type f ! -path './bench/parts/*' ! -path './eval-results/parts/*' ! -name 0cache.tar.xz \
+     ! -name logs.tar.xz -print0 | tar --null -T - -cJf logs.tar.xz --remove-files 2>/dev/null; \
+   find . -mindepth 1 -type d -empty -delete 2>/dev/null) || true
+}
+if [ "${1%%:*}" = wait ]; then
+  secs=${1#wait}; secs=${secs#:}; secs=${secs:-540}; end=$(( $(date +%s) + secs ))
+  [ -f "$BG/pid" ] || { echo "no background run on this machine (it went back, or none was started)"; exit 3; }
+  while [ ! -f "$BG/done" ] && kill -0 "$(cat "$BG/pid")" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+  if [ -f "$BG/done" ]; then
+    cp -r "$BG/out/." "$OUT/"; tail -n "${KVARN_TAIL:-80}" "$BG/console.log"
+  elif kill -0 "$(cat "$BG/pid")" 2>/dev/null; then
+    echo "still running after ${secs} s (call wait again):"; tail -n 15 "$BG/console.log"
+    last=$(ls -t "$BG"/out/*.log 2>/dev/null | head -1); [ -n "$last" ] && { echo "--- $last"; tail -n 5 "$last"; }
+    exit 0
+  else
+    echo "the background run ended without finishing:"; tail -n 40 "$BG/console.log"; cp -r "$BG/out/." "$OUT/"
+  fi
+  pack_logs "$OUT"; exit 0
+fi
+if [ "${KVARN_BG:-0}" = 1 ]; then
+  rm -rf "$BG"; mkdir -p "$BG/out"
+  KVARN_BG=0 KVARN_BG_DIR="$BG" OUT="$BG/out" setsid nohup bash "$0" "$@" > "$BG/console.log" 2>&1 < /dev/null &
+  echo $! > "$BG/pid"
+  sleep 2; echo "started in the background (pid $(cat "$BG/pid")): $*; collect with 'bash scripts/device/run.sh wait:SECS'"
+  exit 0
+fi
 # Kernel-only parts need no bundle: the image's own torch 2.11 / triton 3.6.0 are the bundle's versions, so a call with
 # KVARN_NO_BUNDLE=1 skips staging (a machine start, not six calls); the decode baseline is then SDPA, not vLLM's FA.
 if [ "${KVARN_NO_BUNDLE:-0}" = 1 ]; then
@@ -47,7 +82,7 @@ summary=()
 for spec in "$@"; do
   part=${spec%%:*}; secs=${KVARN_PART_TIMEOUT:-240}; [ "$spec" != "$part" ] && secs=${spec#*:}
   start=$(date +%s)
-  timeout -k 10 "$secs" bash "scripts/device/$part.sh" > "$OUT/$part.log" 2>&1
+  KVARN_PART_SECS=$secs timeout -k 10 "$secs" bash "scripts/device/$part.sh" > "$OUT/$part.log" 2>&1
   rc=$?
   # leftover engines keep GPU memory: end them before the next part
   for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
@@ -56,3 +91,4 @@ for spec in "$@"; do
 done
 save_cache
 echo "=== summary"; printf '%s\n' "${summary[@]}"
+if [ -n "${KVARN_BG_DIR:-}" ]; then touch "$KVARN_BG_DIR/done"; else pack_logs "$OUT"; fi
