@@ -2,8 +2,10 @@
 expands the Cartesian product into `kvarn bench` / `kvarn eval` invocations (one subprocess per cell group: a
 crashed engine cannot take the rest of the suite down) that all write into one results directory.
 
-Groups: bench = one per (model, TP, burst) running every format x repeat; eval = one per (model, TP, task) running
-every format. `--resume` is handed to each command (they skip cells whose config hash and repeat are done).
+Groups: bench = one per (model, TP, workload) running every format x repeat, a workload being a burst (with the
+suite's output_len / requests) or an entry of bench.workloads ({burst, output_len, requests}: e.g. a reasoning-style
+burst and a decode-heavy one side by side); eval = one per (model, TP, task) running every format. A model with
+`weights: dummy` benchmarks with --dummy-weights (real shapes, random weights) and has no eval steps. `--resume` is handed to each command (they skip cells whose config hash and repeat are done).
 The exact flags each command receives are in BENCH_FLAGS / EVAL_FLAGS; `suite run` checks them against the
 command's `--help` before starting, so a CLI mismatch is one clear line, not a failure an hour in.
 """
@@ -30,7 +32,8 @@ from .shapes import resolve_model
 
 TOP_KEYS = {"name", "description", "results", "models", "formats", "tp", "bench", "eval", "gate"}
 MODEL_KEYS = {"name", "weights", "tp", "dtype"}
-BENCH_KEYS = {"mode", "bursts", "output_len", "requests", "repeats", "timeout_min", "args"}
+BENCH_KEYS = {"mode", "bursts", "output_len", "requests", "repeats", "timeout_min", "args", "workloads"}
+WORKLOAD_KEYS = {"burst", "output_len", "requests"}
 EVAL_KEYS = {"tasks", "samples", "limit", "timeout_min", "args"}
 TASK_KEYS = {"name", "samples", "limit", "context", "args"}
 GATE_KEYS = {"baseline", "policy"}
@@ -40,7 +43,7 @@ KNOWN_TASKS = ("ppl", "niah", "aime25", "gsm8k", "ruler")  # used only when kvar
 # How a suite field becomes a flag of `kvarn bench` / `kvarn eval` (one place to adapt if their CLIs change).
 BENCH_FLAGS = {"model": "--model", "weights": "--weights", "kv_dtype": "--kv-dtype", "tp": "--tp", "mode": "--mode",
                "burst": "--burst", "output_len": "--output-len", "requests": "--requests", "repeats": "--repeats",
-               "out": "--out"}  # bench always resumes finished cells (--force redoes them): no flag to pass
+               "out": "--out", "dummy": "--dummy-weights"}  # bench always resumes finished cells (--force redoes them): no flag to pass
 EVAL_FLAGS = {"model": "--model", "weights": "--weights", "kv_dtype": "--kv-dtype", "tp": "--tp", "task": "--task",
               "samples": "--samples", "limit": "--limit", "context": "--context", "out": "--out", "resume": "--resume"}
 
@@ -75,12 +78,13 @@ class Suite:
     def bench_cells(self) -> int:
         if not self.bench:
             return 0
-        return sum(len(m["tp"]) for m in self.models) * len(self.formats) * len(self.bench["bursts"])
+        return sum(len(m["tp"]) for m in self.models) * len(self.formats) * len(self.bench["workloads"])
 
     def eval_cells(self) -> int:
         if not self.eval:
             return 0
-        return sum(len(m["tp"]) for m in self.models) * len(self.formats) * len(self.eval["tasks"])
+        return (sum(len(m["tp"]) for m in self.models if m["weights"] != "dummy") * len(self.formats)
+                * len(self.eval["tasks"]))
 
 
 # ---- loading & validation -------------------------------------------------------------------------------------------
@@ -220,13 +224,31 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
                  "requests": _pos_int(b.get("requests", 64), f"{where}: bench.requests"),
                  "repeats": _pos_int(b.get("repeats", 3), f"{where}: bench.repeats"),
                  "timeout_min": b.get("timeout_min"), "args": [str(a) for a in b.get("args", []) or []]}
+        if b.get("workloads") is not None:  # explicit (burst, output_len, requests) triples instead of bursts
+            raw = b["workloads"]
+            if not isinstance(raw, list) or not raw:
+                raise KvarnError(f"{where}: bench.workloads must be a non-empty list of {{burst, output_len, requests}}")
+            bench["workloads"] = []
+            for i, w in enumerate(raw):
+                if not isinstance(w, dict) or "burst" not in w:
+                    raise KvarnError(f"{where}: bench.workloads[{i}] needs a burst (and optionally output_len, requests)")
+                _check_keys(w, WORKLOAD_KEYS, f"{where}: bench.workloads[{i}]")
+                bench["workloads"].append({
+                    "burst": _pos_int(w["burst"], f"{where}: bench.workloads[{i}].burst"),
+                    "output_len": _pos_int(w.get("output_len", bench["output_len"]),
+                                           f"{where}: bench.workloads[{i}].output_len"),
+                    "requests": _pos_int(w.get("requests", bench["requests"]), f"{where}: bench.workloads[{i}].requests")})
+            bench["bursts"] = [w["burst"] for w in bench["workloads"]]
+        else:
+            bench["workloads"] = [{"burst": x, "output_len": bench["output_len"], "requests": bench["requests"]}
+                                  for x in bench["bursts"]]
         for m in models:
             ctx = resolve_model(m["name"]).max_context
-            for burst in bench["bursts"]:  # a burst is the whole context per request (prompt + output), as in bench
-                if burst > ctx:
-                    raise KvarnError(f"{where}: bench burst {burst} exceeds {m['name']}'s context of {ctx} tokens")
-                if bench["output_len"] >= burst:
-                    raise KvarnError(f"{where}: bench output_len {bench['output_len']} leaves no prompt in burst {burst}")
+            for w in bench["workloads"]:  # a burst is the whole context per request (prompt + output), as in bench
+                if w["burst"] > ctx:
+                    raise KvarnError(f"{where}: bench burst {w['burst']} exceeds {m['name']}'s context of {ctx} tokens")
+                if w["output_len"] >= w["burst"]:
+                    raise KvarnError(f"{where}: bench output_len {w['output_len']} leaves no prompt in burst {w['burst']}")
     ev = None
     if data.get("eval") is not None:
         e = data["eval"]
@@ -271,19 +293,24 @@ def plan(suite: Suite, out: str | Path | None = None, *, resume: bool = False, o
         for tp in m["tp"]:
             if suite.bench and only in (None, "bench"):
                 b = suite.bench
-                for burst in b["bursts"]:
+                for w in b["workloads"]:
                     f = BENCH_FLAGS
                     argv = ["bench", f["model"], m["name"]]
-                    if m["weights"]:
+                    if m["weights"] == "dummy":
+                        argv.append(f["dummy"])
+                    elif m["weights"]:
                         argv += [f["weights"], m["weights"]]
-                    argv += [f["kv_dtype"], kvs, f["tp"], str(tp), f["mode"], b["mode"], f["burst"], str(burst),
-                             f["output_len"], str(b["output_len"]), f["requests"], str(b["requests"]),
+                    argv += [f["kv_dtype"], kvs, f["tp"], str(tp), f["mode"], b["mode"], f["burst"], str(w["burst"]),
+                             f["output_len"], str(w["output_len"]), f["requests"], str(w["requests"]),
                              f["repeats"], str(b["repeats"]), f["out"], out]
                     argv += b["args"]
-                    steps.append(Step("bench", f"bench {m['name']} TP={tp} burst {burst}", argv,
+                    title = f"bench {m['name']} TP={tp} burst {w['burst']}"
+                    if "workloads" in (suite.raw.get("bench") or {}):
+                        title += f" ({w['requests']} x {w['burst'] - w['output_len']}+{w['output_len']})"
+                    steps.append(Step("bench", title, argv,
                                       len(suite.formats), len(suite.formats) * b["repeats"],
                                       b["timeout_min"] * 60 if b["timeout_min"] else None))
-            if suite.eval and only in (None, "eval"):
+            if suite.eval and only in (None, "eval") and m["weights"] != "dummy":
                 e = suite.eval
                 for t in e["tasks"]:
                     f = EVAL_FLAGS

@@ -40,6 +40,29 @@ def test_plan_is_the_cartesian_product():
     assert all(x.argv[x.argv.index("--out") + 1] == "out" for x in steps)
 
 
+def test_workloads_and_dummy_weights():
+    # issue 9's two bursts side by side (same context, different prompt/output split) on dummy weights
+    perf = load_suite("performance")
+    steps = plan(perf, "out")
+    assert len(steps) == 2 * 2 and all(x.kind == "bench" for x in steps)  # dummy weights: no eval steps
+    first = steps[0].argv
+    assert "--dummy-weights" in first and "--weights" not in first
+    assert [first[first.index(k) + 1] for k in ("--burst", "--output-len", "--requests")] == ["16384", "2048", "96"]
+    assert steps[1].argv[steps[1].argv.index("--output-len") + 1] == "15360" and "1024+15360" in steps[1].title
+    assert perf.bench_cells() == 2 * 5 * 2 and perf.eval_cells() == 0
+    data = {**GOOD, "models": [{"name": "qwen3-8b", "weights": "dummy"}],
+            "bench": {"workloads": [{"burst": 4096}, {"burst": 8192, "output_len": 4096, "requests": 8}]}}
+    s = validate_suite(data, "w.yaml")
+    assert s.bench["workloads"] == [{"burst": 4096, "output_len": 256, "requests": 64},
+                                    {"burst": 8192, "output_len": 4096, "requests": 8}]
+    assert s.eval_cells() == 0 and not [x for x in plan(s, "o") if x.kind == "eval"]
+    for bad, msg in (([{"output_len": 8}], r"workloads\[0\] needs a burst"),
+                     ([{"burst": 4096, "reqs": 1}], r"workloads\[0\]: unknown key 'reqs'"),
+                     ([{"burst": 4096, "output_len": 4096}], "leaves no prompt in burst 4096"), ([], "non-empty list")):
+        with pytest.raises(KvarnError, match=msg):
+            validate_suite({**data, "bench": {"workloads": bad}}, "w.yaml")
+
+
 @pytest.mark.parametrize("patch,msg", [
     ({"bogus": 1}, "unknown key 'bogus'"),
     ({"formats": ["fp16", "int3"]}, "unknown kv dtype 'int3'"),
