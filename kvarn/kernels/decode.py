@@ -122,6 +122,10 @@ SWEEP_CONFIGS = [
     # E <= 256 and 2.2e-2 with every plane on the H200, against 1e-4 in the interpreter: the tensor cores' fp32
     # accumulation is not IEEE, so sums E / code times larger than the result lose the code's bits.)
     DecodeConfig(2, 2, 1, 4, 3, layout=2, bn=8, pipe=1),
+    # unmeasured: the pipe kernel on 2 warps (each warp 32 of the 64 token / channel pair rows): offline sm_90 1,303
+    # loop instructions per warp and tile = 2,606 per tile against 4 x 804 = 3,216 on 4 warps (fewer replicated
+    # softmax / scale operations), 249 registers without spills (4 programs = 8 warps per SM), 21 barriers
+    DecodeConfig(2, 2, 1, 2, 3, layout=2, bn=8, pipe=1), DecodeConfig(2, 2, 1, 2, 2, layout=2, bn=8, pipe=1),
 ]
 # candidates the run-time tuner times on the first eager call per key (compiles shared with the sweep)
 TUNE_CONFIGS = [DEFAULT_CONFIG, DecodeConfig(2, 2, 1, 4, 2, maxnreg=128, layout=2, bn=8, pipe=1),
