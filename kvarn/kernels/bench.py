@@ -492,7 +492,9 @@ def _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check) -> list:
     where no row / one row completes its tile (the CUDA-graph decode path runs it every layer). The balance
     column names the kernel variant (store.BALANCE_VARIANTS: log, mul, mulsm = mul + 32-channel blocked rotation
     and byte pack, fused = mul with 2 cross-warp reductions per iteration, fusedsm = both, fusedsm4w = fusedsm
-    on 4 warps); KVARN_STORE_BALANCE=<name> makes one the process default."""
+    on 4 warps); KVARN_STORE_BALANCE=<name> makes one the process default. KVARN_STORE_VARIANTS="mul,fused,..."
+    limits the table to those balance variants; each row also goes to stderr as it is measured ("store-row {json}")
+    so a run cut by its time limit keeps what it measured."""
     from . import store as S
 
     g, H, D = fmt.group, k.shape[1], k.shape[-1]
@@ -515,7 +517,12 @@ def _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check) -> list:
 
         ref = dequantize_tiles(quantize_tiles(k, v, fmt), fmt, D)
     rows = []
-    for bal in S.BALANCE_VARIANTS:
+    only = [b.strip() for b in os.environ.get("KVARN_STORE_VARIANTS", "").split(",") if b.strip()]
+    bad = [b for b in only if b not in S.BALANCE_VARIANTS]
+    if bad:
+        raise KvarnError(f"KVARN_STORE_VARIANTS: unknown balance variant(s) {', '.join(bad)}; accepted: "
+                         f"{', '.join(S.BALANCE_VARIANTS)}")
+    for bal in only or S.BALANCE_VARIANTS:
         for grid in S.DECODE_GRIDS:
             row = {"balance": bal, "decode_grid": grid}
             try:
@@ -541,6 +548,7 @@ def _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check) -> list:
             except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             rows.append(row)
+            print("store-row " + json.dumps(row), file=sys.stderr, flush=True)
     return rows
 
 

@@ -75,6 +75,9 @@ if sw:
         fc = f"{r['first_call_s']:6.1f}" if "first_call_s" in r else "     -"
         print(f"{'':44}{r['config']:<18} {str(r.get('splits') or 'auto'):>6} {ms} {gb} {er} {fc} {r.get('error', '')}")
 var = rows.get("store", {}).get("extra", {}).get("variants") or []
+if not var and (out / "mb_store.err").exists():  # cut by its time limit: the rows it printed as it went
+    var = [json.loads(l[len("store-row "):]) for l in (out / "mb_store.err").read_text().splitlines()
+           if l.startswith("store-row ")]
 if var:
     cols = ("flush_ms", "flush_b2b_ms", "batch_flush_ms", "decode_idle_ms", "decode_one_ms", "rel_err")
     print(f"\nstore variants (ms x 36 layers): {'balance':<8} {'grid':<8} " + " ".join(f"{c:>15}" for c in cols))
