@@ -18,7 +18,7 @@ pack_logs() {
      ! -name logs.tar.xz -print0 | tar --null -T - -cJf logs.tar.xz --remove-files 2>/dev/null; \
    find . -mindepth 1 -type d -empty -delete 2>/dev/null) || true
 }
-if [ "${1%%:*}" = wait ]; then
+if [ "${1:-}" != "" ] && [ "${1%%:*}" = wait ]; then
   secs=${1#wait}; secs=${secs#:}; secs=${secs:-540}; end=$(( $(date +%s) + secs ))
   [ -f "$BG/pid" ] || { echo "no background run on this machine (it went back, or none was started)"; exit 3; }
   while [ ! -f "$BG/done" ] && kill -0 "$(cat "$BG/pid")" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
