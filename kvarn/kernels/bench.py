@@ -307,7 +307,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
             best = min(ok, key=lambda r: r["ms"])
             cfg = next(c for c in configs if c.name == best["config"])
             h = check_extra["heuristic_splits"]
-            for sp in sorted({1, max(1, h // 2), 2 * h, 4 * h} - {h}):
+            for sp in sorted({1, 2, 3, 4, 6, 8, 2 * h} - {h}):  # wave quantization: B*Hk*splits vs resident slots
                 one(replace(cfg, split_mult=1.0), sp)
         check_extra["sweep"] = rows_out
     return BenchResult("decode", str(dev), dev.type == "cpu", fmt.name, B, ctx, Hq, Hk, D, ms, bname, bms,

@@ -33,6 +33,9 @@ mb decode 30 0 decode $H200 --check
 # 2. every kernel config + split counts for the best one, each checked (compiles ~3-6 s per config; the Triton
 #    disk cache then serves the run-time tuner's candidates below, which are a subset)
 [ "${KVARN_SWEEP:-1}" != 0 ] && mb sweep "${KVARN_SWEEP_SECS:-200}" 0 decode $H200 --check --sweep --iters 20
+# 2b. split counts at the showcase burst's batch (96 x 8 = 768 programs: 1.45 "waves" of 528 resident at one split)
+KVARN_SWEEP_CONFIGS=$(python -c "from kvarn.kernels.decode import DEFAULT_CONFIG as c; print(c.name)") \
+  mb sweep_b96 40 0 decode --batch 96 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --sweep --iters 20
 # 3. other shapes, default config (the run-time tuner's compiles do not fit these limits)
 mb decode_b8 15 0 decode --batch 8 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --check
 mb decode_c4k 12 0 decode --batch 64 --context 4096 --q-heads 32 --kv-heads 8 --head-dim 128
@@ -62,18 +65,19 @@ for p in sorted(out.glob("mb_*.json")):
         rows[p.stem[3:]] = json.loads(p.read_text().strip().splitlines()[-1])
     except Exception:
         print(f"{p.stem[3:]:<11} FAILED: " + (out / (p.stem + ".err")).read_text().strip()[-300:].replace("\n", " | "))
-sw = rows.get("sweep", {}).get("extra", {}).get("sweep") or []
-if not sw and (out / "mb_sweep.err").exists():  # cut by its time limit: the rows it printed as it went
-    sw = [json.loads(l[len("sweep-row "):]) for l in (out / "mb_sweep.err").read_text().splitlines()
+for name, title in (("sweep", "B=64"), ("sweep_b96", "B=96")):
+  sw = rows.get(name, {}).get("extra", {}).get("sweep") or []
+  if not sw and (out / f"mb_{name}.err").exists():  # cut by its time limit: the rows it printed as it went
+    sw = [json.loads(l[len("sweep-row "):]) for l in (out / f"mb_{name}.err").read_text().splitlines()
           if l.startswith("sweep-row ")]
-if sw:
-    print(f"\nsweep (B=64 ctx=16384 32/8 D=128 k4v2_g128): {'config':<18} {'splits':>6} {'ms':>8} {'GB/s':>6} {'err':>8} {'1st s':>6}")
+  if sw:
+    print(f"\n{name} ({title} ctx=16384 32/8 D=128 k4v2_g128): {'config':<18} {'splits':>6} {'ms':>8} {'GB/s':>6} {'err':>8} {'1st s':>6}")
     for r in sw:
-        ms = f"{r['ms']:8.4f}" if "ms" in r else "       -"
-        gb = f"{r['gbps']:6.0f}" if "gbps" in r else "     -"
-        er = f"{r['rel_err']:8.1e}" if "rel_err" in r else "       -"
-        fc = f"{r['first_call_s']:6.1f}" if "first_call_s" in r else "     -"
-        print(f"{'':44}{r['config']:<18} {str(r.get('splits') or 'auto'):>6} {ms} {gb} {er} {fc} {r.get('error', '')}")
+      ms = f"{r['ms']:8.4f}" if "ms" in r else "       -"
+      gb = f"{r['gbps']:6.0f}" if "gbps" in r else "     -"
+      er = f"{r['rel_err']:8.1e}" if "rel_err" in r else "       -"
+      fc = f"{r['first_call_s']:6.1f}" if "first_call_s" in r else "     -"
+      print(f"{'':44}{r['config']:<18} {str(r.get('splits') or 'auto'):>6} {ms} {gb} {er} {fc} {r.get('error', '')}")
 var = rows.get("store", {}).get("extra", {}).get("variants") or []
 if not var and (out / "mb_store.err").exists():  # cut by its time limit: the rows it printed as it went
     var = [json.loads(l[len("store-row "):]) for l in (out / "mb_store.err").read_text().splitlines()
