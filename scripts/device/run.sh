@@ -35,7 +35,10 @@ if [ "${1:-}" != "" ] && [ "${1%%:*}" = wait ]; then
 fi
 if [ "${KVARN_BG:-0}" = 1 ]; then
   rm -rf "$BG"; mkdir -p "$BG/out"
-  KVARN_BG=0 KVARN_BG_DIR="$BG" OUT="$BG/out" setsid nohup bash "$0" "$@" > "$BG/console.log" 2>&1 < /dev/null &
+  # bash reads a script as it runs: the background run executes a copy, untouched when a later call syncs the tree
+  cp -r "$(dirname "$0")" "$BG/scripts"
+  KVARN_BG=0 KVARN_BG_DIR="$BG" KVARN_SCRIPTS_DIR="$BG/scripts" OUT="$BG/out" \
+    setsid nohup bash "$BG/scripts/run.sh" "$@" > "$BG/console.log" 2>&1 < /dev/null &
   echo $! > "$BG/pid"
   sleep 2; echo "started in the background (pid $(cat "$BG/pid")): $*; collect with 'bash scripts/device/run.sh wait:SECS'"
   exit 0
@@ -82,7 +85,7 @@ summary=()
 for spec in "$@"; do
   part=${spec%%:*}; secs=${KVARN_PART_TIMEOUT:-240}; [ "$spec" != "$part" ] && secs=${spec#*:}
   start=$(date +%s)
-  KVARN_PART_SECS=$secs timeout -k 10 "$secs" bash "scripts/device/$part.sh" > "$OUT/$part.log" 2>&1
+  KVARN_PART_SECS=$secs timeout -k 10 "$secs" bash "${KVARN_SCRIPTS_DIR:-scripts/device}/$part.sh" > "$OUT/$part.log" 2>&1
   rc=$?
   # leftover engines keep GPU memory: end them before the next part
   for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
