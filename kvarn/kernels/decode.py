@@ -39,9 +39,9 @@ import triton
 
 from ..errors import KvarnError
 from ..formats import KVFormat
-from .attention import (LOG2E, finish_kernel, kvarn_attention_kernel, kvarn_attention_pair_kernel,
-                        kvarn_attention_pair_pipe_kernel, kvarn_attention_tok_kernel, mma_bf16, rotate_rows_kernel,
-                        tail_attention_kernel)
+from .attention import LOG2E, finish_kernel, kvarn_attention_kernel, mma_bf16, rotate_rows_kernel, tail_attention_kernel
+from .attention_tokrows import (kvarn_attention_pair_kernel, kvarn_attention_pair_pipe_kernel,
+                                kvarn_attention_tok_kernel)
 from .common import as_format, check_cache, check_tail, f16_view, layout
 
 
@@ -173,7 +173,8 @@ def asm_unpack_ok(device: torch.device) -> bool:
         return _ASM_OK[idx]
     if torch.cuda.is_current_stream_capturing():
         return False
-    from .attention import pair_selftest_kernel, unpack_selftest_kernel
+    from .attention import unpack_selftest_kernel
+    from .attention_tokrows import pair_selftest_kernel
 
     ok = True
     try:
