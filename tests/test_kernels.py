@@ -375,6 +375,17 @@ def test_microbench_cli_exit_codes():
         assert r.returncode == 2 and msg in r.stderr, (bad, r.returncode, r.stderr)
 
 
+def test_microbench_env_lists_fail_fast_with_one_line():
+    # a typo in a sweep / variants list is one line naming the accepted values, before anything is compiled or timed
+    from tests.helpers import run_cli
+
+    r = run_cli("microbench", "store", "--device", "cpu", env={"KVARN_STORE_VARIANTS": "mul,nope"})
+    assert r.returncode == 2 and "unknown balance variant(s) nope; accepted: log, mul" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = run_cli("microbench", "decode", "--device", "cpu", "--sweep", env={"KVARN_SWEEP_CONFIGS": "u9k2"})
+    assert r.returncode == 2 and "decode config 'u9k2' is not a name like" in r.stderr
+
+
 def test_microbench_prefill_times_the_dense_path_too():
     """`kvarn microbench prefill` also times the backend's KVARN_PREFILL=dense path on the same inputs and checks it."""
     import json

@@ -233,8 +233,12 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
     fmt = _kv_format(kv_dtype)
     if batch < 1 or context < 1:
         raise KvarnError("--batch and --context must be positive")
-    from .decode import decode_attention
+    from .decode import SWEEP_CONFIGS, DecodeConfig, decode_attention
 
+    # KVARN_SWEEP_CONFIGS="name,name,...": only these (any DecodeConfig name, e.g. one not in SWEEP_CONFIGS); parsed
+    # first, so a bad name is one line before anything runs
+    names = [n.strip() for n in os.environ.get("KVARN_SWEEP_CONFIGS", "").split(",") if n.strip()]
+    configs = [DecodeConfig.from_name(n) for n in names] if names else SWEEP_CONFIGS
     iters = iters or (50 if dev.type == "cuda" else 2)
     B, ctx, Hq, Hk, D = batch, context, q_heads, kv_heads, head_dim
     st = _paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev)
@@ -265,7 +269,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
         check_extra = {"rel_err_in_q_dtype": _rel(out[:rows], ref)}
     from dataclasses import replace
 
-    from .decode import SWEEP_CONFIGS, DecodeConfig, default_num_splits, tuned_entries
+    from .decode import default_num_splits, tuned_entries
 
     check_extra["tuned"] = str(tuned_entries()) if dev.type == "cuda" else None
     check_extra["heuristic_splits"] = default_num_splits(B, Hk, st["block_table"].shape[1], dev)
@@ -297,9 +301,6 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
             print("sweep-row " + json.dumps(row), file=sys.stderr, flush=True)
             return row
 
-        # KVARN_SWEEP_CONFIGS="name,name,...": only these (any DecodeConfig name, e.g. one not in SWEEP_CONFIGS)
-        names = [n.strip() for n in os.environ.get("KVARN_SWEEP_CONFIGS", "").split(",") if n.strip()]
-        configs = [DecodeConfig.from_name(n) for n in names] if names else SWEEP_CONFIGS
         for cfg in configs:
             one(cfg)
         ok = [r for r in rows_out if "ms" in r and r.get("rel_err", 0.0) < 1e-3]
@@ -442,6 +443,7 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
     shape = resolve_model(model)
     _check_heads(q_heads, kv_heads, head_dim)
     fmt = _kv_format(kv_dtype)
+    _store_variant_names()  # a bad KVARN_STORE_VARIANTS fails before anything is timed
     iters = iters or (50 if dev.type == "cuda" else 2)
     g, H, D, L = fmt.group, kv_heads, head_dim, shape.num_layers
     k = torch.randn(1, H, g, D, device=dev, dtype=dtype)
@@ -484,6 +486,18 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
                        copy, gbps / copy, err, extra)
 
 
+def _store_variant_names() -> list[str]:
+    """KVARN_STORE_VARIANTS (comma list of kvarn.kernels.store.BALANCE_VARIANTS), or every variant."""
+    from . import store as S
+
+    only = [b.strip() for b in os.environ.get("KVARN_STORE_VARIANTS", "").split(",") if b.strip()]
+    bad = [b for b in only if b not in S.BALANCE_VARIANTS]
+    if bad:
+        raise KvarnError(f"KVARN_STORE_VARIANTS: unknown balance variant(s) {', '.join(bad)}; accepted: "
+                         f"{', '.join(S.BALANCE_VARIANTS)}")
+    return only or list(S.BALANCE_VARIANTS)
+
+
 def _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check) -> list:
     """Every store variant (kvarn.kernels.store BALANCE_VARIANTS x DECODE_GRIDS) on the same inputs, all ms x L
     layers: flush_ms = one tile (every head) per call, as `ms`; flush_b2b_ms = L such calls back to back in one
@@ -517,12 +531,7 @@ def _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check) -> list:
 
         ref = dequantize_tiles(quantize_tiles(k, v, fmt), fmt, D)
     rows = []
-    only = [b.strip() for b in os.environ.get("KVARN_STORE_VARIANTS", "").split(",") if b.strip()]
-    bad = [b for b in only if b not in S.BALANCE_VARIANTS]
-    if bad:
-        raise KvarnError(f"KVARN_STORE_VARIANTS: unknown balance variant(s) {', '.join(bad)}; accepted: "
-                         f"{', '.join(S.BALANCE_VARIANTS)}")
-    for bal in only or S.BALANCE_VARIANTS:
+    for bal in _store_variant_names():
         for grid in S.DECODE_GRIDS:
             row = {"balance": bal, "decode_grid": grid}
             try:
