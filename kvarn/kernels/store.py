@@ -304,6 +304,24 @@ def _values_rotated_blocked(vp, stride_vg, D: tl.constexpr, G: tl.constexpr, RB:
 
 
 @triton.jit
+def _quantize_pack(x, dst, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
+                   BAL: tl.constexpr, PACK8: tl.constexpr):
+    # one rotated matrix [R, C] (keys: channels x tokens, values: tokens x channels) balanced and rounded by the
+    # BAL variant, its codes packed at dst; returns the row scale, row zero and column scale to store beside them
+    if BAL == 2:
+        q, s, z, c = _quantize_matrix_fused(x, R, C, BITS, ITERS)
+    elif BAL == 1:
+        q, s, z, c = _quantize_matrix_mul(x, R, C, BITS, ITERS)
+    else:
+        q, s, z, c = _quantize_matrix(x, R, C, BITS, ITERS)
+    if PACK8:
+        _pack_store8(q, dst, R, C, BITS)
+    else:
+        _pack_store(q, dst, R, C, BITS)
+    return s, z, c
+
+
+@triton.jit
 def _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, stride_kh, stride_kg, stride_vt,
                stride_vh, stride_vg, stride_cb, stride_ch, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr,
                VB: tl.constexpr, ITERS: tl.constexpr, OFF_PK: tl.constexpr, OFF_SK: tl.constexpr,
@@ -327,16 +345,7 @@ def _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, 
             x = h_times_x(hpm, kt, D, MMA_BF16)
         else:
             x = _keys_rotated_blocked(kp, stride_kg, D, G, RB, MMA_BF16)
-        if BAL == 2:
-            qk, sk, zk, rk = _quantize_matrix_fused(x, D, G, KB, ITERS)
-        elif BAL == 1:
-            qk, sk, zk, rk = _quantize_matrix_mul(x, D, G, KB, ITERS)
-        else:
-            qk, sk, zk, rk = _quantize_matrix(x, D, G, KB, ITERS)
-        if PACK8:
-            _pack_store8(qk, cache_ptr + base + OFF_PK, D, G, KB)
-        else:
-            _pack_store(qk, cache_ptr + base + OFF_PK, D, G, KB)
+        sk, zk, rk = _quantize_pack(x, cache_ptr + base + OFF_PK, D, G, KB, ITERS, BAL, PACK8)
         tl.store(cache16_ptr + b16 + OFF_SK // 2 + di, sk.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_ZK // 2 + di, zk.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_RK // 2 + gi, rk.to(tl.float16))
@@ -348,16 +357,7 @@ def _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, 
             y = x_times_h(vt, hpm, D, MMA_BF16)
         else:
             y = _values_rotated_blocked(vp, stride_vg, D, G, RB, MMA_BF16)
-        if BAL == 2:
-            qv, sv, zv, cv = _quantize_matrix_fused(y, G, D, VB, ITERS)
-        elif BAL == 1:
-            qv, sv, zv, cv = _quantize_matrix_mul(y, G, D, VB, ITERS)
-        else:
-            qv, sv, zv, cv = _quantize_matrix(y, G, D, VB, ITERS)
-        if PACK8:
-            _pack_store8(qv, cache_ptr + base + OFF_PV, G, D, VB)
-        else:
-            _pack_store(qv, cache_ptr + base + OFF_PV, G, D, VB)
+        sv, zv, cv = _quantize_pack(y, cache_ptr + base + OFF_PV, G, D, VB, ITERS, BAL, PACK8)
         tl.store(cache16_ptr + b16 + OFF_SV // 2 + gi, sv.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_ZV // 2 + gi, zv.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_CV // 2 + di, cv.to(tl.float16))
