@@ -192,6 +192,28 @@ def _pair_key_dot(pk, J: tl.constexpr, b_hi, b_lo, s_e, s_o, KB: tl.constexpr, U
 
 
 @triton.jit
+def _pair_program(qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
+                  D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr):
+    """Shared prologue of the pair kernels: this program's request, KV head and split, its query columns (padded to
+    BN), the index vectors of the pair tiles and the normalised query planes."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+    S = tl.load(seq_lens_ptr + b)
+    PERK: tl.constexpr = 8 // KB
+    DP: tl.constexpr = D // PERK
+    n = tl.arange(0, BN)
+    col_ok = n < GROUP
+    row = (b * HQ + kvh * GROUP + n).to(tl.int64)
+    dp = tl.arange(0, DP)
+    u = tl.arange(0, G // 2)  # token pairs (2u, 2u + 1)
+    v = tl.arange(0, D // 2)  # channel pairs (2v, 2v + 1)
+    bt = tl.arange(0, G // (8 // VB))
+    q0, q1, q2, q3, qnorm = _query_planes(qr_ptr + row[None, :] * D + dp[:, None], col_ok[None, :], DP, PERK)
+    return b, kvh, split, S, col_ok, row, dp, u, v, bt, q0, q1, q2, q3, qnorm
+
+
+@triton.jit
 def kvarn_attention_pair_kernel(
     qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr,
     po_r_ptr, plse_ptr,
@@ -208,26 +230,14 @@ def kvarn_attention_pair_kernel(
     (LDS.U8 + byte permutes). As int16 elements it is a 16-bit conversion (ldmatrix-able), and each int16 holds
     two M rows: the even / odd tokens (keys) and channels (values) become two M = G/2 (D/2) dots each. Same math,
     same partials. Offsets and strides are in fp16 (2-byte) units."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
-    S = tl.load(seq_lens_ptr + b)
-
     PERK: tl.constexpr = 8 // KB
     DP: tl.constexpr = D // PERK
     PERV: tl.constexpr = 8 // VB
     BT: tl.constexpr = G // PERV
     G2: tl.constexpr = G // 2
     D2: tl.constexpr = D // 2
-
-    n = tl.arange(0, BN)
-    col_ok = n < GROUP
-    row = (b * HQ + kvh * GROUP + n).to(tl.int64)
-    dp = tl.arange(0, DP)
-    u = tl.arange(0, G2)  # token pairs (2u, 2u + 1)
-    v = tl.arange(0, D2)  # channel pairs (2v, 2v + 1)
-    bt = tl.arange(0, BT)
-    q0, q1, q2, q3, qnorm = _query_planes(qr_ptr + row[None, :] * D + dp[:, None], col_ok[None, :], DP, PERK)
+    b, kvh, split, S, col_ok, row, dp, u, v, bt, q0, q1, q2, q3, qnorm = _pair_program(
+        qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP, BN, G, D, KB, VB)
 
     t_begin, t_stop = _split_tiles(S, S, G, split, num_splits)
 
@@ -391,26 +401,14 @@ def kvarn_attention_pair_pipe_kernel(
     every load of the tile (not only the code tiles) becomes a cp.async into shared memory one or two tiles ahead.
     The softmax denominator is kept per token row and reduced across warps once after the loop (one cross-warp
     reduction fewer per tile). Same math and partials as the pair kernel."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
-    S = tl.load(seq_lens_ptr + b)
-
     PERK: tl.constexpr = 8 // KB
     DP: tl.constexpr = D // PERK
     PERV: tl.constexpr = 8 // VB
     BT: tl.constexpr = G // PERV
     G2: tl.constexpr = G // 2
     D2: tl.constexpr = D // 2
-
-    n = tl.arange(0, BN)
-    col_ok = n < GROUP
-    row = (b * HQ + kvh * GROUP + n).to(tl.int64)
-    dp = tl.arange(0, DP)
-    u = tl.arange(0, G2)
-    v = tl.arange(0, D2)
-    bt = tl.arange(0, BT)
-    q0, q1, q2, q3, qnorm = _query_planes(qr_ptr + row[None, :] * D + dp[:, None], col_ok[None, :], DP, PERK)
+    b, kvh, split, S, col_ok, row, dp, u, v, bt, q0, q1, q2, q3, qnorm = _pair_program(
+        qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP, BN, G, D, KB, VB)
 
     t_begin, t_stop = _split_tiles(S, S, G, split, num_splits)
 
