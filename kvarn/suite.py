@@ -5,7 +5,8 @@ crashed engine cannot take the rest of the suite down) that all write into one r
 Groups: bench = one per (model, TP, workload) running every format x repeat, a workload being a burst (with the
 suite's output_len / requests) or an entry of bench.workloads ({burst, output_len, requests}: e.g. a reasoning-style
 burst and a decode-heavy one side by side); eval = one per (model, TP, task) running every format. A model with
-`weights: dummy` benchmarks with --dummy-weights (real shapes, random weights) and has no eval steps. `--resume` is handed to each command (they skip cells whose config hash and repeat are done).
+`weights: dummy` benchmarks with --dummy-weights (real shapes, random weights) and has no eval steps.
+`--resume` is handed to each command (they skip cells whose config hash and repeat are done).
 The exact flags each command receives are in BENCH_FLAGS / EVAL_FLAGS; `suite run` checks them against the
 command's `--help` before starting, so a CLI mismatch is one clear line, not a failure an hour in.
 """
@@ -43,7 +44,8 @@ KNOWN_TASKS = ("ppl", "niah", "aime25", "gsm8k", "ruler")  # used only when kvar
 # How a suite field becomes a flag of `kvarn bench` / `kvarn eval` (one place to adapt if their CLIs change).
 BENCH_FLAGS = {"model": "--model", "weights": "--weights", "kv_dtype": "--kv-dtype", "tp": "--tp", "mode": "--mode",
                "burst": "--burst", "output_len": "--output-len", "requests": "--requests", "repeats": "--repeats",
-               "out": "--out", "dummy": "--dummy-weights"}  # bench always resumes finished cells (--force redoes them): no flag to pass
+               "out": "--out", "dummy": "--dummy-weights"}
+# (bench always resumes finished cells, --force redoes them: no resume flag to pass)
 EVAL_FLAGS = {"model": "--model", "weights": "--weights", "kv_dtype": "--kv-dtype", "tp": "--tp", "task": "--task",
               "samples": "--samples", "limit": "--limit", "context": "--context", "out": "--out", "resume": "--resume"}
 
@@ -227,17 +229,20 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
         if b.get("workloads") is not None:  # explicit (burst, output_len, requests) triples instead of bursts
             raw = b["workloads"]
             if not isinstance(raw, list) or not raw:
-                raise KvarnError(f"{where}: bench.workloads must be a non-empty list of {{burst, output_len, requests}}")
+                raise KvarnError(f"{where}: bench.workloads must be a non-empty list of "
+                                 "{burst, output_len, requests}")
             bench["workloads"] = []
             for i, w in enumerate(raw):
                 if not isinstance(w, dict) or "burst" not in w:
-                    raise KvarnError(f"{where}: bench.workloads[{i}] needs a burst (and optionally output_len, requests)")
+                    raise KvarnError(f"{where}: bench.workloads[{i}] needs a burst "
+                                     "(and optionally output_len, requests)")
                 _check_keys(w, WORKLOAD_KEYS, f"{where}: bench.workloads[{i}]")
                 bench["workloads"].append({
                     "burst": _pos_int(w["burst"], f"{where}: bench.workloads[{i}].burst"),
                     "output_len": _pos_int(w.get("output_len", bench["output_len"]),
                                            f"{where}: bench.workloads[{i}].output_len"),
-                    "requests": _pos_int(w.get("requests", bench["requests"]), f"{where}: bench.workloads[{i}].requests")})
+                    "requests": _pos_int(w.get("requests", bench["requests"]),
+                                         f"{where}: bench.workloads[{i}].requests")})
             bench["bursts"] = [w["burst"] for w in bench["workloads"]]
         else:
             bench["workloads"] = [{"burst": x, "output_len": bench["output_len"], "requests": bench["requests"]}
@@ -248,7 +253,8 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
                 if w["burst"] > ctx:
                     raise KvarnError(f"{where}: bench burst {w['burst']} exceeds {m['name']}'s context of {ctx} tokens")
                 if w["output_len"] >= w["burst"]:
-                    raise KvarnError(f"{where}: bench output_len {w['output_len']} leaves no prompt in burst {w['burst']}")
+                    raise KvarnError(f"{where}: bench output_len {w['output_len']} leaves no prompt in burst "
+                                     f"{w['burst']}")
     ev = None
     if data.get("eval") is not None:
         e = data["eval"]

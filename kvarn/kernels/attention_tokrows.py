@@ -1,8 +1,9 @@
 """Decode attention with tokens (keys) and channels (values) as the MMA M dimension (DecodeConfig.layout 1 / 2).
 
-kvarn_attention_tok_kernel (decode only, DecodeConfig.layout = 1) is kvarn_attention_kernel's computation transposed: tokens (keys)
-and channels (values) are the MMA M dimension, the unpacked codes the A operand, the group's query heads the N
-dimension (padded to 16): on sm_90 that is wgmma with A in registers (M = 128) instead of 16-row mma.sync tiles.
+kvarn_attention_tok_kernel (decode only, DecodeConfig.layout = 1) is kvarn_attention_kernel's computation
+transposed: tokens (keys) and channels (values) are the MMA M dimension, the unpacked codes the A operand, the
+group's query heads the N dimension (padded to 16): on sm_90 that is wgmma with A in registers (M = 128) instead of
+16-row mma.sync tiles.
 kvarn_attention_pair_kernel (layout = 2) is that kernel with the code bytes read as int16 pairs of M rows, so the
 conversion of the byte tiles to the MMA operand layout moves 16-bit elements (ldmatrix) instead of single bytes.
 kvarn_attention_pair_pipe_kernel (layout = 2, pipe = 1) is the pair kernel with every load of a tile pipelineable.
