@@ -399,3 +399,13 @@ def test_microbench_prefill_times_the_dense_path_too():
     assert row["rel_err"] < 1e-3 and ex["dense_ms"] > 0 and "torch varlen" in ex["dense_path"]
     assert ex["dense_rel_err"] < 1e-2  # K/V rounded to the bf16 query dtype
     assert ex["dense_rot_ms"] > 0 and ex["dense_rot_rel_err"] < 1e-2  # the same path in the stored basis
+
+
+def test_step_ms_on_cpu_is_one_call_times_layers():
+    # microbench's per-step cost: on the CPU (interpreter) one call's median x layers; warm-up outside the timing
+    from kvarn.kernels.bench import step_ms
+
+    calls = []
+    ms = step_ms(lambda: calls.append(1), 36, torch.device("cpu"), iters=3, warmup=2)
+    assert len(calls) == 1 + 3  # one warm-up call on the CPU, then the timed ones; never 36 x
+    assert 0 <= ms < 36 * 50

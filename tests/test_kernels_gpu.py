@@ -296,3 +296,14 @@ def test_gpu_prefill_microbench_shape_e0de6e5_diagnosis(microbench_prefill, unpa
     if not finite or err >= 1e-3:
         pytest.xfail(f"8 warps / 64 rows, unpack {unpack}: rel err {err:.3g}, finite {finite} (the suspected cause)")
     pytest.skip(f"8 warps / 64 rows, unpack {unpack} is right here (rel err {err:.2e}): NOT the cause")
+
+
+def test_gpu_step_ms_replays_the_layers_from_one_graph():
+    """microbench store times a step as one CUDA graph of `layers` back-to-back calls: every replay runs them all."""
+    from kvarn.kernels.bench import step_ms
+
+    x = torch.zeros(1, device=DEV)
+    ms = step_ms(lambda: x.add_(1), 5, torch.device(DEV), iters=7, warmup=2)
+    torch.cuda.synchronize()
+    assert x.item() == 2 + 5 * (1 + 7)  # 2 eager warm-ups, then (1 warm-up + 7 timed) replays of 5 calls
+    assert 0 < ms < 5.0

@@ -97,6 +97,25 @@ def time_ms(fn, dev: torch.device, iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def step_ms(fn, layers: int, dev: torch.device, iters: int, warmup: int = 2) -> float:
+    """What fn() costs a decode step that runs it once per layer, in ms. GPU: the median replay of one CUDA graph
+    holding `layers` back-to-back calls, i.e. the kernels' own time without host launch gaps, as vLLM pays it in a
+    captured decode step (a small kernel timed call by call measures the Python launch instead). CPU (interpreter):
+    one call's time x layers."""
+    if dev.type != "cuda":
+        return layers * time_ms(fn, dev, iters, warmup=min(warmup, 1))
+    for _ in range(warmup):  # compiles and first-call work stay outside the capture
+        fn()
+    _sync(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(layers):
+            fn()
+    ms = time_ms(graph.replay, dev, iters, warmup=1)
+    del graph
+    return ms
+
+
 def copy_bandwidth_gbps(dev: torch.device, mib: int | None = None) -> float:
     """Device copy bandwidth (read + write bytes per second), the roofline the kernels are held against."""
     n = (mib or (1024 if dev.type == "cuda" else 64)) * 2**20
@@ -434,7 +453,9 @@ def _dense_prefill_runner(st, fmt, q, qsl, scale, fa, bname, rotated=False):
 def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="auto", check=False, iters=None,
                 model="qwen3-8b", dtype=torch.bfloat16) -> BenchResult:
     """One tile flush (one request, every KV head) x the model's layers, against one decode step's attention
-    (decode_attention at --batch/--context x layers). The baseline column is that decode step."""
+    (decode_attention at --batch/--context x layers). The baseline column is that decode step. On a GPU the flush
+    is timed as a decode step pays it: the layers' flushes replayed from one CUDA graph (step_ms); the call-by-call
+    time with its host launch is reported beside it (flush_host_ms_all_layers)."""
     dev = resolve_device(device)
     from ..shapes import resolve_model
     from .decode import decode_attention
@@ -451,20 +472,21 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
     cache = torch.zeros(2, H, fmt.record_bytes(D), dtype=torch.uint8, device=dev)
     ids = torch.ones(1, dtype=torch.int32, device=dev)
     one = time_ms(lambda: store_tiles(k, v, cache, ids, fmt), dev, iters, warmup=2 if dev.type == "cuda" else 1)
+    flush_ms = step_ms(lambda: store_tiles(k, v, cache, ids, fmt), L, dev, iters)
     # a whole batch flushing at once (worst case step)
     kb = torch.randn(batch, H, g, D, device=dev, dtype=dtype)
     vb = torch.randn_like(kb)
     cb = torch.zeros(batch, H, fmt.record_bytes(D), dtype=torch.uint8, device=dev)
     idb = torch.arange(batch, dtype=torch.int32, device=dev)
-    allb = time_ms(lambda: store_tiles(kb, vb, cb, idb, fmt), dev, max(1, iters // 5), warmup=1)
+    allb_ms = step_ms(lambda: store_tiles(kb, vb, cb, idb, fmt), L, dev, max(1, iters // 5), warmup=1)
     st = _paged_kvarn(fmt, batch, context, H, D, dtype, dev)
     q = torch.randn(batch, q_heads, D, device=dev, dtype=dtype)
     dec = time_ms(lambda: decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"],
                                            st["tail_v"], st["tail_slots"], fmt, 1 / math.sqrt(D)), dev, iters)
-    flush_ms, step_ms = one * L, dec * L
+    attn_ms = dec * L
     nbytes = H * (2 * g * D * 2 + fmt.record_bytes(D))
     copy = copy_bandwidth_gbps(dev)
-    gbps = nbytes / (one * 1e-3) / 1e9
+    gbps = nbytes / (flush_ms / L * 1e-3) / 1e9
     err, check_extra = None, {}
     if check:
         # decoded difference to the reference's tiles (a near-tie in the best-iterate choice can pick another,
@@ -477,12 +499,13 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
         err = max(_rel(kd, kr), _rel(vd, vr))
         check_extra = {"quant_err_v_ours": _rel(vd, v[0:1]), "quant_err_v_reference": _rel(vr, v[0:1]),
                        "quant_err_k_ours": _rel(kd, k[0:1]), "quant_err_k_reference": _rel(kr, k[0:1])}
-    extra = {**check_extra, "model": shape.name, "layers": L, "flush_ms_all_layers": flush_ms, "decode_step_attn_ms": step_ms,
-             "flush_frac_of_step": flush_ms / step_ms, "batch_flush_ms_all_layers": allb * L,
-             "amortized_frac": (batch / g) * flush_ms / step_ms,
+    extra = {**check_extra, "model": shape.name, "layers": L, "flush_ms_all_layers": flush_ms,
+             "flush_host_ms_all_layers": one * L, "decode_step_attn_ms": attn_ms,
+             "flush_frac_of_step": flush_ms / attn_ms, "batch_flush_ms_all_layers": allb_ms,
+             "amortized_frac": (batch / g) * flush_ms / attn_ms,
              "variants": _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check)}
     return BenchResult("store", str(dev), dev.type == "cpu", fmt.name, batch, context, q_heads, kv_heads, D,
-                       flush_ms, f"decode attention step x {L} layers", step_ms, flush_ms / step_ms, nbytes, gbps,
+                       flush_ms, f"decode attention step x {L} layers", attn_ms, flush_ms / attn_ms, nbytes, gbps,
                        copy, gbps / copy, err, extra)
 
 
@@ -499,11 +522,12 @@ def _store_variant_names() -> list[str]:
 
 
 def _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check) -> list:
-    """Every store variant (kvarn.kernels.store BALANCE_VARIANTS x DECODE_GRIDS) on the same inputs, all ms x L
-    layers: flush_ms = one tile (every head) per call, as `ms`; flush_b2b_ms = L such calls back to back in one
-    timed region (host launch cost hidden behind the GPU: closer to the kernel's own latency); batch_flush_ms =
-    --batch tiles per call; decode_idle_ms / decode_one_ms = store_decode (tail write + store launch) for a step
-    where no row / one row completes its tile (the CUDA-graph decode path runs it every layer). The balance
+    """Every store variant (kvarn.kernels.store BALANCE_VARIANTS x DECODE_GRIDS) on the same inputs, all ms per
+    decode step of L layers (step_ms: on a GPU, L calls replayed from one CUDA graph, as a captured step runs them):
+    flush_ms = one tile (every head) per call, as `ms`; flush_host_ms = the same call by call with its host launch
+    (what the session-7 and earlier tables measured: the launch, not the kernel, for the small grids);
+    batch_flush_ms = --batch tiles per call; decode_idle_ms / decode_one_ms = store_decode (tail write + store
+    launch) for a step where no row / one row completes its tile (the CUDA-graph decode path runs it every layer). The balance
     column names the kernel variant (store.BALANCE_VARIANTS: log, mul, mulsm = mul + 32-channel blocked rotation
     and byte pack, fused = mul with 2 cross-warp reductions per iteration, fusedsm = both, fusedsm4w = fusedsm
     on 4 warps); KVARN_STORE_BALANCE=<name> makes one the process default. KVARN_STORE_VARIANTS="mul,fused,..."
@@ -536,24 +560,20 @@ def _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check) -> list:
             row = {"balance": bal, "decode_grid": grid}
             try:
                 if grid == S.DECODE_GRIDS[0]:  # store_tiles does not depend on the decode grid
-                    row["flush_ms"] = L * time_ms(lambda: S.store_tiles(k, v, cache, ids, fmt, balance=bal), dev, iters,
-                                                  warmup=2)
-
-                    def b2b():
-                        for _ in range(L):
-                            S.store_tiles(k, v, cache, ids, fmt, balance=bal)
-                    row["flush_b2b_ms"] = time_ms(b2b, dev, it, warmup=1)
-                    row["batch_flush_ms"] = L * time_ms(lambda: S.store_tiles(kb, vb, cache[:batch], idb, fmt,
-                                                                              balance=bal), dev, it, warmup=1)
+                    def flush():
+                        S.store_tiles(k, v, cache, ids, fmt, balance=bal)
+                    row["flush_ms"] = step_ms(flush, L, dev, iters)
+                    row["flush_host_ms"] = L * time_ms(flush, dev, iters, warmup=1)
+                    row["batch_flush_ms"] = step_ms(lambda: S.store_tiles(kb, vb, cache[:batch], idb, fmt,
+                                                                          balance=bal), L, dev, it, warmup=1)
                     if ref is not None:
                         S.store_tiles(k, v, cache, ids, fmt, balance=bal)
                         got = dequantize_tiles(cache[1:2], fmt, D)
                         row["rel_err"] = max(_rel(got[0], ref[0]), _rel(got[1], ref[1]))
                 for name, sl in (("decode_idle_ms", idle), ("decode_one_ms", one)):
                     def dec(sl=sl):
-                        for _ in range(L):
-                            S.store_decode(kd, kd, cache, bt, sl, tail_k, tail_v, slots, fmt, balance=bal, grid=grid)
-                    row[name] = time_ms(dec, dev, it, warmup=1)
+                        S.store_decode(kd, kd, cache, bt, sl, tail_k, tail_v, slots, fmt, balance=bal, grid=grid)
+                    row[name] = step_ms(dec, L, dev, it, warmup=1)
             except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             rows.append(row)

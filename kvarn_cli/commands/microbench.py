@@ -84,9 +84,9 @@ def _print(r) -> None:
                       f"{row['first_call_s']:.1f}" if "first_call_s" in row else "-", row.get("error", ""))
         out.print(s)
     if r.extra.get("variants"):
-        cols = ("flush_ms", "flush_b2b_ms", "batch_flush_ms", "decode_idle_ms", "decode_one_ms", "rel_err")
-        s = Table(title="store variants (ms x layers; b2b: layers back to back; decode: store_decode, no row / one "
-                        "row completing a tile)")
+        cols = ("flush_ms", "flush_host_ms", "batch_flush_ms", "decode_idle_ms", "decode_one_ms", "rel_err")
+        s = Table(title="store variants (ms per decode step of all layers, CUDA-graph replay on a GPU; host: call by "
+                        "call with the launch; decode: store_decode, no row / one row completing a tile)")
         for c in ("balance", "decode grid", *cols, "error"):
             s.add_column(c, justify="left" if c in ("balance", "decode grid", "error") else "right")
         for row in r.extra["variants"]:

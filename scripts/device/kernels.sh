@@ -83,10 +83,11 @@ if not var and (out / "mb_store.err").exists():  # cut by its time limit: the ro
     var = [json.loads(l[len("store-row "):]) for l in (out / "mb_store.err").read_text().splitlines()
            if l.startswith("store-row ")]
 if var:
-    cols = ("flush_ms", "flush_b2b_ms", "batch_flush_ms", "decode_idle_ms", "decode_one_ms", "rel_err")
-    print(f"\nstore variants (ms x 36 layers): {'balance':<8} {'grid':<8} " + " ".join(f"{c:>15}" for c in cols))
+    cols = ("flush_ms", "flush_host_ms", "batch_flush_ms", "decode_idle_ms", "decode_one_ms", "rel_err")
+    print("\nstore variants (ms per decode step of 36 layers; GPU: graph-replayed, flush_host_ms: call by call)")
+    print(f"{'balance':<9} {'grid':<8} " + " ".join(f"{c:>15}" for c in cols))
     for v in var:
-        print(f"{'':32}{v['balance']:<8} {v['decode_grid']:<8} "
+        print(f"{v['balance']:<9} {v['decode_grid']:<8} "
               + " ".join(f"{v[c]:15.4g}" if c in v else f"{'-':>15}" for c in cols) + " " + v.get("error", ""))
 print(f"\n{'target':<11} {'ours ms':>9} {'base ms':>9} {'ratio':>7} {'GB/s':>7} {'%copy':>6} {'rel err':>9}  note")
 for name, r in rows.items():
