@@ -11,8 +11,9 @@ from kvarn.kernels import store_decode, store_tiles
 from tests.test_kernels import _store_and_compare, store_inputs
 
 
-# every BALANCE_VARIANTS key but the default whose interpreted code differs ("fusedsm4w" is "fusedsm" on 4 warps:
-# the interpreter has no warps, so it would rerun the same code; the offline compile and the device cover it)
+# every BALANCE_VARIANTS key but the default whose interpreted code differs ("fusedsm4w" / "fusedsm16w" are
+# "fusedsm" on 4 / 16 warps: the interpreter has no warps, so it would rerun the same code; the offline compile and
+# the device cover them)
 VARIANTS = ["mul", "mulsm", "fused", "fusedsm"]
 # the interpreter runs the fused-statistics kernels slowly (12 s at g64 / D=64, ~50 s at D=128, ~95 s at D=256, vs
 # ~1 s for mul / mulsm): they get the small shape; the larger shapes take mul (whole rotation) and mulsm (blocked)
@@ -115,5 +116,5 @@ def test_store_variant_table():
     # every variant names a known balancing kernel; only "log" (the default) keeps the whole-tile rotation
     from kvarn.kernels import store as store_mod
 
-    assert set(VARIANTS) | {"log", "fusedsm4w"} == set(store_mod.BALANCE_VARIANTS)
+    assert set(VARIANTS) | {"log", "fusedsm4w", "fusedsm16w"} == set(store_mod.BALANCE_VARIANTS)
     assert store_mod.STORE_BALANCE == "log" and store_mod.BALANCE_VARIANTS["log"] == (0, None, 0, None)

@@ -433,11 +433,15 @@ ROTATION_BLOCK = {64: 0, 128: 0, 256: 64}
 #       +-1 H (twice: A and B operand layouts) and three bf16 parts of the tile for the tensor-core dots
 #       (160 KiB at D=128); blocked, only one 32-channel slice of each is staged,
 #     "fused" = _quantize_matrix_fused (2 cross-warp reductions per balancing iteration instead of 8),
-#     "fusedsm" = both, "fusedsm4w" = both on 4 warps per program instead of 8.
+#     "fusedsm" = both, "fusedsm4w" = both on 4 warps per program instead of 8, "fusedsm16w" on 16 (offline sm_90:
+#     128 registers, 112 B stack, 8.3k static instructions per thread against 255 / 88 B / 14.0k at 8 warps: twice
+#     the warps to hide the balancing chain's latency for ~18% more instructions per SM; session 7 timed one 8-warp
+#     program at ~80 us: a 64-tile flush, 1,024 programs at one per SM, took 0.64 ms per layer).
 #   decode grid: "rows" = one program per (batch row, head, K|V), "compact" = H * COMPACT programs per K|V
 # KVARN_STORE_BALANCE / KVARN_STORE_DECODE_GRID set the process default (read at import).
 BALANCE_VARIANTS = {"log": (0, None, 0, None), "mul": (1, None, 0, None), "mulsm": (1, 32, 1, None),
-                    "fused": (2, None, 0, None), "fusedsm": (2, 32, 1, None), "fusedsm4w": (2, 32, 1, 4)}
+                    "fused": (2, None, 0, None), "fusedsm": (2, 32, 1, None), "fusedsm4w": (2, 32, 1, 4),
+                    "fusedsm16w": (2, 32, 1, 16)}
 DECODE_GRIDS = ("rows", "compact")
 STORE_BALANCE = os.environ.get("KVARN_STORE_BALANCE", "log")
 STORE_DECODE_GRID = os.environ.get("KVARN_STORE_DECODE_GRID", "rows")
