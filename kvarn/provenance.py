@@ -85,6 +85,7 @@ def provenance() -> dict:
         "driver": _driver(),
         "gpu_count": len(g),
         "gpu_name": g[0]["name"] if g else None,
+        "gpu_names": ",".join(d["name"] for d in g) if g else None,  # every visible GPU, in device order
         "gpu_memory_gib": g[0]["memory_gib"] if g else None,
         "gpus": g,
         "kvarn_env": _kvarn_env(),

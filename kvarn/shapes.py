@@ -114,6 +114,20 @@ def _hf_cache_config(hf_id: str) -> Path | None:
     return None
 
 
+_REQUIRED = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
+
+
+def _checked(config: dict, where) -> dict:
+    """The decoder's config: a multimodal config's text_config where the top level lacks the fields; a config
+    without them is one line naming what is missing, not a KeyError later."""
+    if not all(k in config for k in _REQUIRED) and isinstance(config.get("text_config"), dict):
+        config = {**config, **config["text_config"]}
+    missing = [k for k in _REQUIRED if k not in config]
+    if missing:
+        raise KvarnError(f"{where} is not a decoder LLM config: it lacks {', '.join(missing)}")
+    return config
+
+
 def resolve_model(spec: str) -> ModelShape:
     """Resolve a short name, local folder / config.json, or hub id to a shape, offline."""
     if not spec or not spec.strip():
@@ -129,6 +143,7 @@ def resolve_model(spec: str) -> ModelShape:
             config = json.loads(cfg.read_text())
         except (OSError, ValueError) as e:
             raise KvarnError(f"cannot read {cfg}: {e}") from None
+        config = _checked(config, cfg)
         return ModelShape(p.name if p.is_dir() else p.parent.name, config.get("_name_or_path"), config, "local",
                           cfg.parent)
     key = spec.lower()
@@ -138,7 +153,7 @@ def resolve_model(spec: str) -> ModelShape:
     if "/" in spec:
         cached = _hf_cache_config(spec)
         if cached:
-            config = json.loads(cached.read_text())
+            config = _checked(json.loads(cached.read_text()), cached)
             return ModelShape(spec.split("/")[-1].lower(), spec, config, "hf-cache", cached.parent)
         for name, path in bundled.items():
             config = json.loads(path.read_text())

@@ -105,6 +105,13 @@ def test_ratios_pick_the_fp16_row_of_the_same_group():
     r = ratios(row, ref)
     assert r["kv_ratio_vs_fp16"] == pytest.approx(2.0) and r["output_tok_s_ratio_vs_fp16"] == pytest.approx(1.1)
     assert fp16_reference({**row, "burst": 1}, [fp16]) is None
+    # KV capacity scales with the memory budget: an FP16 row at another gpu_memory_utilization (or max_num_seqs,
+    # engine arguments, seed) is not this row's baseline; unset and default spellings match
+    for k, v in (("gpu_memory_utilization", 0.5), ("max_num_seqs", 64), ("engine_args", '{"enforce_eager": true}'),
+                 ("seed", 1)):
+        assert fp16_reference({**row, k: v}, [{**fp16, k: {"seed": 0}.get(k, 0.9)}]) is None, k
+    assert fp16_reference({**row, "engine_args": "{}", "max_num_seqs": None},
+                          [{**fp16, "engine_args": None, "max_num_seqs": float("nan")}]) is not None
 
 
 def test_ratios_find_a_stored_fp16_row_read_back_as_floats():

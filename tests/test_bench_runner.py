@@ -69,21 +69,29 @@ def bench(tmp_path, *args, env=None):
 def test_dry_run_prints_plan_and_writes_nothing(tmp_path, capsys):
     assert bench(tmp_path, "--dry-run", "--kv-dtype", "fp8,auto", "--repeat", "3", "--burst", "4k,2k") == 0
     text = capsys.readouterr().out
-    assert "12 cells" in text and "dry run" in text and "4 x (512+3584)" in text and "4 x (256+1792)" in text
+    assert "12 cells" in text and "dry run" in text and "4x(512+3584)" in text and "4x(256+1792)" in text
     assert text.index("auto") < text.index("fp8")  # FP16 runs first so later rows get their ratios
     assert not CALLS and not (tmp_path / "res").exists()
 
 
+def test_dry_run_plan_fits_80_columns(tmp_path, capsys):
+    # the longest dtype name: every column whole in an 80-column terminal (nothing cut to "…")
+    assert bench(tmp_path, "--dry-run", "--kv-dtype", "auto,turboquant_k3v4_nc", "--burst", "8192", "--requests", "128",
+                 "--prompt-len", "1024", env={"COLUMNS": "80"}) == 0
+    text = capsys.readouterr().out
+    assert "turboquant_k3v4_nc" in text and "128x(1024+7168)" in text and "8,192" in text and "…" not in text
+
+
 def test_resume_skips_finished_cells_and_force_redoes_them(tmp_path, capsys):
     kvs = "auto,fp8,turboquant_k3v4_nc"
-    assert bench(tmp_path, "--kv-dtype", kvs, "--repeat", "2") == 0
+    assert bench(tmp_path, "--kv-dtype", kvs, "--repeat", "2") == 1  # the fake TurboQuant cells fail
     assert len(CALLS) == 6
     df = ResultsStore(tmp_path / "res").read("bench")
     assert len(df) == 6 and set(df.status) == {"ok", "failed"}
-    assert bench(tmp_path, "--kv-dtype", kvs, "--repeat", "2") == 0
+    assert bench(tmp_path, "--kv-dtype", kvs, "--repeat", "2") == 1
     assert CALLS == [("turboquant_k3v4_nc", 0), ("turboquant_k3v4_nc", 1)]  # only the failed cells again
     assert "resuming: 4 of 6" in capsys.readouterr().out
-    assert bench(tmp_path, "--kv-dtype", kvs, "--repeat", "2", "--force") == 0
+    assert bench(tmp_path, "--kv-dtype", kvs, "--repeat", "2", "--force") == 1
     assert len(CALLS) == 6
     assert bench(tmp_path, "--kv-dtype", "auto,fp8", "--repeat", "2") == 0 and CALLS == []
     assert "already have an ok row" in capsys.readouterr().out
@@ -91,7 +99,7 @@ def test_resume_skips_finished_cells_and_force_redoes_them(tmp_path, capsys):
 
 def test_failing_configuration_is_a_row_and_the_rest_still_run(tmp_path, capsys):
     rc = bench(tmp_path, "--kv-dtype", "auto,fp8,kvarn_k4v2_g128,turboquant_k3v4_nc", env={"FAKE_FAIL": "fp8"})
-    assert rc == 0
+    assert rc == 1  # every cell ran; the exit status says some did not end ok
     df = ResultsStore(tmp_path / "res").read("bench").set_index("kv_dtype")
     assert df.loc["fp8", "status"] == "failed" and "engine crashed" in df.loc["fp8", "error"]
     assert df.loc["turboquant_k3v4_nc", "status"] == "failed" and "Triton" in df.loc["turboquant_k3v4_nc", "error"]
@@ -175,7 +183,7 @@ def test_vllm_engine_checks_visible_gpus_and_fp8_dtype(tmp_path, capsys, monkeyp
 def test_timeout_becomes_a_row_and_kills_the_process_group(tmp_path, capsys):
     rc = main(["bench", "--engine", "sleepy", "--kv-dtype", "auto", "--burst", "2k", "--timeout", "1.5",
                "--out", str(tmp_path / "res")])
-    assert rc == 0
+    assert rc == 1
     df = ResultsStore(tmp_path / "res").read("bench")
     assert list(df.status) == ["timeout"] and "no result after" in df.error[0]
     pid = int(Path(df.log_path[0]).with_suffix(".pid").read_text())

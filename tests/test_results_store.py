@@ -47,3 +47,32 @@ def test_compact_merges_parts_and_interrupted_compaction_dedupes(tmp_path):
     (merged.parent / "bench-old.parquet").write_bytes(merged.read_bytes())
     assert len(s.read()) == 3
     assert s.compact() == (2, 3) and len(s.files()) == 1
+
+
+def test_parts_have_one_type_per_column_and_read_as_one_dataset(tmp_path):
+    # a column null in one part (an offline row's request_rate, a CPU row's driver) and set in the next: both parts
+    # carry the declared type, so pyarrow / pandas can scan parts/ as one dataset
+    s = ResultsStore(tmp_path / "res")
+    base = {"kind": "bench", "status": "ok", "model": "m", "kv_dtype": "auto", "engine": "vllm", "tp": 1, "seed": 0,
+            "run_id": "r", "burst": 4096, "prompt_len": 512, "output_len": 3584, "requests": 8}
+    s.append({**base, "config_hash": "a", "max_num_seqs": None, "request_rate": None, "driver": None,
+              "kv_tokens": None, "engine_args": None})
+    s.append({**base, "config_hash": "b", "max_num_seqs": 64, "request_rate": 2.5, "driver": "580.1",
+              "kv_tokens": 1000, "engine_args": "{}"})
+    df = pd.read_parquet(tmp_path / "res" / "parts")
+    assert len(df) == 2 and df["max_num_seqs"].dtype == "float64" and df["request_rate"].dtype == "float64"
+    assert sorted(df["max_num_seqs"].fillna(-1)) == [-1, 64] and df["burst"].tolist() == [4096, 4096]
+    assert s.read()["driver"].dropna().tolist() == ["580.1"]
+
+
+def test_an_unreadable_part_is_skipped_with_one_line(tmp_path, capsys):
+    s = ResultsStore(tmp_path / "res")
+    s.append({"kind": "bench", "config_hash": "h", "status": "ok", "model": "m", "kv_dtype": "auto", "engine": "hf",
+              "tp": 1, "seed": 0, "run_id": "r"})
+    bad = tmp_path / "res" / "parts" / "bench-zz-broken.parquet"
+    bad.write_bytes(b"PAR1 not really")
+    assert len(s.read()) == 1 and s.done_keys("bench") == {("h", 0)}
+    err = capsys.readouterr().err
+    assert err.count("skipping unreadable results part") == 1 and "bench-zz-broken.parquet" in err
+    s.read()
+    assert "skipping" not in capsys.readouterr().err  # said once per process

@@ -28,6 +28,12 @@ def test_hub_id_resolves_to_bundled_shape_and_local_folder(tmp_path):
     assert s.source == "local" and s.num_layers == 36
     with pytest.raises(KvarnError, match="has no config.json"):
         resolve_model(str(tmp_path.parent))
+    # a multimodal config keeps the decoder under text_config; a config without the fields is one clear error
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vlm", "text_config": cfg}))
+    assert resolve_model(str(tmp_path)).num_q_heads == 32
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(KvarnError, match="lacks num_hidden_layers, num_attention_heads, vocab_size"):
+        resolve_model(str(tmp_path))
 
 
 def test_hf_cache_lookup(tmp_path, monkeypatch):

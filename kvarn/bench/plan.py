@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import KvarnError, choices
 from ..formats import FP16_NAMES, parse_formats
+from ..method.textdata import SMOLLM2
 from ..results import ResultsStore
 from ..shapes import ModelShape, resolve_model
 from ..vllm_plugin.common import backend_env
@@ -208,12 +209,16 @@ def build_plan(o: BenchOptions) -> Plan:
     if o.dummy_weights is False and not source:
         raise KvarnError(f"no weights found for {shape.name} (source: {shape.source}); give --weights PATH, "
                          "or run with --dummy-weights (real shapes, random weights)")
-    if o.weights and engine_name != "hf" and not Path(o.weights).expanduser().is_dir():
+    # hf also reads the bundled SmolLM2 (the `data` extra) by name; nothing is ever downloaded from a hub
+    hf_named = engine_name == "hf" and o.weights == SMOLLM2
+    if o.weights and not hf_named and not Path(o.weights).expanduser().is_dir():
         from ..shapes import _hf_cache_config
 
         cached = _hf_cache_config(o.weights) if "/" in o.weights else None
         if cached is None:
-            raise KvarnError(f"--weights {o.weights!r} is neither a local folder nor in the local Hugging Face cache")
+            also = f", or {SMOLLM2}" if engine_name == "hf" else ""
+            raise KvarnError(f"--weights {o.weights!r} was not found; accepted: a local folder or a hub id in the "
+                             f"local Hugging Face cache{also} (nothing is downloaded)")
         source = str(cached.parent)
     dummy = bool(o.dummy_weights) if o.dummy_weights is not None else source is None
     if dummy:

@@ -9,7 +9,11 @@ import math
 
 from ..formats import FP16_NAMES
 
-MATCH = ("model", "tp", "burst", "prompt_len", "output_len", "requests", "engine", "mode")
+# every setting that moves KV capacity or throughput; the format's own knobs (kv_dtype, model_dtype: FP8 runs a
+# bfloat16 model, backend_env: KVarN cells only) are what is compared, so they are not matched
+MATCH = ("model", "tp", "burst", "prompt_len", "output_len", "requests", "engine", "mode", "gpu_memory_utilization",
+         "max_num_seqs", "engine_args", "dummy_weights", "seed", "request_rate", "burstiness", "concurrency_limit")
+_UNSET = ("", "{}", "null", "None", "nan")
 
 
 def _num(v) -> float:
@@ -24,8 +28,15 @@ def _ok(x: float) -> bool:
     return not math.isnan(x) and x > 0
 
 
+def _unset(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v)) or (isinstance(v, str) and v in _UNSET)
+
+
 def _same(a, b) -> bool:
-    """One setting value: numbers compare by value (a stored 4096.0 is this run's 4096), missing (None/NaN) alike."""
+    """One setting value: numbers compare by value (a stored 4096.0 is this run's 4096), bools as numbers, and
+    missing (None / NaN / "" / "{}": a row older than the column, or the default) alike."""
+    if _unset(a) or _unset(b):
+        return _unset(a) and _unset(b)
     if isinstance(a, str) or isinstance(b, str):
         return str(a) == str(b)
     fa, fb = _num(a), _num(b)

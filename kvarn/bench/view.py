@@ -5,6 +5,7 @@ import math
 import statistics
 import time
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -29,13 +30,16 @@ def plan_table(plan: Plan) -> Table:
                     f"{plan.repeats} repeats), {len(plan.todo)} to run, {plan.done} done",
               caption=f"{c0.model} | engine {c0.engine} | mode {c0.mode} | "
                       f"{'dummy' if c0.dummy_weights else 'real'} weights | results -> {plan.out}")
-    for col in ("#", "kv dtype", "TP", "burst", "requests x (prompt+output)", "model dtype", "to run", "config hash"):
+    # fits an 80-column terminal with the longest dtype name (no column shrinks to nothing); hash = the first 8 hex
+    # of config_hash (logs/<config_hash>-r<k>.log)
+    t.box, t.pad_edge, t.collapse_padding = box.SIMPLE_HEAD, False, True
+    for col in ("#", "kv dtype", "TP", "burst", "reqs x (in+out)", "dtype", "to run", "hash"):
         t.add_column(col, justify="right" if col in ("#", "TP", "burst") else "left", no_wrap=True)
     todo = {(c.hash, c.repeat) for c in plan.todo}
     for i, c in enumerate(plan.configs, 1):
         left = sum(1 for k in range(plan.repeats) if (c.hash, k) in todo)
-        t.add_row(str(i), c.kv_dtype, str(c.tp), f"{c.burst:,}", f"{c.requests} x ({c.prompt_len}+{c.output_len})",
-                  c.model_dtype or "model's", f"{left}/{plan.repeats}" if left else "done", c.hash)
+        t.add_row(str(i), c.kv_dtype, str(c.tp), f"{c.burst:,}", f"{c.requests}x({c.prompt_len}+{c.output_len})",
+                  c.model_dtype or "model's", f"{left}/{plan.repeats}" if left else "done", c.hash[:8])
     return t
 
 

@@ -49,7 +49,21 @@ EVAL_METRICS = ("n", "accuracy", "ppl", "ci_low", "ci_high", "delta_vs_fp16", "d
                 "truncation_rate", "mean_gen_tokens")
 # Provenance columns copied from kvarn.provenance.provenance() into every row.
 PROVENANCE_COLUMNS = ("kvarn_version", "git_sha", "python", "torch", "triton", "vllm", "transformers", "cuda",
-                      "driver", "gpu_count", "gpu_name", "kvarn_env")
+                      "driver", "gpu_count", "gpu_name", "kvarn_env", "gpu_names")
+
+# The Parquet type of every column the schema names, applied on write, so a column that is null in one part (an
+# offline row's request_rate, a CPU row's driver) is not written as Arrow's null type there and int or string in the
+# next: readers that scan the directory as one dataset (`pd.read_parquet("results/parts")`) need one type per column.
+# Nullable numbers are float64 (NaN = unset).
+COLUMN_TYPES: dict[str, str] = {
+    **CORE_COLUMNS,
+    **{c: "float64" for c in BENCH_METRICS + EVAL_METRICS},
+    "mode": "string", "burst": "int64", "prompt_len": "int64", "output_len": "int64", "requests": "int64",
+    "gpu_memory_utilization": "float64", "max_num_seqs": "float64", "dummy_weights": "boolean",
+    "model_dtype": "string", "engine_args": "string", "request_rate": "float64", "burstiness": "float64",
+    "concurrency_limit": "float64", "goodput": "string", "weights": "string", "backend_env": "string",
+    **{c: "string" for c in PROVENANCE_COLUMNS if c != "gpu_count"}, "gpu_count": "int64",
+}
 
 
 def config_hash(config: dict) -> str:

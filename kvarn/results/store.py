@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -14,7 +15,44 @@ import pandas as pd
 
 from ..errors import KvarnError
 from ..provenance import provenance
-from .schema import CORE_COLUMNS, PROVENANCE_COLUMNS, SCHEMA_VERSION, STATUSES, new_row_id
+from .schema import COLUMN_TYPES, CORE_COLUMNS, PROVENANCE_COLUMNS, SCHEMA_VERSION, STATUSES, new_row_id
+
+_WARNED: set = set()  # unreadable parts already reported in this process
+
+
+def _typed(df: pd.DataFrame) -> pd.DataFrame:
+    """Cast the schema's columns to their declared types (ints with nulls fall back to float64). A value that does
+    not fit its type leaves that column as it is: a row is never lost to its own typing."""
+    for col, dtype in COLUMN_TYPES.items():
+        if col not in df.columns:
+            continue
+        s = df[col]
+        try:
+            if dtype == "float64" or (dtype == "int64" and s.isna().any()):
+                df[col] = pd.to_numeric(s, errors="raise").astype("float64")
+            else:
+                df[col] = s.astype(dtype)
+        except (TypeError, ValueError):
+            pass
+    return df
+
+
+def _write_atomic(df: pd.DataFrame, path: Path) -> None:
+    """Write to path.tmp, flush it to disk, rename: a crash leaves the old state or the whole new file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        df.to_parquet(f, index=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # atomic on POSIX
+    try:  # the rename itself survives a power loss once the directory entry is on disk
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def utc_now() -> str:
@@ -49,19 +87,14 @@ class ResultsStore:
         if not rows:
             return None
         rows = [self.complete_row(r) for r in rows]
-        df = pd.DataFrame(rows)
-        for col, dtype in CORE_COLUMNS.items():
-            if col in df.columns:
-                df[col] = df[col].astype(dtype)
+        df = _typed(pd.DataFrame(rows))
         try:
             self.parts.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise KvarnError(f"cannot create results directory {self.parts}: {e}") from None
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
         name = f"{kind or rows[0].get('kind', 'rows')}-{stamp}-{uuid.uuid4().hex[:8]}.parquet"
-        tmp = self.parts / (name + ".tmp")
-        df.to_parquet(tmp, index=False)
-        os.replace(tmp, self.parts / name)  # atomic on POSIX
+        _write_atomic(df, self.parts / name)
         return self.parts / name
 
     def compact(self) -> tuple[int, int]:
@@ -74,9 +107,7 @@ class ResultsStore:
         df = self.read()
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
         name = f"compact-{stamp}-{uuid.uuid4().hex[:8]}.parquet"
-        tmp = self.parts / (name + ".tmp")
-        df.to_parquet(tmp, index=False)
-        os.replace(tmp, self.parts / name)
+        _write_atomic(_typed(df), self.parts / name)
         for f in files:
             f.unlink()
         return len(files), len(df)
@@ -86,7 +117,15 @@ class ResultsStore:
         return sorted(self.parts.glob("*.parquet")) if self.parts.is_dir() else []
 
     def read(self, kind: str | None = None) -> pd.DataFrame:
-        frames = [pd.read_parquet(p) for p in self.files()]
+        frames = []
+        for p in self.files():
+            try:
+                frames.append(pd.read_parquet(p))
+            except Exception as e:  # noqa: BLE001 - a foreign or damaged file must not hide the other results
+                if p not in _WARNED:
+                    _WARNED.add(p)
+                    print(f"kvarn: skipping unreadable results part {p} ({type(e).__name__}: {str(e)[:120]}); "
+                          "move it out of parts/ to silence this", file=sys.stderr)
         frames = [f for f in frames if len(f)]
         if not frames:
             return pd.DataFrame({c: pd.Series(dtype=t) for c, t in CORE_COLUMNS.items()})

@@ -61,6 +61,9 @@ def register(app: typer.Typer) -> None:
         """Benchmark KV formats x bursts x TP; one row per configuration x repeat in OUT (Parquet), resumable.
 
         Example: kvarn bench --model Qwen/Qwen3-32B --tp 2 --burst 16k
+
+        Exit status: 0 every cell ok; 1 some cell failed, timed out or ran out of memory (the others still ran; its
+        row holds the error); 2 bad input (nothing written); 130 interrupted.
         """
         from kvarn.bench.plan import BenchOptions, build_plan
         from kvarn.bench.view import plan_table
@@ -114,3 +117,5 @@ def register(app: typer.Typer) -> None:
         bad = [r for r in final if r["status"] != "ok"]
         out.print(f"{len(final) - len(bad)} ok, {len(bad)} not ok; rows in {plan.out}/parts, "
                   f"engine logs in {plan.out}/logs; `kvarn results {plan.out}` lists them")
+        if bad:  # as `kvarn eval`: scripts and CI see a failed / timed-out / OOM cell (its row says why)
+            raise typer.Exit(1)

@@ -17,13 +17,12 @@ from pathlib import Path
 
 from ...errors import KvarnError
 from ...formats import get_format
+from ...method.textdata import SMOLLM2
 from ...shapes import resolve_model
 from ..config import BenchConfig, Cell
 from ..metrics import RequestRecord, summarize
 from ..prompts import random_prompts
 from .base import Engine, EngineResult, register_engine
-
-SMOLLM2 = "smollm2-135m"
 
 
 def hf_device() -> str:
@@ -64,7 +63,7 @@ def load_hf_model(cfg: BenchConfig, device: str):
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True)  # never a download
     model = model.to(device).eval()
     return model, time.perf_counter() - t0
 

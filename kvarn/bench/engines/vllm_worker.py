@@ -120,7 +120,7 @@ def run_offline(spec: dict) -> dict:
         if recs:
             raise
         print(f"[kvarn] step loop unavailable ({e}); timing LLM.generate as a whole", flush=True)
-        return _generate_only(llm, prompts, params, metrics, info, kwargs)
+        return _generate_only(llm, prompts, params, metrics, info, kwargs, preempt0)
     last_sample = 0.0
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -204,7 +204,7 @@ def _warm_up(llm, spec: dict, vocab: int) -> float:
     return time.perf_counter() - t
 
 
-def _generate_only(llm, prompts, params, metrics, info, kwargs) -> dict:
+def _generate_only(llm, prompts, params, metrics, info, kwargs, preempt0: float = 0.0) -> dict:
     """Fallback without per-token times: one LLM.generate call (throughputs, counts and capacity only)."""
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -213,7 +213,7 @@ def _generate_only(llm, prompts, params, metrics, info, kwargs) -> dict:
             for p, o in zip(prompts, outs)]
     metrics.update(summarize(recs, duration, timings=False))
     vals = _metric_values(llm.get_metrics())
-    metrics["preemptions"] = vals.get("vllm:num_preemptions", float("nan"))
+    metrics["preemptions"] = preemption_count(vals) - (0.0 if math.isnan(preempt0) else preempt0)  # not the warm-up's
     info["vllm_kwargs"] = json.dumps(kwargs, default=str, sort_keys=True)
     return {"status": "ok", "error": "", "metrics": metrics, "info": info}
 
