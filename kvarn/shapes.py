@@ -26,6 +26,13 @@ class ModelShape:
     path: Path | None  # folder or file holding config.json (None never happens for resolved shapes)
 
     @property
+    def label(self) -> str:
+        """The `model` column of result rows (bench and eval alike): the hub id, else the resolved local path."""
+        if self.source == "local":
+            return str(Path(self.path).resolve())
+        return self.hf_id or self.name
+
+    @property
     def num_layers(self) -> int:
         return int(self.config["num_hidden_layers"])
 
@@ -164,3 +171,11 @@ def resolve_model(spec: str) -> ModelShape:
             f"download it or give a local folder; bundled: {choices(bundled)}"
         )
     raise KvarnError(f"unknown model {spec!r}; accepted: {choices(bundled)}, a local folder, or a hub id like Qwen/Qwen3-8B")
+
+
+def model_label(spec: str) -> str:
+    """ModelShape.label for a --model value; the value itself where it names no shape kvarn can resolve offline."""
+    try:
+        return resolve_model(spec).label
+    except KvarnError:
+        return spec

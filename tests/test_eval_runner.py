@@ -161,6 +161,8 @@ def test_gsm8k_paired_summary_and_sample_rows(tmp_path):
     assert {"sample_id", "response", "extracted", "correct", "gen_tokens", "truncated", "target"} <= set(s.columns)
     e = store.read("eval")
     assert len(e) == 2 and e["config_hash"].nunique() == 2
+    # the model column is the one bench writes for the same --model, so eval and bench rows join
+    assert set(e["model"]) == set(s["model"]) == {"HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
 def test_resume_after_interruption_skips_done_samples(tmp_path):

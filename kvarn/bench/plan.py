@@ -107,12 +107,6 @@ def _cuda() -> bool:
         return False
 
 
-def model_label(shape: ModelShape) -> str:
-    if shape.source == "local":
-        return str(Path(shape.path).resolve())
-    return shape.hf_id or shape.name
-
-
 def weights_source(engine: str, shape: ModelShape) -> str | None:
     """Where real weights for this shape are, for this engine, or None (-> dummy weights)."""
     path = Path(shape.path) if shape.path else None
@@ -239,7 +233,7 @@ def build_plan(o: BenchOptions) -> Plan:
             for f in ordered:
                 dtype = engine_model_dtype(engine_name, f.name, shape, explicit_dtype)
                 configs.append(BenchConfig(
-                    model=model_label(shape), kv_dtype=f.name, tp=tp, engine=engine_name, mode=mode, burst=b,
+                    model=shape.label, kv_dtype=f.name, tp=tp, engine=engine_name, mode=mode, burst=b,
                     prompt_len=p, output_len=out_len, requests=requests,
                     gpu_memory_utilization=float(o.gpu_memory_utilization), max_num_seqs=max_num_seqs,
                     dummy_weights=dummy, seed=int(o.seed), model_dtype=dtype,

@@ -20,6 +20,7 @@ import pandas as pd
 from ..errors import KvarnError
 from ..formats import KVFormat, parse_formats
 from ..results import ResultsStore, config_hash
+from ..shapes import model_label
 from . import stats as S
 from .runner import Reporter, with_baseline
 
@@ -128,7 +129,7 @@ def run_harness(tasks: list[str], kv_dtypes: str | None, model: str, weights: st
             cfg = {"harness": "lm-eval", "task": t, "model": model, "weights": weights, "kv_dtype": name, "tp": tp,
                    "seed": seed, "limit": limit, "chat": chat, "fewshot": fewshot, "gen_kwargs": gen_kwargs,
                    "extra": extra}
-            row = {"kind": "eval", "run_id": run_id, "config_hash": config_hash(cfg), "model": model,
+            row = {"kind": "eval", "run_id": run_id, "config_hash": config_hash(cfg), "model": model_label(model),
                    "kv_dtype": name, "engine": "vllm", "tp": tp, "task": task_name, "seed": seed, "status": d["status"],
                    "error": d["error"], "harness": "lm-eval", "baseline_kv_dtype": base.name,
                    "lm_eval_model_args": json.dumps(d["margs"])}
@@ -149,8 +150,8 @@ def run_harness(tasks: list[str], kv_dtypes: str | None, model: str, weights: st
                     docs[name] = per_doc
                     for did, v in per_doc.items():
                         rows_s.append({"kind": "sample", "run_id": run_id, "config_hash": row["config_hash"],
-                                       "model": model, "kv_dtype": name, "engine": "vllm", "tp": tp, "task": task_name,
-                                       "seed": seed, "status": "ok", "repeat": 0, "sample_id": did, "correct": v})
+                                       "model": model_label(model), "kv_dtype": name, "engine": "vllm", "tp": tp,
+                                       "task": task_name, "seed": seed, "status": "ok", "repeat": 0, "sample_id": did, "correct": v})
                     if per_doc:
                         a = S.summarize_accuracy({k: [v] for k, v in per_doc.items()})
                         binary = all(v in (0.0, 1.0) for v in per_doc.values())

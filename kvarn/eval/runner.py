@@ -18,6 +18,7 @@ import pandas as pd
 from ..errors import KvarnError
 from ..formats import KVFormat, get_format, parse_formats
 from ..results import ResultsStore, config_hash
+from ..shapes import model_label
 from . import stats as S
 from .data import file_digest
 from .engines import EngineError, GenParams, GenRequest, model_source, pick_engine
@@ -226,11 +227,12 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
                      "answers that reach it count as truncated")
         eng.cfg.max_model_len = min(need, cap) if cap else need
     per_format: dict[str, dict] = {}
+    label = model_label(o.model)  # the rows' model column, as bench writes it (the hash keeps --model: resume)
     for fmt in p.formats:
         cfg = {"task": spec.name, "model": o.model, "weights": o.weights, "kv_dtype": fmt.name, "engine": p.engine,
                "tp": o.tp, "seed": o.seed, **p.protocol, "data": data_sig}
         chash = config_hash(cfg)
-        base_row = {"run_id": run_id, "config_hash": chash, "model": o.model, "kv_dtype": fmt.name,
+        base_row = {"run_id": run_id, "config_hash": chash, "model": label, "kv_dtype": fmt.name,
                     "engine": p.engine, "tp": o.tp, "task": spec.name, "seed": o.seed}
         done = _done_samples(store, chash) if o.resume else pd.DataFrame()
         done_keys = set(zip(done["sample_id"].astype(str), done["repeat"].astype(int))) if len(done) else set()
