@@ -258,3 +258,22 @@ def test_aime_from_local_data(tmp_path):
     assert [it.target for it in items] == ["0", "1", "2"] and items[0].prompt == "Question: p0\nAnswer:"
     assert spec.scorer(items[2], "so the answer is $\\boxed{2}$")["correct"]
     assert not spec.scorer(items[2], "so the answer is $\\boxed{3}$")["correct"]
+
+
+def test_each_problem_is_on_disk_before_the_next_is_scored(tmp_path):
+    """A SIGTERM / kill mid-run loses only the problem in flight: the engine sees every earlier one stored."""
+    store = ResultsStore(tmp_path / "res")
+    seen = []
+
+    class Watching(FakeEngine):
+        def score(self, fmt, windows, chunk):
+            for n, res in enumerate(super().score(fmt, windows, chunk)):
+                s = store.read("sample")
+                seen.append(int((s["kv_dtype"] == fmt.name).sum()) if len(s) else 0)
+                assert seen[-1] == n, (fmt.name, n, seen)
+                yield res
+
+    rows, _ = _run(tmp_path, task="ppl", engine=Watching(), limit=3, context="64", kv_dtypes="fp8")
+    assert seen == [0, 1, 2, 0, 1, 2] and {r["status"] for r in rows} == {"ok"}
+    s = store.read("sample")
+    assert len(s) == 6 and len(store.files()) == 2 + 1  # each format's parts merged into one, plus the summaries

@@ -24,8 +24,6 @@ from .data import file_digest
 from .engines import EngineError, GenParams, GenRequest, model_source, pick_engine
 from .tasks import Item, LoadOptions, TaskSpec, get_task
 
-FLUSH_ROWS = 8  # sample rows per append (and at least every FLUSH_S seconds)
-FLUSH_S = 20.0
 DEFAULT_CONTEXT = {"niah": (2048,), "ppl": (1024,)}
 DEFAULT_CHUNK = {"ppl": 128, "niah": 512}
 
@@ -166,18 +164,20 @@ def _done_samples(store: ResultsStore, chash: str) -> pd.DataFrame:
 
 
 class _Flusher:
+    """Each finished problem is on disk before the next one is scored (its own part: a kill, SIGTERM included,
+    loses at most the problems in flight); at the end the format's parts are merged into one."""
+
     def __init__(self, store: ResultsStore):
-        self.store, self.buf, self.t = store, [], time.monotonic()
+        self.store, self.parts = store, []
 
     def add(self, row: dict) -> None:
-        self.buf.append(row)
-        if len(self.buf) >= FLUSH_ROWS or time.monotonic() - self.t > FLUSH_S:
-            self.flush()
+        part = self.store.append(row, kind="sample")
+        if part is not None:
+            self.parts.append(part)
 
     def flush(self) -> None:
-        if self.buf:
-            self.store.append(self.buf, kind="sample")
-        self.buf, self.t = [], time.monotonic()
+        self.store.merge(self.parts, kind="sample")
+        self.parts = []
 
 
 # ---- main ------------------------------------------------------------------------------------------------------------

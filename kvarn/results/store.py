@@ -112,6 +112,19 @@ class ResultsStore:
             f.unlink()
         return len(files), len(df)
 
+    def merge(self, files: list[Path], kind: str = "rows") -> Path | None:
+        """Merge the given parts (e.g. one run's per-problem parts) into one, as compact() does for all of them."""
+        files = [Path(f) for f in files if Path(f).is_file()]
+        if len(files) <= 1:
+            return files[0] if files else None
+        df = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True, sort=False)
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+        path = self.parts / f"{kind}-{stamp}-{uuid.uuid4().hex[:8]}.parquet"
+        _write_atomic(_typed(df), path)
+        for f in files:
+            f.unlink()
+        return path
+
     # ---- read --------------------------------------------------------------------------------
     def files(self) -> list[Path]:
         return sorted(self.parts.glob("*.parquet")) if self.parts.is_dir() else []
