@@ -98,7 +98,16 @@ def test_bundled_data_gsm8k_math500():
     assert items[0].target == "18" and items[0].prompt.count("Question:") == 6
     assert items[0].prompt.endswith("\nAnswer:")
     again, _ = load_gsm8k(LoadOptions(fewshot=5, limit=3))
-    assert again[0].prompt == items[0].prompt  # shots do not depend on --limit
+    assert [a.prompt for a in again] == [it.prompt for it in items[:3]]  # the first N prompts do not depend on --limit
+    # lm-eval 0.4.13's draw for the first test docs (its ContextSampler with Random(1234) over the train split, run
+    # on the same 7,473 train rows): train indices per problem
+    from kvarn.eval.tasks import _gsm8k_shots
+
+    train = _gsm8k_shots()
+    for doc, picks in ((0, [6374, 3610, 957, 61, 742]), (1, [7462, 6610, 4769, 286, 5501]),
+                       (2, [5677, 687, 806, 6279, 2905])):
+        shots = "".join(f"Question: {train[j]['question']}\nAnswer: {train[j]['answer']}\n\n" for j in picks)
+        assert items[doc].prompt.startswith(shots), doc
     m, _ = load_math500(LoadOptions())
     assert len(m) == 500 and m[0].prompt.startswith("Problem: ") and m[0].target
 

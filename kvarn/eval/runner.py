@@ -22,7 +22,7 @@ from ..shapes import model_label
 from . import stats as S
 from .data import file_digest
 from .engines import EngineError, GenParams, GenRequest, model_source, pick_engine
-from .tasks import Item, LoadOptions, TaskSpec, get_task
+from .tasks import LM_EVAL_FEWSHOT_SEED, Item, LoadOptions, TaskSpec, get_task
 
 DEFAULT_CONTEXT = {"niah": (2048,), "ppl": (1024,)}
 DEFAULT_CHUNK = {"ppl": 128, "niah": 512}
@@ -137,6 +137,8 @@ def plan(o: EvalOptions) -> Plan:
                 "fewshot": (spec.fewshot if o.fewshot is None else o.fewshot) if spec.name == "gsm8k" else 0,
                 "chunk": chunk, "context": ",".join(map(str, contexts)) or None,
                 "needle": o.needle if spec.name == "niah" else None, "lm_eval_task": spec.lm_eval or None}
+    if protocol["fewshot"]:  # gsm8k's shots are lm-eval's draw (tasks.load_gsm8k); older runs drew per problem
+        protocol["fewshot_sampler"] = f"lm-eval:{LM_EVAL_FEWSHOT_SEED}"
     return Plan(spec, formats, base, engine, why, params, contexts, chunk, protocol)
 
 

