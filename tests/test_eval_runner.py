@@ -210,11 +210,16 @@ def test_niah_and_ppl_fake(tmp_path):
     rows, _ = _run(tmp_path, task="niah", context="300,600", limit=2, kv_dtypes="kvarn_k4v2_g128")
     assert all(r["accuracy"] == 1.0 and r["n"] == 4 for r in rows)
     assert json.loads(rows[1]["by_context"]) == {"300": 1.0, "600": 1.0}
+    assert set(json.loads(rows[1]["by_depth"])) == {"0.00", "1.00"}  # 2 depths per length: 0% and 100%
     rows, _ = _run(tmp_path, task="ppl", context="64", limit=5, kv_dtypes="kvarn_k4v2_g128")
     b, q = rows
     assert b["metric"] == "ppl" and b["n"] == 5 and b["ci_low"] <= b["ppl"] <= b["ci_high"]
     assert q["delta_vs_fp16"] == pytest.approx(q["ppl"] - b["ppl"]) and q["delta_ci_low"] > 0
     assert q["ppl_rise_pct"] == pytest.approx((math.exp(0.2) - 1) * 100, rel=1e-6)
+    # one window: a ppl but no interval (nothing to resample), not a zero-width "95% CI"
+    rows, _ = _run(tmp_path / "one", task="ppl", context="64", limit=1, kv_dtypes="kvarn_k4v2_g128")
+    assert rows[0]["n"] == 1 and rows[0]["ppl"] > 0 and math.isnan(rows[0]["ci_low"]) and math.isnan(rows[1]["ci_high"])
+    assert math.isnan(rows[1]["delta_ci_low"]) and rows[1]["delta_vs_fp16"] > 0
 
 
 def test_engine_failure_is_a_row_not_a_crash(tmp_path):

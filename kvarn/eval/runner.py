@@ -363,11 +363,13 @@ def summarize(spec: TaskSpec, per_format: dict, baseline: str, items: list[Item]
              "seconds": d["seconds"], "baseline_kv_dtype": baseline}
         if spec.kind == "ppl":
             r = rows[rows["sample_id"].astype(str).isin(ids)] if len(rows) else rows
-            s["metric"] = "ppl"
+            s["metric"], s["ci_method"] = "ppl", "bootstrap over windows"
             s["n"] = int(len(r))
             if len(r):
                 s["ppl"] = S.ppl_of(r["nll_sum"], r["tokens"])
-                s["ci_low"], s["ci_high"] = S.bootstrap_ppl(r["nll_sum"], r["tokens"], seed=seed)
+                # one window has no spread to resample: no interval rather than a zero-width one
+                s["ci_low"], s["ci_high"] = (S.bootstrap_ppl(r["nll_sum"], r["tokens"], seed=seed) if len(r) > 1
+                                             else (math.nan, math.nan))
                 s["scored_tokens"] = int(r["tokens"].sum())
             if base is not None and len(r) and len(base["rows"]):
                 b = base["rows"]
@@ -375,6 +377,8 @@ def summarize(spec: TaskSpec, per_format: dict, baseline: str, items: list[Item]
                 if len(m):
                     dlt, lo, hi = S.paired_bootstrap_ppl(m["nll_sum"], m["tokens"], m["nll_sum_b"], m["tokens_b"],
                                                           seed=seed)
+                    if len(m) < 2:
+                        lo = hi = math.nan
                     ref = S.ppl_of(m["nll_sum_b"], m["tokens_b"])
                     s.update(delta_vs_fp16=dlt, delta_ci_low=lo, delta_ci_high=hi, n_paired=int(len(m)),
                              ppl_rise_pct=dlt / ref * 100 if ref else math.nan)
@@ -395,6 +399,9 @@ def summarize(spec: TaskSpec, per_format: dict, baseline: str, items: list[Item]
                 if "context" in r.columns and r["context"].notna().any():
                     by = {str(int(c)): float(g["correct"].mean()) for c, g in r.groupby("context")}
                     s["by_context"] = json.dumps(by)
+                if "depth" in r.columns and r["depth"].notna().any():  # niah: where in the context the needle sat
+                    by = {f"{float(d):.2f}": float(g["correct"].mean()) for d, g in r.groupby("depth")}
+                    s["by_depth"] = json.dumps(by)
             if base is not None:
                 pb = _per_problem(base["rows"], ids, k)
                 pdiff = S.paired_accuracy(pp, pb, seed=seed)

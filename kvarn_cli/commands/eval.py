@@ -154,10 +154,11 @@ def register(app: typer.Typer) -> None:
             for group in by_task.values():
                 out.print(render(group))
                 for r in group:
-                    if r.get("by_context"):
-                        ctx = json.loads(r["by_context"])
-                        out.print(f"  {r['kv_dtype']}: accuracy by context " +
-                                  ", ".join(f"{k}: {v * 100:.0f}%" for k, v in ctx.items()))
+                    for col, what in (("by_context", "context"), ("by_depth", "needle depth")):
+                        if r.get(col):
+                            by = json.loads(r[col])
+                            out.print(f"  {r['kv_dtype']}: accuracy by {what} " +
+                                      ", ".join(f"{k}: {v * 100:.0f}%" for k, v in by.items()))
             out.print(f"results: {out_dir} (kind=eval summaries, kind=sample per-sample rows)")
         if any(r["status"] != "ok" for r in rows):
             raise typer.Exit(1)
