@@ -24,9 +24,10 @@ from .parsing import parse_engine_args, parse_goodput, parse_int_list, parse_tok
 DEFAULT_MODEL = "smollm2-135m"  # the embedded default: runs on a CPU with the `data` extra
 DEFAULT_MODEL_ENV = "KVARN_BENCH_DEFAULT_MODEL"  # test hook: a tiny local model instead of SmolLM2
 DEFAULT_KV_DTYPES = ("auto", "fp8", "kvarn_k4v2_g128", "turboquant_4bit_nc", "turboquant_k3v4_nc")
-# Per engine: the burst (and split) used when none is given. hf: a CPU-sized smoke run; vllm: a real burst.
+# Per engine: the burst (and split) used when none is given. hf: a CPU-sized run, shaped like the others (a short
+# prompt, a longer generation; 192 tokens fill KVarN's first 128-token tile mid-decode); vllm: a real burst.
 ENGINE_DEFAULTS = {
-    "hf": {"burst": 288, "prompt_len": 256, "output_len": 32, "requests": 2},
+    "hf": {"burst": 192, "prompt_len": 64, "output_len": 128, "requests": 2},
     "vllm": {"burst": 4096, "prompt_len": None, "output_len": None, "requests": 64},
 }
 FALLBACK_DEFAULTS = {"burst": 4096, "prompt_len": None, "output_len": None, "requests": 16}

@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
         kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Comma list of KV formats, or 'all'. Default: "
                                                "auto,fp8,kvarn_k4v2_g128,turboquant_4bit_nc,turboquant_k3v4_nc."),
         burst: Optional[str] = typer.Option(None, "--burst", "-b", help="Context per request (prompt + output): 4k, "
-                                            "16k, 32768; comma list. Default: hf 288 (256+32), vllm 4k."),
+                                            "16k, 32768; comma list. Default: hf 192 (64+128), vllm 4k."),
         requests: Optional[int] = typer.Option(None, "--requests", "-n", help="Requests per burst, all submitted at "
                                                "once offline. Default: hf 2, vllm 64."),
         prompt_len: Optional[str] = typer.Option(None, "--prompt-len", help="Prompt tokens (default: burst / 8)."),
