@@ -291,3 +291,32 @@ def test_each_problem_is_on_disk_before_the_next_is_scored(tmp_path):
     assert seen == [0, 1, 2, 0, 1, 2] and {r["status"] for r in rows} == {"ok"}
     s = store.read("sample")
     assert len(s) == 6 and len(store.files()) == 2 + 1  # each format's parts merged into one, plus the summaries
+
+
+def test_aime_from_the_local_datasets_cache_when_the_hub_is_unreachable(monkeypatch):
+    """No network: a dataset already in the local `datasets` cache still loads (offline mode); a cache miss is one
+    line saying how to get the file."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from kvarn.eval import data as D
+
+    calls = []
+    fake = types.ModuleType("datasets")
+    fake.__spec__ = importlib.machinery.ModuleSpec("datasets", None)
+
+    def load_dataset(repo, split):
+        calls.append((repo, split, D.os.environ.get("HF_DATASETS_OFFLINE")))
+        if repo == "missing/x":
+            raise FileNotFoundError("Couldn't find a cached copy of missing/x")
+        return [{"problem": "1+1?", "answer": "2"}]
+
+    fake.load_dataset = load_dataset
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # hub_reachable() is False without a network call
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    assert D.hub_dataset("acme/aime", "train", "aime.jsonl") == [{"problem": "1+1?", "answer": "2"}]
+    assert calls == [("acme/aime", "train", "1")]
+    with pytest.raises(KvarnError, match="cannot load it from the local cache .* pass --data aime.jsonl"):
+        D.hub_dataset("missing/x", "train", "aime.jsonl")

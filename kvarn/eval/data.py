@@ -88,15 +88,18 @@ def hub_dataset(repo: str, split: str, how: str) -> list[dict]:
            f"load_dataset('{repo}', split='{split}').to_json('{how}')\"` and pass --data {how}")
     if importlib.util.find_spec("datasets") is None:
         raise KvarnError(f"{repo} is read from the Hugging Face Hub through the `datasets` package, which is not "
-                         f"installed; {get}")
-    if not hub_reachable():
-        raise KvarnError(f"{repo}: no --data file and the Hugging Face Hub is not reachable; {get}")
+                         f"installed (pip install 'kvarn[eval]' brings it); {get}")
+    online = hub_reachable()
     try:
+        if not online:  # a copy already in the local datasets cache still loads, without a network call
+            os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from datasets import load_dataset
 
         ds = load_dataset(repo, split=split)
-    except Exception as e:  # noqa: BLE001 - network/auth/format errors are all "could not get it"
-        raise KvarnError(f"{repo}: cannot load it from the hub ({str(e).splitlines()[0][:160]}); {get}") from None
+    except Exception as e:  # noqa: BLE001 - network/auth/format/cache-miss errors are all "could not get it"
+        where = "the hub" if online else "the local cache (the hub is not reachable)"
+        raise KvarnError(f"{repo}: cannot load it from {where} ({str(e).splitlines()[0][:160]}); {get}") from None
     return [dict(r) for r in ds]
 
 
