@@ -27,6 +27,12 @@ FAKE = textwrap.dedent('''
         bad = {0} if kv == "auto" else {0, 1, 2}
         results, samples = {}, {}
         for t in tasks:
+            if t == "wikitext":  # a perplexity task: corpus-level values, per-doc (loglik, words) pairs
+                ppl = 20.0 if kv == "auto" else 22.0
+                results[t] = {"alias": t, "word_perplexity,none": ppl, "word_perplexity_stderr,none": "N/A",
+                              "byte_perplexity,none": 1.5, "bits_per_byte,none": 0.6}
+                samples[t] = [{"doc_id": i, "filter": "none", "word_perplexity": [-50.0, 20]} for i in range(n)]
+                continue
             per = [0.0 if i in bad else 1.0 for i in range(n)]
             acc = sum(per) / n
             results[t] = {"alias": t, "exact_match,strict-match": acc, "exact_match_stderr,strict-match": 0.1,
@@ -75,6 +81,21 @@ def test_bridge_runs_each_format_and_stores_paired_metrics(tmp_path, fake_lm_eva
     assert len(store.read("eval")) == 4
     s = store.read("sample")
     assert len(s) == 40 and set(s["task"]) == {"lm-eval:gsm8k", "lm-eval:aime25"}
+
+
+def test_bridge_perplexity_task_is_a_ppl_row_and_unused_flags_are_refused(tmp_path, fake_lm_eval):
+    env, _ = fake_lm_eval
+    r = run_cli("eval", "--harness", "lm-eval", "--tasks", "wikitext", "--kv-dtype", "kvarn_k4v2_g128",
+                "--weights", "/models/m", "--limit", "4", "--out", str(tmp_path / "res"), "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    by = {x["kv_dtype"]: x for x in (json.loads(l) for l in r.stdout.splitlines() if l.startswith("{"))}
+    q = by["kvarn_k4v2_g128"]
+    assert q["metric"] == "ppl" and q["lm_eval_metric"] == "word_perplexity,none" and q["ppl"] == 22.0
+    assert q["delta_vs_fp16"] == pytest.approx(2.0) and q["ppl_rise_pct"] == pytest.approx(10.0)
+    assert "accuracy" not in q or q["accuracy"] is None
+    # generation settings belong to lm-eval's task config: a flag the bridge would ignore is one clear line
+    r = run_cli("eval", "--harness", "lm-eval", "--tasks", "gsm8k", "--samples", "4", "--max-tokens", "64", env=env)
+    assert r.returncode == 2 and "not used with --harness lm-eval: --samples, --max-tokens" in r.stderr
 
 
 def test_bridge_failure_is_a_failed_row(tmp_path, fake_lm_eval):

@@ -24,7 +24,8 @@ from ..shapes import model_label
 from . import stats as S
 from .runner import Reporter, with_baseline
 
-PREFERRED = ("exact_match,strict-match", "exact_match,none", "acc,none", "acc_norm,none", "exact_match,flexible-extract")
+PREFERRED = ("exact_match,strict-match", "exact_match,none", "acc,none", "acc_norm,none", "exact_match,flexible-extract",
+             "word_perplexity,none")
 
 
 def model_args(src: str, fmt: KVFormat, tp: int, seed: int, extra: dict | None = None) -> dict:
@@ -140,13 +141,15 @@ def run_harness(tasks: list[str], kv_dtypes: str | None, model: str, weights: st
                     row.update(status="failed", error=f"lm-eval returned no results for task {t!r}")
                 else:
                     pm = primary_metric(metrics)
-                    row["metric"] = "accuracy"
+                    # perplexity tasks (wikitext: word_perplexity, ...) are ppl rows, not accuracies
+                    is_ppl = bool(pm) and "perplexity" in pm
+                    row["metric"] = "ppl" if is_ppl else "accuracy"
                     row["lm_eval_metric"] = pm
                     row["lm_eval_value"] = float(metrics[pm]) if pm else math.nan
                     se = metrics.get(pm.replace(",", "_stderr,")) if pm else None
                     row["lm_eval_stderr"] = float(se) if isinstance(se, (int, float)) else math.nan
                     row["lm_eval_version"] = res.get("lm_eval_version")
-                    per_doc = _doc_scores(res.get("samples", {}).get(t, []), pm)
+                    per_doc = {} if is_ppl else _doc_scores(res.get("samples", {}).get(t, []), pm)
                     docs[name] = per_doc
                     for did, v in per_doc.items():
                         rows_s.append({"kind": "sample", "run_id": run_id, "config_hash": row["config_hash"],
@@ -162,9 +165,10 @@ def run_harness(tasks: list[str], kv_dtypes: str | None, model: str, weights: st
                     elif pm:
                         v, s_ = row["lm_eval_value"], row["lm_eval_stderr"]
                         n = res.get("n-samples", {}).get(t, {}).get("effective")
-                        row.update(n=float(n) if n else math.nan, accuracy=v, ci_method="lm-eval stderr",
-                                   ci_low=v - S.Z95 * s_ if not math.isnan(s_) else math.nan,
-                                   ci_high=v + S.Z95 * s_ if not math.isnan(s_) else math.nan)
+                        row.update({"n": float(n) if n else math.nan, "ppl" if is_ppl else "accuracy": v,
+                                    "ci_method": "lm-eval stderr",
+                                    "ci_low": v - S.Z95 * s_ if not math.isnan(s_) else math.nan,
+                                    "ci_high": v + S.Z95 * s_ if not math.isnan(s_) else math.nan})
             rows_e.append(row)
         for row in rows_e:
             if row["task"] != task_name:
@@ -172,6 +176,10 @@ def run_harness(tasks: list[str], kv_dtypes: str | None, model: str, weights: st
             name = row["kv_dtype"]
             if name == base.name:
                 row.update(delta_vs_fp16=0.0, delta_ci_low=0.0, delta_ci_high=0.0)
+            elif row.get("metric") == "ppl":  # lm-eval gives no per-window losses: the difference, no paired interval
+                b = next((r for r in rows_e if r["task"] == task_name and r["kv_dtype"] == base.name), None)
+                if b is not None and b.get("ppl") is not None and row.get("ppl") is not None:
+                    row.update(delta_vs_fp16=row["ppl"] - b["ppl"], ppl_rise_pct=(row["ppl"] / b["ppl"] - 1) * 100)
             elif name in docs and base.name in docs and docs[name] and docs[base.name]:
                 pd_ = S.paired_accuracy({k: [v] for k, v in docs[name].items()},
                                         {k: [v] for k, v in docs[base.name].items()}, seed=seed)

@@ -120,11 +120,25 @@ def register(app: typer.Typer) -> None:
         if h in ("lm-eval", "lm_eval", "lmeval"):
             from kvarn.eval.harness import run_harness
 
+            # lm-eval's task config decides these; a value given here would be silently ignored
+            unused = [flag for flag, given in (
+                ("--engine", engine not in ("auto", "vllm")), ("--samples", samples != 1),
+                ("--temperature", temperature is not None), ("--top-p", top_p is not None),
+                ("--max-tokens", max_tokens is not None), ("--context", context is not None),
+                ("--thinking", thinking is not None), ("--data", data is not None), ("--chunk", chunk is not None),
+                ("--needle", needle != "kv"), ("--no-resume", not resume)) if given]
+            if unused:
+                raise KvarnError(f"not used with --harness lm-eval: {', '.join(unused)} (it runs vLLM with each "
+                                 "task's own settings); pass generation settings as --gen-kwargs, engine ones as "
+                                 "--model-args")
+
             names = [t.strip() for t in (tasks or task or task_arg or "").split(",") if t.strip()]
             rows = run_harness(names, kv_dtype, model, weights, tp=tp, limit=limit, seed=seed, out=out_dir,
                                chat=chat, fewshot=fewshot, gen_kwargs=gen_kwargs, extra_model_args=model_args,
                                timeout_min=timeout_min, reporter=reporter)
         elif h == "kvarn":
+            if thinking is not None and not chat:
+                raise KvarnError("--thinking / --no-thinking switch the chat template's enable_thinking; add --chat")
             if task_arg and task and task_arg != task:
                 raise KvarnError(f"two tasks given: {task_arg!r} and --task {task!r}")
             name = task_arg or task
