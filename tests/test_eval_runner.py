@@ -211,6 +211,16 @@ def test_niah_and_ppl_fake(tmp_path):
     assert all(r["accuracy"] == 1.0 and r["n"] == 4 for r in rows)
     assert json.loads(rows[1]["by_context"]) == {"300": 1.0, "600": 1.0}
     assert set(json.loads(rows[1]["by_depth"])) == {"0.00", "1.00"}  # 2 depths per length: 0% and 100%
+    # chosen depths (fractions or percents): one problem per (length, depth), the needle where asked
+    rows, _ = _run(tmp_path / "d", task="niah", context="300", depth="10%,0.5,90%", kv_dtypes="kvarn_k4v2_g128")
+    assert rows[0]["n"] == 3 and set(json.loads(rows[0]["by_depth"])) == {"0.10", "0.50", "0.90"}
+    s = ResultsStore(tmp_path / "d" / "res").read("sample")
+    assert sorted(s["depth"].unique()) == [0.1, 0.5, 0.9]
+    for bad in ("1.5", "x", "-10%"):
+        with pytest.raises(KvarnError, match="bad --depth"):
+            R.plan(R.EvalOptions(task="niah", depth=bad))
+    with pytest.raises(KvarnError, match="--depth places the niah needle"):
+        R.plan(R.EvalOptions(task="gsm8k", depth="0.5"))
     rows, _ = _run(tmp_path, task="ppl", context="64", limit=5, kv_dtypes="kvarn_k4v2_g128")
     b, q = rows
     assert b["metric"] == "ppl" and b["n"] == 5 and b["ci_low"] <= b["ppl"] <= b["ci_high"]

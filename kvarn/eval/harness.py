@@ -24,8 +24,8 @@ from ..shapes import model_label
 from . import stats as S
 from .runner import Reporter, with_baseline
 
-PREFERRED = ("exact_match,strict-match", "exact_match,none", "acc,none", "acc_norm,none", "exact_match,flexible-extract",
-             "word_perplexity,none")
+PREFERRED = ("exact_match,strict-match", "exact_match,none", "acc,none", "acc_norm,none",
+             "exact_match,flexible-extract", "word_perplexity,none")
 
 
 def model_args(src: str, fmt: KVFormat, tp: int, seed: int, extra: dict | None = None) -> dict:
@@ -154,7 +154,8 @@ def run_harness(tasks: list[str], kv_dtypes: str | None, model: str, weights: st
                     for did, v in per_doc.items():
                         rows_s.append({"kind": "sample", "run_id": run_id, "config_hash": row["config_hash"],
                                        "model": model_label(model), "kv_dtype": name, "engine": "vllm", "tp": tp,
-                                       "task": task_name, "seed": seed, "status": "ok", "repeat": 0, "sample_id": did, "correct": v})
+                                       "task": task_name, "seed": seed, "status": "ok", "repeat": 0,
+                                       "sample_id": did, "correct": v})
                     if per_doc:
                         a = S.summarize_accuracy({k: [v] for k, v in per_doc.items()})
                         binary = all(v in (0.0, 1.0) for v in per_doc.values())

@@ -50,6 +50,7 @@ class EvalOptions:
     chunk: int | None = None
     fewshot: int | None = None
     needle: str = "kv"
+    depth: str | None = None  # niah needle depths, e.g. "0,0.5,1" (default: --limit evenly spaced)
     resume: bool = True
     timeout_min: float = 60.0
     bootstrap_seed: int = 0
@@ -82,6 +83,7 @@ class Plan:
     contexts: tuple[int, ...]
     chunk: int | None
     protocol: dict = field(default_factory=dict)
+    depths: tuple[float, ...] = ()  # niah needle depths given with --depth
 
 
 def with_baseline(formats: list[KVFormat]) -> tuple[list[KVFormat], KVFormat]:
@@ -120,9 +122,12 @@ def plan(o: EvalOptions) -> Plan:
     if o.samples > 1 and temp == 0:
         raise KvarnError(f"--samples {o.samples} with --temperature 0 gives {o.samples} identical greedy answers; "
                          "give --temperature > 0 (e.g. 0.6) or --samples 1")
-    from .tasks import parse_contexts
+    from .tasks import parse_contexts, parse_depths
 
     contexts = parse_contexts(o.context, DEFAULT_CONTEXT.get(spec.name, ()))
+    depths = parse_depths(o.depth)
+    if depths and spec.name != "niah":
+        raise KvarnError("--depth places the niah needle; other tasks have none")
     if spec.kind == "ppl" and len(contexts) != 1:
         raise KvarnError("ppl takes one --context (the window in tokens), e.g. --context 1024")
     formats, base = with_baseline(parse_formats(o.kv_dtypes or "auto"))
@@ -137,9 +142,11 @@ def plan(o: EvalOptions) -> Plan:
                 "fewshot": (spec.fewshot if o.fewshot is None else o.fewshot) if spec.name == "gsm8k" else 0,
                 "chunk": chunk, "context": ",".join(map(str, contexts)) or None,
                 "needle": o.needle if spec.name == "niah" else None, "lm_eval_task": spec.lm_eval or None}
+    if depths:  # niah with chosen depths: other prompts than the default spacing (hashed only when given)
+        protocol["depths"] = ",".join(f"{d:g}" for d in depths)
     if protocol["fewshot"]:  # gsm8k's shots are lm-eval's draw (tasks.load_gsm8k); older runs drew per problem
         protocol["fewshot_sampler"] = f"lm-eval:{LM_EVAL_FEWSHOT_SEED}"
-    return Plan(spec, formats, base, engine, why, params, contexts, chunk, protocol)
+    return Plan(spec, formats, base, engine, why, params, contexts, chunk, protocol, depths)
 
 
 def _prompt_ids(tok, prompt: str, chat: bool, thinking: bool | None) -> list[int]:
@@ -194,7 +201,7 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
 
     # data first when it needs no tokenizer: a missing file or an unreachable hub fails before a model loads
     lopts = LoadOptions(data=o.data, limit=o.limit, seed=o.seed, fewshot=o.fewshot, contexts=p.contexts,
-                        needle=o.needle, window=p.contexts[0] if spec.kind == "ppl" else None,
+                        needle=o.needle, depths=p.depths, window=p.contexts[0] if spec.kind == "ppl" else None,
                         reserve=p.params.max_tokens if spec.name == "niah" else 0)
     items, source = (None, None) if spec.needs_tokenizer else spec.loader(lopts, None)
     if items is not None and not items:
@@ -205,7 +212,7 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
     if items is None:
         items, source = spec.loader(lopts, tok)
     data_sig = {"source": source, "digest": file_digest(o.data) if o.data else None,
-                "n_per_context": (o.limit or 10) if spec.name == "niah" else None}
+                "n_per_context": (len(p.depths) or o.limit or 10) if spec.name == "niah" else None}
     k = o.samples
     if spec.kind == "generate":
         prompts = {it.id: _prompt_ids(tok, it.prompt, o.chat, o.thinking) for it in items}

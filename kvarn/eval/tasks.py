@@ -6,6 +6,7 @@ greedy). `niah` is synthesized here (offline, token-exact lengths); `ppl` scores
 """
 from __future__ import annotations
 
+import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ class LoadOptions:
     fewshot: int | None = None
     contexts: tuple[int, ...] = ()
     needle: str = "kv"
+    depths: tuple[float, ...] = ()  # niah: needle depths (0 = start, 1 = end); () = --limit evenly spaced ones
     window: int | None = None
     reserve: int = 0  # niah: tokens kept free for the answer (RULER's convention: context = prompt + answer)
 
@@ -181,11 +183,11 @@ def load_niah(opts: LoadOptions, tok):
     if len(sents) < 4:
         raise KvarnError(f"niah filler {src} has too few sentences ({len(sents)})")
     lens = [_ntok(tok, " " + s) for s in sents]
-    n = opts.limit or 10
+    depths = list(opts.depths) or niah_depths(opts.limit or 10)
     special = len(tok(NIAH_INTRO)["input_ids"]) - _ntok(tok, NIAH_INTRO)  # e.g. a BOS the tokenizer adds
     items = []
     for ctx in opts.contexts:
-        for j, depth in enumerate(niah_depths(n)):
+        for j, depth in enumerate(depths):
             rng = random.Random(f"niah-{opts.seed}-{ctx}-{j}")
             value = str(rng.randrange(1_000_000, 10_000_000))
             if opts.needle == "passkey":
@@ -289,6 +291,26 @@ def get_task(name: str) -> TaskSpec:
     if key not in TASKS:
         raise KvarnError(f"unknown task {name!r}; accepted: {choices(TASKS)} (or --harness lm-eval --tasks ...)")
     return TASKS[key]
+
+
+def parse_depths(spec: str | None) -> tuple[float, ...]:
+    """'0,0.25,0.5' or '0%,50%,100%' -> fractions of the context where the niah needle goes."""
+    if not spec:
+        return ()
+    out = []
+    for p in (s.strip() for s in str(spec).split(",")):
+        if not p:
+            continue
+        try:
+            v = float(p[:-1]) / 100 if p.endswith("%") else float(p)
+        except ValueError:
+            v = math.nan
+        if not 0.0 <= v <= 1.0:  # NaN fails too
+            raise KvarnError(f"bad --depth {p!r}; accepted: fractions 0..1 (0 = start, 1 = end) or percents, "
+                             "comma separated, e.g. 0,0.5,1 or 10%,50%")
+        if v not in out:
+            out.append(v)
+    return tuple(out)
 
 
 def parse_contexts(spec: str | None, default: tuple[int, ...]) -> tuple[int, ...]:

@@ -103,6 +103,8 @@ def register(app: typer.Typer) -> None:
                                        "quantized cache."),
         fewshot: int = typer.Option(None, "--fewshot", help="gsm8k shots (default 5, as lm-eval)."),
         needle: str = typer.Option("kv", "--needle", help="niah needle: kv (key-value) | passkey."),
+        depth: str = typer.Option(None, "--depth", help="niah needle depths: fractions or percents, e.g. 0,0.5,1 or "
+                                                        "10%,90% (default: --limit evenly spaced, 10)."),
         resume: bool = typer.Option(True, "--resume/--no-resume", help="Skip (config, sample) pairs already stored."),
         timeout_min: float = typer.Option(60.0, "--timeout-min", help="Per kv dtype engine limit (vllm, lm-eval)."),
         harness: str = typer.Option("kvarn", "--harness", help="kvarn (built-in tasks) | lm-eval."),
@@ -126,7 +128,7 @@ def register(app: typer.Typer) -> None:
                 ("--temperature", temperature is not None), ("--top-p", top_p is not None),
                 ("--max-tokens", max_tokens is not None), ("--context", context is not None),
                 ("--thinking", thinking is not None), ("--data", data is not None), ("--chunk", chunk is not None),
-                ("--needle", needle != "kv"), ("--no-resume", not resume)) if given]
+                ("--needle", needle != "kv"), ("--depth", depth is not None), ("--no-resume", not resume)) if given]
             if unused:
                 raise KvarnError(f"not used with --harness lm-eval: {', '.join(unused)} (it runs vLLM with each "
                                  "task's own settings); pass generation settings as --gen-kwargs, engine ones as "
@@ -153,8 +155,8 @@ def register(app: typer.Typer) -> None:
             o = EvalOptions(task=name, model=model, weights=weights, kv_dtypes=kv_dtype, engine=engine, tp=tp,
                             limit=limit, samples=samples, temperature=temperature, top_p=top_p,
                             max_tokens=max_tokens, context=context, chat=chat, thinking=thinking, data=data,
-                            seed=seed, out=out_dir, chunk=chunk, fewshot=fewshot, needle=needle, resume=resume,
-                            timeout_min=timeout_min)
+                            seed=seed, out=out_dir, chunk=chunk, fewshot=fewshot, needle=needle, depth=depth,
+                            resume=resume, timeout_min=timeout_min)
             rows = run_eval(o, reporter)
         else:
             raise KvarnError(f"unknown --harness {harness!r}; accepted: kvarn, lm-eval")
