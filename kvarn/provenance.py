@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import shutil
 import subprocess
@@ -46,7 +47,41 @@ def _driver() -> str | None:
         return None
 
 
+def _gpus_nvidia_smi() -> list[dict] | None:
+    """GPUs from nvidia-smi (respecting CUDA_VISIBLE_DEVICES given as indices), or None if it cannot say. Preferred:
+    asking torch initializes CUDA in this process, and `kvarn bench`'s orchestrator must leave the GPUs to the
+    engine processes it starts (a context there is memory vLLM's start-up check counts as taken)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total,compute_cap",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    rows = {}
+    for line in out.stdout.strip().splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 4 and parts[0].isdigit():
+            try:
+                rows[int(parts[0])] = {"name": parts[1], "memory_gib": round(float(parts[2]) / 1024, 2),
+                                       "capability": parts[3]}
+            except ValueError:
+                return None
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None:
+        ids = [v.strip() for v in vis.split(",") if v.strip()]
+        if not all(v.isdigit() for v in ids):
+            return None  # UUIDs / MIG names: let torch resolve them
+        order = [int(v) for v in ids if int(v) in rows]
+    else:
+        order = sorted(rows)
+    return [{"index": i, **rows[k]} for i, k in enumerate(order)]
+
+
 def gpus() -> list[dict]:
+    smi = _gpus_nvidia_smi()
+    if smi is not None:
+        return smi
     try:
         import torch
     except ImportError:
