@@ -38,6 +38,12 @@ def test_filters_and_formats(tmp_path, capsys):
     assert "3 rows" in table and "Qwen" in table
     assert main(["results", d, "--model", "llama"]) == 0
     assert "no rows match" in capsys.readouterr().out
+    # the configuration columns people slice by: numbers compare as numbers (16k = 16384 = 16384.0)
+    assert main(["results", d, "--burst", "16k", "--tp", "1", "--engine", "vllm", "--kind", "bench", "--json"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
+    assert main(["results", d, "--task", "aime25", "--json"]) == 0
+    assert [json.loads(x)["kind"] for x in capsys.readouterr().out.splitlines()] == ["eval"]
+    assert main(["results", d, "--tp", "2"]) == 0 and "no rows match" in capsys.readouterr().out
 
 
 def test_bad_input(tmp_path, capsys):
@@ -46,7 +52,9 @@ def test_bad_input(tmp_path, capsys):
                       (["results", str(tmp_path)], "no results in"),
                       (["results", d, "--status", "great"], "unknown --status 'great'"),
                       (["results", d, "--columns", "kind,bogus"], "unknown column 'bogus'"),
-                      (["results", d, "--json", "--csv"], "one of --json and --csv")):
+                      (["results", d, "--json", "--csv"], "one of --json and --csv"),
+                      (["results", d, "--kind", "benchh"], "unknown --kind 'benchh'; accepted: bench, eval"),
+                      (["results", d, "--burst", "16q"], "16q")):
         assert main(argv) == 2
         assert msg in capsys.readouterr().err
 

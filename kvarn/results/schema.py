@@ -10,6 +10,7 @@ import json
 import uuid
 
 SCHEMA_VERSION = 1
+KINDS = ("bench", "eval", "sample", "fidelity")  # the `kind` column
 STATUSES = ("ok", "failed", "timeout", "oom", "skipped")
 
 # Columns every row has, with their pandas/arrow dtype. Metric columns are float64 (NaN where absent).

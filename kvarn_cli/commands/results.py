@@ -37,6 +37,12 @@ def _match(series, spec: str | None, contains: bool = False):
     return col.isin(wanted)
 
 
+def _match_numbers(series, values: list[float]):
+    import pandas as pd
+
+    return pd.to_numeric(series, errors="coerce").isin(values)
+
+
 def _fit(df, cols: list[str], width: int) -> list[str]:
     """Drop NARROW_DROP columns (in that order) until the table's natural width fits the terminal."""
     def need(cs):
@@ -71,6 +77,11 @@ def register(app: typer.Typer) -> None:
         kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Comma list of KV formats."),
         status: Optional[str] = typer.Option(None, "--status", help="ok, failed, timeout, oom, skipped (comma list)."),
         run_id: Optional[str] = typer.Option(None, "--run-id", help="Rows of one run (comma list)."),
+        engine: Optional[str] = typer.Option(None, "--engine", help="vllm, hf (comma list)."),
+        task: Optional[str] = typer.Option(None, "--task", help="Eval task (comma list, e.g. gsm8k,niah)."),
+        mode: Optional[str] = typer.Option(None, "--mode", help="Bench mode: offline, serve."),
+        tp: Optional[str] = typer.Option(None, "--tp", help="Tensor-parallel sizes (comma list)."),
+        burst: Optional[str] = typer.Option(None, "--burst", help="Bench bursts: 16k, 4096 (comma list)."),
         columns: Optional[str] = typer.Option(None, "--columns", help="Comma list of columns to show ('all')."),
         last: Optional[int] = typer.Option(None, "--last", help="Only the newest N rows."),
         json_: bool = typer.Option(False, "--json", help="One JSON object per row (all columns)."),
@@ -79,6 +90,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """List stored result rows, newest last, filtered by kind, model, KV format and status."""
         from kvarn.results import STATUSES, ResultsStore
+        from kvarn.results.schema import KINDS
 
         if json_ and csv:
             raise KvarnError("give one of --json and --csv")
@@ -95,11 +107,23 @@ def register(app: typer.Typer) -> None:
             bad = [s for s in status.split(",") if s.strip() and s.strip() not in STATUSES]
             if bad:
                 raise KvarnError(f"unknown --status {bad[0]!r}; accepted: {', '.join(STATUSES)}")
+        if kind:
+            bad = [k for k in kind.split(",") if k.strip() and k.strip() not in KINDS]
+            if bad:
+                raise KvarnError(f"unknown --kind {bad[0]!r}; accepted: {', '.join(KINDS)}")
+        from kvarn.bench.parsing import parse_int_list, parse_token_list
+
+        numbers = {"tp": parse_int_list(tp, "--tp") if tp else None,
+                   "burst": parse_token_list(burst, "--burst") if burst else None}
         df = store.read()
         for col, spec, contains in (("kind", kind, False), ("model", model, True), ("kv_dtype", kv_dtype, False),
-                                    ("status", status, False), ("run_id", run_id, False)):
+                                    ("status", status, False), ("run_id", run_id, False), ("engine", engine, False),
+                                    ("task", task, False), ("mode", mode, False)):
             if spec:
                 df = df[_match(df[col], spec, contains)] if col in df.columns else df.iloc[0:0]
+        for col, values in numbers.items():
+            if values:
+                df = df[_match_numbers(df[col], values)] if col in df.columns else df.iloc[0:0]
         if "created_at" in df.columns:
             df = df.sort_values("created_at", kind="stable")
         if last:
