@@ -214,6 +214,7 @@ DECODE_CASES = [
     ("kvarn_k4v4_g128", 64, 8, 2, torch.float16, [300, 1], 2),  # GQA 4
     ("kvarn_k2v2_g128", 64, 4, 1, torch.bfloat16, [129], None),  # default splits
     ("kvarn_k4v2_g128", 128, 4, 1, torch.float16, [256, 77], 2),  # D=128
+    ("kvarn_k4v2_g128", 256, 2, 1, torch.bfloat16, [200, 3], 2),  # D=256
 ]
 
 
@@ -261,6 +262,7 @@ PREFILL_CASES = [
     ("kvarn_k4v2_g64", 64, 4, 2, torch.float16, [150, 40, 64], [100, 40, 3]),  # chunk spans tiles; whole prompt
     ("kvarn_k4v4_g128", 64, 3, 1, torch.bfloat16, [260, 9], [5, 1]),  # spec-verify-like; GQA 3
     ("kvarn_k4v2_g128", 128, 2, 2, torch.float16, [140], [20]),  # D=128, chunk crossing the tile boundary
+    ("kvarn_k4v2_g128", 256, 2, 1, torch.bfloat16, [140], [20]),  # D=256
 ]
 
 

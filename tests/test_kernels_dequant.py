@@ -17,6 +17,7 @@ from kvarn.method.reference import dequantize_tiles, quantize_tiles
     ("kvarn_k4v4_g128", 64, torch.float16),
     ("kvarn_k2v2_g128", 64, torch.float32),
     ("kvarn_k4v2_g64", 64, torch.float32),
+    ("kvarn_k4v2_g128", 256, torch.bfloat16),  # D=256: 32-token key programs, the 256 x 256 value rotation
 ])
 @pytest.mark.parametrize("rotated", [False, True])
 def test_dequantize_to_rows_matches_reference(name, D, dtype, rotated):

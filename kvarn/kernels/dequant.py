@@ -16,7 +16,7 @@ Public API:
 
 One program per (tile, head, key token block | value byte plane). Keys: byte plane j of PK holds channels j*DP.. of every token, so
 K^T = sum_j H[:, plane j] @ X_j with X_j = (codes_j * sK + zK) * rK (the rotation back, Hn symmetric); values: byte
-plane j of PV holds tokens j*BT.., V rows = ((codes_j * sV + zV) * cV) @ Hn. Head dims 64 and 128.
+plane j of PV holds tokens j*BT.., V rows = ((codes_j * sV + zV) * cV) @ Hn. Head dims 64, 128 and 256.
 """
 from __future__ import annotations
 
@@ -94,8 +94,9 @@ def _dequant_kernel(cache_ptr, cache16_ptr, block_ids_ptr, dst_ptr, k_ptr, v_ptr
         tl.store(vdst, vrows.to(v_ptr.dtype.element_ty))
 
 
-def _key_block(g: int) -> int:
-    return min(g, 64)
+def _key_block(g: int, D: int = 128) -> int:
+    # tokens per key program: K^T [D, TBK] fp32 stays at 64 x 128 values per program whatever D is
+    return min(g, 64 if D <= 128 else 32)
 
 
 def dequantize_to_rows(cache: torch.Tensor, block_ids: torch.Tensor, dst_rows: torch.Tensor, k_out: torch.Tensor,
@@ -106,8 +107,8 @@ def dequantize_to_rows(cache: torch.Tensor, block_ids: torch.Tensor, dst_rows: t
     if k_out.dim() != 3 or v_out.shape != k_out.shape:
         raise KvarnError(f"k_out / v_out must be [N, H, D], got {tuple(k_out.shape)} and {tuple(v_out.shape)}")
     _, H, D = k_out.shape
-    if D not in (64, 128):
-        raise KvarnError(f"dequantize_to_rows serves head dims 64 and 128, got {D}")
+    if D not in (64, 128, 256):
+        raise KvarnError(f"dequantize_to_rows serves head dims 64, 128 and 256, got {D}")
     lay = layout(fmt, D)
     check_cache(cache, lay)
     if cache.shape[1] != H:
@@ -119,7 +120,7 @@ def dequantize_to_rows(cache: torch.Tensor, block_ids: torch.Tensor, dst_rows: t
         return
     if k_out.stride(-1) != 1 or v_out.stride(-1) != 1:
         raise KvarnError("k_out / v_out must be contiguous along the head dim")
-    tbk = _key_block(lay.g)
+    tbk = _key_block(lay.g, D)
     _dequant_kernel[(T * H, lay.g // tbk + 8 // lay.vb)](
         cache, f16_view(cache), block_ids, dst_rows, k_out, v_out,
         cache.stride(0), cache.stride(1), k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
@@ -127,7 +128,9 @@ def dequantize_to_rows(cache: torch.Tensor, block_ids: torch.Tensor, dst_rows: t
         OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
         OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
         MMA_BF16=mma_bf16(), ROTATED=bool(rotated),
-        num_warps=8 if D == 128 else 4,  # offline sm_90 (unrotated): 172 / 97 registers, no spills
+        # offline sm_90 (unrotated, bf16 out): D=64 97 registers (4 warps), D=128 164, D=256 254 (k2v2: 16 B of
+        # stack) with 176-224 KiB of shared memory (the 256 x 256 Hadamard operand of the value planes; k4v4 the most)
+        num_warps=4 if D == 64 else 8,
     )
 
 

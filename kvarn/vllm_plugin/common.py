@@ -6,9 +6,10 @@ import os
 from ..formats import DEFAULT_KVARN, KVFormat, get_format, kvarn_formats
 
 PREFIX = "kvarn_"
-# head dims the plugin serves. The kernels also take 256: the store kernel needed 448 KiB of shared memory there
-# (OutOfResources on the H200, BENCHMARKS.md); its channel-blocked rotation (426fb65) compiles for sm_90 in 80 KiB but
-# has not run on a GPU yet, so D=256 layers stay 16-bit until tests/test_kernels_gpu.py passes there
+# head dims the plugin serves. The kernels also take 256: store and decode passed tests/test_kernels_gpu.py at D=256 on
+# the H200 (session 6); the dense prefill path's record decoder (dequantize_to_rows) takes D=256 since session 7
+# (interpreter tests; offline sm_90: 176-224 KiB of shared memory, no spills) but has not run on a GPU. D=256 layers
+# stay 16-bit until `pytest -m gpu tests/test_kernels_gpu.py -k "dequantize and 256"` passes there; then add 256.
 SUPPORTED_HEAD_SIZES = (64, 128)
 SUPPORTED_VLLM = "0.26."
 
