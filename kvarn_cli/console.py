@@ -10,7 +10,8 @@ _err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def err(msg: str) -> None:
-    _err.print(msg, markup=False)
+    # the message names user input verbatim: no markup, no emoji codes (":x" in "cuda:x" is not an emoji)
+    _err.print(msg, markup=False, emoji=False)
 
 
 def print_json(obj) -> None:

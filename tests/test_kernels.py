@@ -372,9 +372,16 @@ def test_microbench_cli_exit_codes():
     assert row["kernel"] == "decode" and row["interpreter"] and row["rel_err"] < 1e-3
     for bad, msg in ((["nope"], "unknown microbench target"),
                      (["decode", "--device", "cpu", "--q-heads", "5", "--kv-heads", "2"], "multiple of --kv-heads"),
-                     (["decode", "--device", "cpu", "--kv-dtype", "fp8"], "kvarn_* preset")):
-        r = run_cli("microbench", *bad)
-        assert r.returncode == 2 and msg in r.stderr, (bad, r.returncode, r.stderr)
+                     (["decode", "--device", "cpu", "--kv-dtype", "fp8"], "kvarn_* preset"),
+                     (["decode", "--device", "cpu", "--kv-dtype", "auto"], "kvarn_* preset"),
+                     (["decode", "--device", "cpu", "--head-dim", "96"], "--head-dim must be 64, 128 or 256, got 96"),
+                     (["decode", "--device", "cpu", "--batch", "0"], "--batch must be >= 1, got 0"),
+                     (["prefill", "--device", "cpu", "--chunk", "-3"], "--chunk must be >= 1, got -3"),
+                     (["store", "--device", "cpu", "--context", "-1"], "--context must be >= 1, got -1"),
+                     (["prefill", "--device", "cpu", "--num-splits", "2"], "--num-splits is a `microbench decode` "),
+                     (["decode", "--device", "cuda:x"], "--device cuda:x")):
+        r = run_cli("microbench", *bad, env={"CUDA_VISIBLE_DEVICES": ""})
+        assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)
 
 
 def test_microbench_env_lists_fail_fast_with_one_line():
@@ -386,6 +393,21 @@ def test_microbench_env_lists_fail_fast_with_one_line():
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = run_cli("microbench", "decode", "--device", "cpu", "--sweep", env={"KVARN_SWEEP_CONFIGS": "u9k2"})
     assert r.returncode == 2 and "decode config 'u9k2' is not a name like" in r.stderr
+
+
+def test_microbench_store_on_cpu_runs_the_default_variant():
+    """`kvarn microbench store --device cpu` finishes (the interpreter times the default balance only; each variant
+    costs minutes there) and reports the per-step flush, its host-launched twin and the checked error."""
+    import json
+
+    from tests.helpers import run_cli
+
+    r = run_cli("microbench", "store", "--device", "cpu", "--check", "--json", "--iters", "1", "--model", "smollm2-135m")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout.strip().splitlines()[-1])
+    ex = row["extra"]
+    assert row["kernel"] == "store" and ex["layers"] == 30 and [v["balance"] for v in ex["variants"]] == ["log"] * 2
+    assert ex["flush_ms_all_layers"] > 0 and ex["flush_host_ms_all_layers"] > 0 and row["rel_err"] < 0.06
 
 
 def test_microbench_prefill_times_the_dense_path_too():

@@ -125,6 +125,12 @@ def copy_bandwidth_gbps(dev: torch.device, mib: int | None = None) -> float:
     return 2 * n / (ms * 1e-3) / 1e9
 
 
+def _check_sizes(batch: int, context: int, chunk: int | None = None):
+    for flag, v in (("--batch", batch), ("--context", context), ("--chunk", chunk)):
+        if v is not None and v < 1:
+            raise KvarnError(f"{flag} must be >= 1, got {v}")
+
+
 def _check_heads(q_heads: int, kv_heads: int, head_dim: int):
     if kv_heads < 1 or q_heads < 1 or q_heads % kv_heads:
         raise KvarnError(f"--q-heads ({q_heads}) must be a positive multiple of --kv-heads ({kv_heads})")
@@ -249,9 +255,8 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
     fastest, a few split counts; the rows go to extra['sweep'] (ms, GB/s, rel. error, splits)."""
     dev = resolve_device(device)
     _check_heads(q_heads, kv_heads, head_dim)
+    _check_sizes(batch, context)
     fmt = _kv_format(kv_dtype)
-    if batch < 1 or context < 1:
-        raise KvarnError("--batch and --context must be positive")
     from .decode import SWEEP_CONFIGS, DecodeConfig, decode_attention
 
     # KVARN_SWEEP_CONFIGS="name,name,...": only these (any DecodeConfig name, e.g. one not in SWEEP_CONFIGS); parsed
@@ -340,6 +345,7 @@ def bench_prefill(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device=
                   chunk=None, dtype=torch.bfloat16) -> BenchResult:
     dev = resolve_device(device)
     _check_heads(q_heads, kv_heads, head_dim)
+    _check_sizes(batch, context, chunk)
     fmt = _kv_format(kv_dtype)
     from .prefill import prefill_attention
 
@@ -463,6 +469,7 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
 
     shape = resolve_model(model)
     _check_heads(q_heads, kv_heads, head_dim)
+    _check_sizes(batch, context)
     fmt = _kv_format(kv_dtype)
     _store_variant_names()  # a bad KVARN_STORE_VARIANTS fails before anything is timed
     iters = iters or (50 if dev.type == "cuda" else 2)
@@ -509,8 +516,9 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
                        copy, gbps / copy, err, extra)
 
 
-def _store_variant_names() -> list[str]:
-    """KVARN_STORE_VARIANTS (comma list of kvarn.kernels.store.BALANCE_VARIANTS), or every variant."""
+def _store_variant_names(interpreter: bool = False) -> list[str]:
+    """KVARN_STORE_VARIANTS (comma list of kvarn.kernels.store.BALANCE_VARIANTS), else every variant on a GPU and
+    only the default one in the interpreter (each variant costs minutes there; their numbers mean nothing)."""
     from . import store as S
 
     only = [b.strip() for b in os.environ.get("KVARN_STORE_VARIANTS", "").split(",") if b.strip()]
@@ -518,7 +526,7 @@ def _store_variant_names() -> list[str]:
     if bad:
         raise KvarnError(f"KVARN_STORE_VARIANTS: unknown balance variant(s) {', '.join(bad)}; accepted: "
                          f"{', '.join(S.BALANCE_VARIANTS)}")
-    return only or list(S.BALANCE_VARIANTS)
+    return only or ([S.STORE_BALANCE] if interpreter else list(S.BALANCE_VARIANTS))
 
 
 def _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check) -> list:
@@ -555,7 +563,7 @@ def _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check) -> list:
 
         ref = dequantize_tiles(quantize_tiles(k, v, fmt), fmt, D)
     rows = []
-    for bal in _store_variant_names():
+    for bal in _store_variant_names(dev.type == "cpu"):
         for grid in S.DECODE_GRIDS:
             row = {"balance": bal, "decode_grid": grid}
             try:

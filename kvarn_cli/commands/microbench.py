@@ -36,12 +36,23 @@ def register(app: typer.Typer) -> None:
         """Time the KVarN store / decode / prefill kernel and the FP16 baseline in the same run."""
         if target not in TARGET_NAMES:
             raise KvarnError(f"unknown microbench target {target!r}; accepted: {choices(TARGET_NAMES)}")
+        # sizes must be positive (0 is not "the default"), and a flag of another target is not silently dropped
+        for flag, v in (("--batch", batch), ("--context", context), ("--q-heads", q_heads), ("--kv-heads", kv_heads),
+                        ("--head-dim", head_dim), ("--iters", iters), ("--num-splits", num_splits), ("--chunk", chunk)):
+            if v is not None and v < 1:
+                raise KvarnError(f"{flag} must be >= 1, got {v}")
+        only = {"--num-splits": ("decode", num_splits is not None), "--sweep": ("decode", sweep),
+                "--chunk": ("prefill", chunk is not None), "--model": ("store", model != "qwen3-8b")}
+        for flag, (owner, given) in only.items():
+            if given and target != owner:
+                raise KvarnError(f"{flag} is a `microbench {owner}` option, not for {target}")
         from kvarn.kernels import bench
 
         dev = bench.resolve_device(device)
         d = bench.GPU_DEFAULTS if dev.type == "cuda" else bench.CPU_DEFAULTS
-        args = dict(batch=batch or d["batch"], context=context or d["context"], q_heads=q_heads or d["q_heads"],
-                    kv_heads=kv_heads or d["kv_heads"], head_dim=head_dim or d["head_dim"], kv_dtype=kv_dtype,
+        pick = lambda v, k: d[k] if v is None else v  # noqa: E731
+        args = dict(batch=pick(batch, "batch"), context=pick(context, "context"), q_heads=pick(q_heads, "q_heads"),
+                    kv_heads=pick(kv_heads, "kv_heads"), head_dim=pick(head_dim, "head_dim"), kv_dtype=kv_dtype,
                     device=str(dev), check=check, iters=iters)
         if target == "decode":
             r = bench.bench_decode(**args, num_splits=num_splits, sweep=sweep)
