@@ -444,6 +444,20 @@ def test_runner_hooks_map_rows_to_tail_slots(fake_vllm):
     assert MRv2().prepare_attn(ib) == [7, 3]
     assert MRv2().prepare_dummy_attn(ib) is None
 
+    # a runner with neither hook: a KVarN engine stops at start (every request would share the scratch tail slot);
+    # other dtypes are untouched
+    class Worker:
+        def __init__(self, dtype):
+            self.vllm_config = types.SimpleNamespace(cache_config=types.SimpleNamespace(cache_dtype=dtype))
+
+        def init_device(self):
+            self.model_runner = type("FutureRunner", (), {})()
+
+    init = patches.wrap_init_device(Worker.init_device)
+    with pytest.raises(patches.KvarnConfigError, match="unknown vLLM model runner FutureRunner"):
+        init(Worker("kvarn_k4v2_g128"))
+    init(Worker("auto"))
+
 
 def test_builder_and_impl_run_a_step_on_cpu(fake_vllm):
     patches.apply()

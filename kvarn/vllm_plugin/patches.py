@@ -26,7 +26,8 @@ import typing
 from ..capacity import DEFAULT_KVARN_SEQS
 from ..errors import KvarnError
 from ..formats import get_format
-from .common import SUPPORTED_HEAD_SIZES, fallback_reason, is_kvarn, kvarn_dtype_names, set_active_format
+from .common import (SUPPORTED_HEAD_SIZES, SUPPORTED_VLLM, fallback_reason, is_kvarn, kvarn_dtype_names,
+                     set_active_format)
 from .tails import STEP, SlotTable, tail_bytes
 
 logger = logging.getLogger("vllm.kvarn")
@@ -383,8 +384,13 @@ def wrap_init_device(orig):
     def init_device(self, *args, **kwargs):
         r = orig(self, *args, **kwargs)
         runner = getattr(self, "model_runner", None)
-        if runner is not None:
-            hook_runner_class(type(runner))
+        if runner is not None and hook_runner_class(type(runner)) == "none":
+            cache_dtype = getattr(getattr(getattr(self, "vllm_config", None), "cache_config", None), "cache_dtype", None)
+            if is_kvarn(cache_dtype):  # without the per-step request rows every request would share one tail slot
+                raise KvarnConfigError(
+                    f"kvarn: unknown vLLM model runner {type(runner).__name__} (neither V2's prepare_attn nor V1's "
+                    f"_update_states): --kv-cache-dtype {cache_dtype} needs vLLM {SUPPORTED_VLLM}x's runners; "
+                    "set VLLM_USE_V2_MODEL_RUNNER=0 or 1, or serve with --kv-cache-dtype auto")
         return r
 
     return _mark(init_device)
