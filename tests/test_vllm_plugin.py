@@ -210,6 +210,20 @@ def fake_vllm(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def test_plugin_entry_point_and_off_switch(fake_vllm, monkeypatch):
+    # pyproject's vllm.general_plugins entry point names register(); KVARN_DISABLE_PLUGIN=1 leaves vLLM untouched
+    import tomllib
+    from pathlib import Path
+
+    import kvarn.vllm_plugin as plugin
+
+    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert meta["project"]["entry-points"]["vllm.general_plugins"] == {"kvarn": "kvarn.vllm_plugin:register"}
+    monkeypatch.setenv("KVARN_DISABLE_PLUGIN", "1")
+    plugin.register()
+    assert plugin.state()["applied"] == []
+
+
 def test_register_without_vllm_is_a_no_op(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     import kvarn.vllm_plugin as plugin
@@ -300,6 +314,18 @@ def test_layers_kvarn_cannot_serve_fall_back_to_16bit(fake_vllm, caplog):
     assert caplog.text.count("sliding-window") == 1  # said once
     plain = Attention(9, 64, 0.125, 3, cache_config=CC(cache_dtype="auto"), prefix="l5")
     assert plain.kv_cache_dtype == "auto"
+    # the other reasons a layer keeps 16 bits, each said once however many layers have it
+    patches._SAID.clear()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="vllm.kvarn"):
+        odd = [Attention(4, 64, .1, 2, alibi_slopes=[1.0] * 4, cache_config=cc),
+               Attention(4, 64, .1, 2, alibi_slopes=[1.0] * 4, cache_config=cc),
+               Attention(4, 64, .1, 2, logits_soft_cap=30.0, cache_config=cc),
+               Attention(4, 64, .1, 2, cache_config=cc, sinks=torch.zeros(4)),
+               Attention(4, 128, .1, 2, head_size_v=64, cache_config=cc)]
+    assert all(x.kv_cache_dtype == "auto" for x in odd)
+    for reason in ("ALiBi", "soft-capping", "attention sinks", "value head_dim 64 != key head_dim 128"):
+        assert caplog.text.count(reason) == 1, reason
 
 
 def test_spec_has_true_page_bytes_and_merge_keeps_it(fake_vllm):
@@ -331,9 +357,17 @@ def test_spec_has_true_page_bytes_and_merge_keeps_it(fake_vllm):
     assert B.get_name() == "CUSTOM" and B.get_supported_kernel_block_sizes() == [128]
     assert B.supports_kv_cache_dtype("kvarn_k2v2_g128") and not B.supports_kv_cache_dtype("fp8")
     assert B.get_supported_head_sizes() == [64, 128]
+    # every preset at D=128 (8 KV heads: Qwen3-8B's per-rank heads at TP 1; at TP 2 each rank gets 4 and the same
+    # per-head record): the page is heads x record bytes, the tile's tokens x the capacity model's bytes per token
+    for f in kvarn_formats():
+        vc_f = types.SimpleNamespace(cache_config=CC(cache_dtype=f.name, block_size=f.block_size))
+        for heads in (8, 4):
+            sp = Attention(4 * heads, 128, 0.088, heads, cache_config=vc_f.cache_config,
+                           prefix=f"{f.name}.{heads}").get_kv_cache_spec(vc_f)
+            assert sp.page_size_bytes == heads * f.record_bytes(128) == f.group * heads * f.slot_bytes(128), f.name
 
 
-def test_config_checks_name_the_fix(fake_vllm):
+def test_config_checks_name_the_fix(fake_vllm, monkeypatch):
     patches.apply()
     EA = fake_vllm.vllm_engine_arg_utils.EngineArgs
     cfg = EA(kv_cache_dtype="kvarn_k4v2_g128").create_engine_config()
@@ -344,6 +378,18 @@ def test_config_checks_name_the_fix(fake_vllm):
         EA(kv_cache_dtype="kvarn_k4v2_g128", block_size=16).create_engine_config()
     with pytest.raises(ValueError, match="--dtype float16"):
         EA(kv_cache_dtype="kvarn_k4v2_g128", dtype="float32").create_engine_config()
+    # a model whose head_dim has no kernels: every layer would fall back, so the start fails naming the fix
+    orig = EA.create_engine_config.__wrapped__
+    for hs in (96, 256):
+        def with_head(self, *a, hs=hs, **k):
+            c = orig(self, *a, **k)
+            c.model_config.get_head_size = lambda: hs
+            return c
+
+        with monkeypatch.context() as m:
+            m.setattr(EA, "create_engine_config", patches.wrap_create_engine_config(with_head))
+            with pytest.raises(ValueError, match=f"head_dim {hs}: use --kv-cache-dtype auto"):
+                EA(kv_cache_dtype="kvarn_k4v2_g128").create_engine_config()
     with pytest.raises(ValueError, match="speculative"):
         EA(kv_cache_dtype="kvarn_k4v2_g128", speculative_config={"n": 1}).create_engine_config()
     # what would let a request start mid-tile from blocks it did not write is refused at start
