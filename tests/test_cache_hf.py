@@ -121,3 +121,24 @@ def test_keep_decoded_gives_identical_logits(tiny):
     c = KVCodecCache("kvarn_k4v2_g128", config=cfg, keep_decoded=True)
     assert torch.equal(_chunked(m, ids, c), a)
     assert c.memory_bytes()["decoded"] > 0
+
+
+def test_a_chunk_reads_the_stored_prefix_and_its_own_raw_tokens():
+    """Serving semantics of a continuation chunk (as the backend's dense prefill path): positions before the chunk
+    come back as stored (tiles quantized, the tail 16-bit), the chunk's own positions raw, also where the chunk
+    completed a tile; a one-token step (decode) reads the stored state everywhere."""
+    from kvarn.method.hf_cache import CodecLayer
+
+    layer = CodecLayer(get_codec("kvarn_k4v2_g128"))
+    g = torch.Generator().manual_seed(0)
+    k0, v0 = torch.randn(1, 2, 100, 64, generator=g), torch.randn(1, 2, 100, 64, generator=g)
+    k1, v1 = torch.randn(1, 2, 60, 64, generator=g), torch.randn(1, 2, 60, 64, generator=g)
+    assert layer.update(k0, v0)[0] is k0  # first chunk: raw
+    k, v = layer.update(k1, v1)  # completes tile 0 (positions 0..127) inside the chunk
+    assert k.shape[-2] == 160 and torch.equal(k[..., 100:, :], k1) and torch.equal(v[..., 100:, :], v1)
+    stored_k, _ = layer.read()
+    assert torch.equal(k[..., :100, :], stored_k[..., :100, :])
+    assert not torch.equal(k[..., :100, :], k0)  # the prefix's tile is read back quantized
+    kd, vd = torch.randn(1, 2, 1, 64, generator=g), torch.randn(1, 2, 1, 64, generator=g)
+    k, _ = layer.update(kd, vd)
+    assert torch.equal(k, layer.read()[0])

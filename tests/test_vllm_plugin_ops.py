@@ -108,7 +108,7 @@ class Engine:
             s = c + n
             if c == 0:  # first chunk: raw attention
                 k, v = r.k[:s], r.v[:s]
-            else:  # post-store state: dequantized full tiles + raw tail
+            else:  # post-store state: dequantized full tiles + raw tail (dense paths: own chunk raw, below)
                 full = s // G
                 kk, vv = [], []
                 if full:
@@ -116,6 +116,8 @@ class Engine:
                     kk.append(dk.transpose(1, 2).reshape(-1, HK, D)); vv.append(dv.transpose(1, 2).reshape(-1, HK, D))
                 kk.append(r.k[full * G:s]); vv.append(r.v[full * G:s])
                 k, v = torch.cat(kk), torch.cat(vv)
+                if n > 1 and ops.prefill_mode() != "kernel":  # dense paths: a chunk reads its own tokens raw
+                    k, v = torch.cat([k[:c], r.k[c:s]]), torch.cat([v[:c], r.v[c:s]])
             want = reference_attention(r.q[c:s].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), SCALE,
                                        causal_offset=c).transpose(0, 1)
             got = out[qsl[i]:qsl[i + 1]]

@@ -6,8 +6,10 @@ Semantics shared with the vLLM backend (keep exactly):
 * The unfinished tile stays 16-bit (the model's dtype) in a tail buffer; optionally the first `sink_tokens`
   tokens are also kept 16-bit for good and override their dequantized copy on read.
 * A forward whose context is empty (first chunk) attends to its own raw K/V (exact, like vLLM's first-chunk
-  prefill). Every later forward attends to the cache state AFTER its own tokens were stored: all encoded units
-  decoded again (read back on every step, as in serving), then the 16-bit tail.
+  prefill). A later chunk of several tokens attends to the cache state after its tokens were stored (all encoded
+  units decoded again, read back on every step as in serving, then the 16-bit tail) for the positions before it,
+  and to its own raw K/V for its own positions: the quantized prefix plus the chunk's own raw tokens, as the
+  backend's dense prefill path does. A one-token forward (decode) reads the stored state for every position.
 Layers the format keeps 16-bit (TurboQuant's first/last 2) use the identity codec.
 Usable as `model.generate(..., past_key_values=cache)` and in a plain forward loop. No beam search / cropping.
 """
@@ -70,7 +72,12 @@ class CodecLayer(DynamicLayer):
         self.keys, self.values = tk[..., full:, :].contiguous(), tv[..., full:, :].contiguous()
         if first:
             return key_states, value_states
-        return self.read()
+        k, v = self.read()
+        n = key_states.shape[-2]
+        if n > 1:  # a chunk reads its own tokens raw (the prefix stays as stored)
+            k = torch.cat([k[..., :-n, :], key_states], -2)
+            v = torch.cat([v[..., :-n, :], value_states], -2)
+        return k, v
 
     def read(self):
         """The whole cache as the attention sees it: decoded units + 16-bit tail (+ 16-bit sink)."""

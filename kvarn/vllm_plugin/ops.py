@@ -360,7 +360,7 @@ def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, ta
         mode = prefill_mode()
         if mode != "kernel" and (raw_varlen is not None or not use_kernels):
             o = dense_prefill(plan, qc, cache, block_table, tail_k, tail_v, fmt, scale, raw_varlen,
-                              rotated=mode == "dense_rot")
+                              rotated=mode == "dense_rot", own_k=k[plan.cont_tok], own_v=v[plan.cont_tok])
         elif fn is not None:
             o = fn(qc, cache, block_table[rows], plan.cont_qsl, seq_lens_dev[rows], tail_k, tail_v,
                    plan.tail_slots[rows], fmt, scale, plan.cont_max_q)
@@ -501,16 +501,21 @@ def _groups(lens: np.ndarray, budget: int):
 
 def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: KVFormat, scale: float,
                   varlen: Callable | None = None, key_budget: int | None = None, use_kernels: bool | None = None,
-                  rotated: bool = False):
+                  rotated: bool = False, own_k=None, own_v=None):
     """Attention of the continuation rows' queries qc [n, Hq, D] over their materialized post-store K/V, in groups
     of rows holding at most `key_budget` keys (bounds the transient 16-bit buffer): varlen(q, k, v, cu_q, max_q,
     cu_k=, max_k=) (vLLM's FlashAttention) when given, else the torch reference. Returns [n, Hq, D].
+    own_k / own_v [n, Hk, D] (the chunks' new K/V, in qc's order): each chunk attends to its own tokens raw and to
+    the stored cache before them (the quantized prefix plus its own raw tokens; kvarn.method.hf_cache does the
+    same). Without them every position reads the stored state (tiles the chunk completed come back quantized).
     rotated=True: K/V in the stored basis; q goes in as q @ Hn and the output comes back times Hn."""
     if rotated:
         from ..method.hadamard import hadamard
 
         hn = hadamard(qc.shape[-1], qc.device)
         qc = (qc.float() @ hn).to(qc.dtype)
+        if own_k is not None:
+            own_k, own_v = (own_k.float() @ hn).to(qc.dtype), (own_v.float() @ hn).to(qc.dtype)
     rows = plan.cont_rows
     key_budget = DENSE_KEY_BUDGET if key_budget is None else key_budget
     s = plan.seq_lens[rows].astype(np.int64)
@@ -521,6 +526,11 @@ def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: K
     for a, e in _groups(s, key_budget):
         k, v, cu_k = materialize_dense(rows[a:e], s[a:e], plan.tail_slots_np[rows[a:e]], cache, block_table,
                                        tail_k, tail_v, fmt, qc.dtype, use_kernels, rotated)
+        if own_k is not None:  # row i's last qlen[i] positions are its own chunk: raw
+            seg, pos = _ragged(np.zeros(e - a, dtype=np.int64), qlen[a:e])
+            dst = torch.from_numpy(cu_k[seg + 1] - qlen[a:e][seg] + pos).to(k.device)
+            k[dst] = own_k[int(q_cu[a]):int(q_cu[e])].to(k.dtype)
+            v[dst] = own_v[int(q_cu[a]):int(q_cu[e])].to(v.dtype)
         q = qc[int(q_cu[a]):int(q_cu[e])]
         cu_q = q_cu[a:e + 1] - q_cu[a]
         if varlen is not None:
