@@ -360,7 +360,8 @@ def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, ta
         mode = prefill_mode()
         if mode != "kernel" and (raw_varlen is not None or not use_kernels):
             o = dense_prefill(plan, qc, cache, block_table, tail_k, tail_v, fmt, scale, raw_varlen,
-                              rotated=mode == "dense_rot", own_k=k[plan.cont_tok], own_v=v[plan.cont_tok])
+                              rotated=mode == "dense_rot", own_k=None if k is None else k[plan.cont_tok],
+                              own_v=None if v is None else v[plan.cont_tok])
         elif fn is not None:
             o = fn(qc, cache, block_table[rows], plan.cont_qsl, seq_lens_dev[rows], tail_k, tail_v,
                    plan.tail_slots[rows], fmt, scale, plan.cont_max_q)
