@@ -402,7 +402,8 @@ def test_microbench_store_on_cpu_runs_the_default_variant():
 
     from tests.helpers import run_cli
 
-    r = run_cli("microbench", "store", "--device", "cpu", "--check", "--json", "--iters", "1", "--model", "smollm2-135m")
+    r = run_cli("microbench", "store", "--device", "cpu", "--check", "--json", "--iters", "1",
+                "--model", "smollm2-135m")
     assert r.returncode == 0, r.stderr
     row = json.loads(r.stdout.strip().splitlines()[-1])
     ex = row["extra"]

@@ -385,7 +385,8 @@ def wrap_init_device(orig):
         r = orig(self, *args, **kwargs)
         runner = getattr(self, "model_runner", None)
         if runner is not None and hook_runner_class(type(runner)) == "none":
-            cache_dtype = getattr(getattr(getattr(self, "vllm_config", None), "cache_config", None), "cache_dtype", None)
+            cache_cfg = getattr(getattr(self, "vllm_config", None), "cache_config", None)
+            cache_dtype = getattr(cache_cfg, "cache_dtype", None)
             if is_kvarn(cache_dtype):  # without the per-step request rows every request would share one tail slot
                 raise KvarnConfigError(
                     f"kvarn: unknown vLLM model runner {type(runner).__name__} (neither V2's prepare_attn nor V1's "
