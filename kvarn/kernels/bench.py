@@ -536,8 +536,8 @@ def _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check) -> list:
     (what the session-7 and earlier tables measured: the launch, not the kernel, for the small grids);
     batch_flush_ms = --batch tiles per call; decode_idle_ms / decode_one_ms = store_decode (tail write + store
     launch) for a step where no row / one row completes its tile (the CUDA-graph decode path runs it every layer).
-    The balance
-    column names the kernel variant (store.BALANCE_VARIANTS: log, mul, mulsm = mul + 32-channel blocked rotation
+    The balance column names the kernel variant (store.BALANCE_VARIANTS: log, mul, mulsm = mul + 32-channel blocked
+    rotation
     and byte pack, fused = mul with 2 cross-warp reductions per iteration, fusedsm = both, fusedsm4w = fusedsm
     on 4 warps); KVARN_STORE_BALANCE=<name> makes one the process default. KVARN_STORE_VARIANTS="mul,fused,..."
     limits the table to those balance variants; each row also goes to stderr as it is measured ("store-row {json}")
