@@ -330,3 +330,27 @@ def test_aime_from_the_local_datasets_cache_when_the_hub_is_unreachable(monkeypa
     assert calls == [("acme/aime", "train", "1")]
     with pytest.raises(KvarnError, match="cannot load it from the local cache .* pass --data aime.jsonl"):
         D.hub_dataset("missing/x", "train", "aime.jsonl")
+
+
+def test_summary_table_fits_80_columns_and_keeps_what_differs():
+    import io
+
+    from rich.console import Console
+
+    from kvarn_cli.commands.eval import render
+
+    base = {"task": "ppl", "model": "HuggingFaceTB/SmolLM2-135M-Instruct", "engine": "hf", "metric": "ppl", "n": 4.0,
+            "status": "ok", "ppl": 46.498, "ci_low": 41.17, "ci_high": 55.714, "delta_vs_fp16": 0.0,
+            "delta_ci_low": 0.0, "delta_ci_high": 0.0, "ppl_rise_pct": 0.0, "samples_k": 1}
+    rows = [{**base, "kv_dtype": "auto"}, {**base, "kv_dtype": "turboquant_k3v4_nc", "ppl": 47.873,
+                                           "delta_vs_fp16": 1.376, "delta_ci_low": 0.877, "delta_ci_high": 1.992,
+                                           "ppl_rise_pct": 2.96}]
+    con = Console(width=80, file=io.StringIO())
+    con.print(render(rows, width=80))
+    text = con.file.getvalue()
+    assert "…" not in text and "turboquant_k3v4_nc" in text and "+1.38 [+0.88, +1.99]" in text and "n = 4" in text
+    rows[1] = {**rows[1], "status": "failed", "n": 0.0}  # what differs stays a column
+    con = Console(width=200, file=io.StringIO())
+    con.print(render(rows, width=200))
+    text = con.file.getvalue()
+    assert "failed" in text and "status" in text and "+1.376" in text

@@ -44,32 +44,63 @@ def _f(v, fmt="{:.3f}") -> str:
     return fmt.format(v)
 
 
-def render(rows: list[dict]) -> Table:
-    task = rows[0]["task"] if rows else ""
-    is_ppl = any(r.get("metric") == "ppl" for r in rows)
-    t = Table(title=f"kvarn eval {task}: {rows[0].get('model', '')} ({rows[0].get('engine', '')})" if rows else "")
-    for c in ("kv dtype", "status", "n"):
-        t.add_column(c, no_wrap=True)
-    if is_ppl:
-        for c in ("ppl [95% CI]", "Δ ppl vs fp16 [95% CI]", "rise %"):
-            t.add_column(c, justify="right")
-    else:
-        for c in ("accuracy [95% CI]", "Δ vs fp16 pp [95% CI]", "McNemar p", "pass@k", "trunc %", "gen tok"):
-            t.add_column(c, justify="right")
+def _cells(rows: list[dict], is_ppl: bool, dp: int) -> list[dict]:
+    pct = lambda v, f="{:.1f}": _f(v * 100 if isinstance(v, (int, float)) else v, f)  # noqa: E731
+    num, sig = f"{{:.{dp}f}}", f"{{:+.{dp}f}}"
+    cells = []
     for r in rows:
-        head = [r["kv_dtype"], r["status"], _f(r.get("n"), "{:.0f}")]
+        c = {"kv dtype": r["kv_dtype"], "status": r["status"], "n": _f(r.get("n"), "{:.0f}")}
         if is_ppl:
-            t.add_row(*head, f"{_f(r.get('ppl'))} [{_f(r.get('ci_low'))}, {_f(r.get('ci_high'))}]",
-                      f"{_f(r.get('delta_vs_fp16'), '{:+.3f}')} [{_f(r.get('delta_ci_low'), '{:+.3f}')}, "
-                      f"{_f(r.get('delta_ci_high'), '{:+.3f}')}]", _f(r.get("ppl_rise_pct"), "{:+.2f}"))
+            c["ppl [95% CI]"] = f"{_f(r.get('ppl'), num)} [{_f(r.get('ci_low'), num)}, {_f(r.get('ci_high'), num)}]"
+            c["Δ vs fp16 [95% CI]"] = (f"{_f(r.get('delta_vs_fp16'), sig)} [{_f(r.get('delta_ci_low'), sig)}, "
+                                       f"{_f(r.get('delta_ci_high'), sig)}]")
+            c["rise %"] = _f(r.get("ppl_rise_pct"), "{:+.2f}")
         else:
-            pct = lambda v, f="{:.1f}": _f(v * 100 if isinstance(v, (int, float)) else v, f)  # noqa: E731
             acc = f"{pct(r.get('accuracy'))}% [{pct(r.get('ci_low'))}, {pct(r.get('ci_high'))}]"
             if r.get("accuracy_flexible") is not None and not math.isnan(r.get("accuracy_flexible", math.nan)):
                 acc += f" (flex {pct(r['accuracy_flexible'])}%)"
-            t.add_row(*head, acc, f"{pct(r.get('delta_vs_fp16'), '{:+.1f}')} [{pct(r.get('delta_ci_low'), '{:+.1f}')}, "
-                      f"{pct(r.get('delta_ci_high'), '{:+.1f}')}]", _f(r.get("mcnemar_p"), "{:.3g}"),
-                      pct(r.get("pass_at_k")), pct(r.get("truncation_rate")), _f(r.get("mean_gen_tokens"), "{:.0f}"))
+            c["accuracy [95% CI]"] = acc
+            c["Δ vs fp16 pp [95% CI]"] = (f"{pct(r.get('delta_vs_fp16'), '{:+.1f}')} "
+                                          f"[{pct(r.get('delta_ci_low'), '{:+.1f}')}, "
+                                          f"{pct(r.get('delta_ci_high'), '{:+.1f}')}]")
+            c["McNemar p"] = _f(r.get("mcnemar_p"), "{:.3g}")
+            c["pass@k"] = pct(r.get("pass_at_k"))
+            c["trunc %"] = pct(r.get("truncation_rate"))
+            c["gen tok"] = _f(r.get("mean_gen_tokens"), "{:.0f}")
+        cells.append(c)
+    return cells
+
+
+def render(rows: list[dict], width: int | None = None) -> Table:
+    """One line per format. pass@k only with K > 1 samples (else it is the accuracy); what every row shares (n, status
+    ok) goes in the title. In a narrow terminal: ppl with 2 decimals, then the least-read columns go (generated tokens,
+    McNemar p, truncation) rather than every cell folding."""
+    task = rows[0]["task"] if rows else ""
+    is_ppl = any(r.get("metric") == "ppl" for r in rows)
+    title = f"kvarn eval {task}: {rows[0].get('model', '')} ({rows[0].get('engine', '')})" if rows else ""
+    cells = _cells(rows, is_ppl, 3)
+    cols = list(cells[0]) if cells else ["kv dtype", "status", "n"]
+    if "pass@k" in cols and all((r.get("samples_k") or 1) <= 1 for r in rows):
+        cols.remove("pass@k")
+    if cells and all(c["status"] == "ok" for c in cells):
+        cols.remove("status")
+    if cells and len({c["n"] for c in cells}) == 1:
+        cols.remove("n")
+        title += f", n = {cells[0]['n']}"
+    need = lambda cs: sum(max(len(c), *(len(x[c]) for x in cells)) + 3 for c in cs) + 1  # noqa: E731
+    if width is not None and cells and is_ppl and need(cols) > width:
+        cells = _cells(rows, is_ppl, 2)
+    for c in ("gen tok", "McNemar p", "trunc %", "pass@k"):
+        if width is None or not cells or need(cols) <= width:
+            break
+        if c in cols:
+            cols.remove(c)
+    t = Table(title=title)
+    for c in cols:
+        t.add_column(c, no_wrap=c in ("kv dtype", "status", "n") or width is not None,
+                     justify="left" if c in ("kv dtype", "status") else "right")
+    for c in cells:
+        t.add_row(*(c[k] for k in cols))
     return t
 
 
@@ -168,7 +199,7 @@ def register(app: typer.Typer) -> None:
             for r in rows:
                 by_task.setdefault(r["task"], []).append(r)
             for group in by_task.values():
-                out.print(render(group))
+                out.print(render(group, width=out.width))
                 for r in group:
                     for col, what in (("by_context", "context"), ("by_depth", "needle depth")):
                         if r.get(col):
