@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..formats import FP16_NAMES
+from ..tablefit import drop_to_fit
 from .config import Cell
 from .plan import Plan
 from .ratios import fp16_reference, ratios
@@ -129,13 +130,8 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
     if all(r["ok/runs"] == "1/1" for r in rows_out) and "ok/runs" in cols:
         cols.remove("ok/runs")
     # a narrow terminal drops the least-read columns first rather than folding every cell
-    need = lambda cs: sum(max(len(c), *(len(r[c]) for r in rows_out)) + 3 for c in cs) + 1  # noqa: E731
-    for c in ("start s", "preempt", "peak running", "max reqs@burst", "TTFT p50 ms", "total tok/s", "ok/runs",
-              "TPOT p50 ms"):
-        if width is None or not rows_out or need(cols) <= width:
-            break
-        if c in cols:
-            cols.remove(c)
+    cols = drop_to_fit(rows_out, cols, ("start s", "preempt", "peak running", "max reqs@burst", "TTFT p50 ms",
+                                        "total tok/s", "ok/runs", "TPOT p50 ms"), width)
     t = Table(title=title)
     for c in cols:
         header = "KV cache" if c == "KV tokens" and all(r[c].endswith("MiB") for r in rows_out) else c  # hf: bytes

@@ -9,6 +9,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvarn.errors import KvarnError
+from kvarn.tablefit import drop_to_fit, natural_width
 
 from ..console import _err, err, out, print_json
 
@@ -87,14 +88,9 @@ def render(rows: list[dict], width: int | None = None) -> Table:
     if cells and len({c["n"] for c in cells}) == 1:
         cols.remove("n")
         title += f", n = {cells[0]['n']}"
-    need = lambda cs: sum(max(len(c), *(len(x[c]) for x in cells)) + 3 for c in cs) + 1  # noqa: E731
-    if width is not None and cells and is_ppl and need(cols) > width:
+    if width is not None and cells and is_ppl and natural_width(cells, cols) > width:
         cells = _cells(rows, is_ppl, 2)
-    for c in ("gen tok", "McNemar p", "trunc %", "pass@k"):
-        if width is None or not cells or need(cols) <= width:
-            break
-        if c in cols:
-            cols.remove(c)
+    cols = drop_to_fit(cells, cols, ("gen tok", "McNemar p", "trunc %", "pass@k"), width)
     t = Table(title=title)
     for c in cols:
         t.add_column(c, no_wrap=c in ("kv dtype", "status", "n") or width is not None,
