@@ -92,10 +92,14 @@ class ResultsStore:
             self.parts.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise KvarnError(f"cannot create results directory {self.parts}: {e}") from None
+        path = self._new_part(kind or rows[0].get("kind", "rows"))
+        _write_atomic(df, path)
+        return path
+
+    def _new_part(self, kind: str) -> Path:
+        """A fresh part name: kind, UTC time to the microsecond, a random suffix."""
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
-        name = f"{kind or rows[0].get('kind', 'rows')}-{stamp}-{uuid.uuid4().hex[:8]}.parquet"
-        _write_atomic(df, self.parts / name)
-        return self.parts / name
+        return self.parts / f"{kind}-{stamp}-{uuid.uuid4().hex[:8]}.parquet"
 
     def compact(self) -> tuple[int, int]:
         """Merge all parts into one (e.g. before copying a results directory around: one file instead of one per
@@ -105,9 +109,7 @@ class ResultsStore:
         if len(files) <= 1:
             return len(files), len(self.read())
         df = self.read()
-        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
-        name = f"compact-{stamp}-{uuid.uuid4().hex[:8]}.parquet"
-        _write_atomic(_typed(df), self.parts / name)
+        _write_atomic(_typed(df), self._new_part("compact"))
         for f in files:
             f.unlink()
         return len(files), len(df)
@@ -118,8 +120,7 @@ class ResultsStore:
         if len(files) <= 1:
             return files[0] if files else None
         df = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True, sort=False)
-        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
-        path = self.parts / f"{kind}-{stamp}-{uuid.uuid4().hex[:8]}.parquet"
+        path = self._new_part(kind)
         _write_atomic(_typed(df), path)
         for f in files:
             f.unlink()
