@@ -125,8 +125,11 @@ def copy_bandwidth_gbps(dev: torch.device, mib: int | None = None) -> float:
     return 2 * n / (ms * 1e-3) / 1e9
 
 
-def _check_sizes(batch: int, context: int, chunk: int | None = None):
-    for flag, v in (("--batch", batch), ("--context", context), ("--chunk", chunk)):
+def _check_sizes(batch: int, context: int, chunk: int | None = None, iters: int | None = None,
+                 num_splits: int | None = None):
+    # 0 is not "the default": every given size must be positive
+    for flag, v in (("--batch", batch), ("--context", context), ("--chunk", chunk), ("--iters", iters),
+                    ("--num-splits", num_splits)):
         if v is not None and v < 1:
             raise KvarnError(f"{flag} must be >= 1, got {v}")
 
@@ -255,7 +258,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
     fastest, a few split counts; the rows go to extra['sweep'] (ms, GB/s, rel. error, splits)."""
     dev = resolve_device(device)
     _check_heads(q_heads, kv_heads, head_dim)
-    _check_sizes(batch, context)
+    _check_sizes(batch, context, iters=iters, num_splits=num_splits)
     fmt = _kv_format(kv_dtype)
     from .decode import SWEEP_CONFIGS, DecodeConfig, decode_attention
 
@@ -345,7 +348,7 @@ def bench_prefill(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device=
                   chunk=None, dtype=torch.bfloat16) -> BenchResult:
     dev = resolve_device(device)
     _check_heads(q_heads, kv_heads, head_dim)
-    _check_sizes(batch, context, chunk)
+    _check_sizes(batch, context, chunk, iters=iters)
     fmt = _kv_format(kv_dtype)
     from .prefill import prefill_attention
 
@@ -469,7 +472,7 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
 
     shape = resolve_model(model)
     _check_heads(q_heads, kv_heads, head_dim)
-    _check_sizes(batch, context)
+    _check_sizes(batch, context, iters=iters)
     fmt = _kv_format(kv_dtype)
     _store_variant_names()  # a bad KVARN_STORE_VARIANTS fails before anything is timed
     iters = iters or (50 if dev.type == "cuda" else 2)
