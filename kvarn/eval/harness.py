@@ -123,6 +123,7 @@ def run_harness(tasks: list[str], kv_dtypes: str | None, model: str, weights: st
         per_fmt[fmt.name] = {"fmt": fmt, "res": res, "status": status, "error": error, "margs": margs}
 
     rows_s, rows_e = [], []
+    label = model_label(model)  # the rows' model column, as bench writes it (resolved once, not per row)
     for t in tasks:
         task_name = f"lm-eval:{t}"
         docs: dict[str, dict[str, float]] = {}
@@ -130,7 +131,7 @@ def run_harness(tasks: list[str], kv_dtypes: str | None, model: str, weights: st
             cfg = {"harness": "lm-eval", "task": t, "model": model, "weights": weights, "kv_dtype": name, "tp": tp,
                    "seed": seed, "limit": limit, "chat": chat, "fewshot": fewshot, "gen_kwargs": gen_kwargs,
                    "extra": extra}
-            row = {"kind": "eval", "run_id": run_id, "config_hash": config_hash(cfg), "model": model_label(model),
+            row = {"kind": "eval", "run_id": run_id, "config_hash": config_hash(cfg), "model": label,
                    "kv_dtype": name, "engine": "vllm", "tp": tp, "task": task_name, "seed": seed, "status": d["status"],
                    "error": d["error"], "harness": "lm-eval", "baseline_kv_dtype": base.name,
                    "lm_eval_model_args": json.dumps(d["margs"])}
@@ -153,7 +154,7 @@ def run_harness(tasks: list[str], kv_dtypes: str | None, model: str, weights: st
                     docs[name] = per_doc
                     for did, v in per_doc.items():
                         rows_s.append({"kind": "sample", "run_id": run_id, "config_hash": row["config_hash"],
-                                       "model": model_label(model), "kv_dtype": name, "engine": "vllm", "tp": tp,
+                                       "model": label, "kv_dtype": name, "engine": "vllm", "tp": tp,
                                        "task": task_name, "seed": seed, "status": "ok", "repeat": 0,
                                        "sample_id": did, "correct": v})
                     if per_doc:
