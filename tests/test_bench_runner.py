@@ -232,6 +232,7 @@ def test_backend_knobs_key_only_kvarn_cells(tmp_path, monkeypatch):
     monkeypatch.setattr(vllm_engine, "visible_gpus", lambda: [{"index": "0", "name": "H200", "capability": "9.0"}])
     o = BenchOptions(model="qwen3-8b", kv_dtype="auto,fp8,kvarn_k4v2_g128", engine="vllm", out=str(tmp_path / "r"))
     monkeypatch.delenv("KVARN_PREFILL", raising=False)
+    monkeypatch.delenv("KVARN_STORE_BALANCE", raising=False)  # tests/conftest.py pins it on CPU-only machines
     plain = {c.kv_dtype: c for c in build_plan(o).configs}
     monkeypatch.setenv("KVARN_PREFILL", "kernel")
     knob = {c.kv_dtype: c for c in build_plan(o).configs}

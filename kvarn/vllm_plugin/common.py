@@ -6,11 +6,9 @@ import os
 from ..formats import DEFAULT_KVARN, KVFormat, get_format, kvarn_formats
 
 PREFIX = "kvarn_"
-# head dims the plugin serves. The kernels also take 256: store and decode passed tests/test_kernels_gpu.py at D=256 on
-# the H200 (session 6); the dense prefill path's record decoder (dequantize_to_rows) takes D=256 since session 7
-# (interpreter tests; offline sm_90: 176-224 KiB of shared memory, no spills) but has not run on a GPU. D=256 layers
-# stay 16-bit until `pytest -m gpu tests/test_kernels_gpu.py -k "dequantize and 256"` passes there; then add 256.
-SUPPORTED_HEAD_SIZES = (64, 128)
+# head dims the plugin serves (every kernel the backend calls passed tests/test_kernels_gpu.py at each of them on the
+# H200: store and decode at 256 in session 6, the dense prefill path's record decoder in session 8)
+SUPPORTED_HEAD_SIZES = (64, 128, 256)
 SUPPORTED_VLLM = "0.26."
 
 _ACTIVE: dict[str, KVFormat] = {}
@@ -70,7 +68,7 @@ def fallback_reason(*, head_size: int, head_size_v: int | None, sliding_window, 
 # Environment knobs of the backend that change what a run measures (defaults = what the code does unset).
 # Results carry the non-default ones (provenance `kvarn_env`, and the bench configuration hash).
 BACKEND_KNOBS = {"KVARN_PREFILL": "dense", "KVARN_FULL_GRAPH": "1", "KVARN_AUTOTUNE": "0", "KVARN_DECODE_CONFIG": "",
-                 "KVARN_STORE_BALANCE": "log", "KVARN_STORE_DECODE_GRID": "rows"}
+                 "KVARN_STORE_BALANCE": "fused", "KVARN_STORE_DECODE_GRID": "rows"}
 
 
 def backend_env(environ=None) -> str:

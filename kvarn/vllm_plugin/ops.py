@@ -463,7 +463,7 @@ def materialize_dense(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray,
     if len(seg):
         bids = block_table[torch.from_numpy(np.asarray(rows)[seg]).to(dev), torch.from_numpy(cols).to(dev)].long()
         dst0 = torch.from_numpy(cu_k[seg] + cols * g).to(dev)
-        if fn is not None and D in (64, 128):
+        if fn is not None and D in (64, 128, 256):
             fn(cache, bids, dst0, k, v, fmt, rotated=rotated)
         else:
             off = torch.arange(g, device=dev)
