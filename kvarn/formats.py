@@ -7,6 +7,7 @@ dtypes it runs with, and the fixed 16-bit per-request buffers it needs (KVarN's 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from .errors import KvarnError, choices
@@ -88,6 +89,21 @@ def kvarn_record_bytes(head_dim: int, group: int, key_bits: int, value_bits: int
     return -(-total // 16) * 16
 
 
+# The first KVARN_SINK tokens of every request stay 16-bit for good (attention sinks; the original keeps 128) in the
+# tail buffer beside the unfinished tile. CPU reference, SmolLM2-135M, Moby-Dick 8 x 1024 windows, chunk 128,
+# kvarn_k4v2_g128 ppl vs fp16 (BENCHMARKS.md): no sink +1.81%, 4 tokens +0.95%, 16 +0.81%, 32 +1.10%, 64 +0.57%,
+# 128 (the whole first tile) +0.32% (n = 8 windows: +-0.3-0.6% noise). 16 tokens cost 1/8 of the tail buffer
+# (~0.6 GB at 256 requests on Qwen3-8B), 128 would cost 4.8 GB (capacity 4.54x -> ~4.35x). KVARN_SINK=<n> (0 <= n <
+# the tile; read at import, so set it for every process) trades capacity for accuracy.
+KVARN_SINK = int(os.environ.get("KVARN_SINK", "16"))
+
+
+def _sink_for(g: int) -> int:
+    if not 0 <= KVARN_SINK < g:
+        raise KvarnError(f"KVARN_SINK={KVARN_SINK}: the sink must hold 0 to {g - 1} tokens (fewer than a {g}-token tile)")
+    return KVARN_SINK
+
+
 def _kvarn(kb: int, vb: int, g: int, desc: str) -> KVFormat:
     return KVFormat(
         name=f"kvarn_k{kb}v{vb}_g{g}",
@@ -97,6 +113,7 @@ def _kvarn(kb: int, vb: int, g: int, desc: str) -> KVFormat:
         group=g,
         block_size=g,
         tail_tokens=g,
+        sink_tokens=_sink_for(g),
         description=desc,
     )
 

@@ -39,8 +39,9 @@ def test_embedded_default_runs_on_cpu_with_hf(tmp_path, tiny_default, capsys):
     assert bool(r.dummy_weights) and r.model_dtype == "float32"
     assert r.completed == 2 and r.total_output_tokens == 256 and r.output_tok_s > 0 and r.tpot_ms_p50 > 0
     # quantized caches hold fewer bytes than FP16 for the same tokens: capacity ratio > 1 vs the auto row (KVarN's
-    # 192 tokens: one packed 128-token tile + 64 in the 16-bit tail, so ~2.1x here; 4.7x once the tail is small)
-    assert df.loc["kvarn_k4v2_g128", "kv_ratio_vs_fp16"] > 1.8 and df.loc["fp8", "kv_ratio_vs_fp16"] > 1.5
+    # 192 tokens: one packed 128-token tile + 64 in the 16-bit tail + the 16-token 16-bit sink, so ~1.8x here; 4.7x
+    # once the tail and sink are small beside the context)
+    assert df.loc["kvarn_k4v2_g128", "kv_ratio_vs_fp16"] > 1.7 and df.loc["fp8", "kv_ratio_vs_fp16"] > 1.5
     assert r.kv_ratio_vs_fp16 == 1.0
     assert all((res / "logs" / f"{h}-r0.log").is_file() for h in df.config_hash)
     # a rerun finds everything done
@@ -64,4 +65,4 @@ def test_embedded_default_with_the_real_smollm2(tmp_path, monkeypatch, capsys):
     df = ResultsStore(res).read("bench").set_index("kv_dtype")
     assert set(df.status) == {"ok"} and len(df) == 5, df[["status", "error"]]
     assert set(df.model) == {"HuggingFaceTB/SmolLM2-135M-Instruct"} and not df.dummy_weights.any()
-    assert (df.total_output_tokens == 256).all() and df.loc["kvarn_k4v2_g128", "kv_ratio_vs_fp16"] > 1.8
+    assert (df.total_output_tokens == 256).all() and df.loc["kvarn_k4v2_g128", "kv_ratio_vs_fp16"] > 1.7

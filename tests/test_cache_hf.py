@@ -63,7 +63,7 @@ def test_quantized_cache_state_after_own_tokens(tiny):
     kw = _cache_kwarg(m)
     codec = get_codec("kvarn_k2v2_g128")
     with torch.no_grad():
-        c = KVCodecCache(codec, config=cfg)
+        c = KVCodecCache(codec, config=cfg, sink_tokens=0)  # (the sink would override positions 0..15)
         m(ids[:, :100], use_cache=True, **{kw: c})
         m(ids[:, 100:140], use_cache=True, **{kw: c})  # completes tile 0 (0..127)
     lay = c.layers[2]

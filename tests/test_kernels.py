@@ -18,9 +18,11 @@ from kvarn.method.reference import dequantize_tiles, quantize_tiles, reference_a
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def paged_setup(fmt, D, Hk, seq_lens, dtype=torch.float16, device="cpu", gen=None, spare_blocks=3):
+def paged_setup(fmt, D, Hk, seq_lens, dtype=torch.float16, device="cpu", gen=None, spare_blocks=3, sink=0):
     """A random paged cache holding the full tiles of every request (reference-quantized), a 16-bit tail
-    holding each request's partial tile, a shuffled block table and shuffled tail slots."""
+    holding each request's partial tile, a shuffled block table and shuffled tail slots. sink > 0: the tails
+    get `sink` more rows, the request's first positions 16-bit (a high-norm first token, as attention sinks
+    have), which the attention must read instead of what the first tile's record holds there."""
     g = fmt.group
     B = len(seq_lens)
     n_full = [s // g for s in seq_lens]
@@ -37,14 +39,18 @@ def paged_setup(fmt, D, Hk, seq_lens, dtype=torch.float16, device="cpu", gen=Non
         bt[b, :n_full[b]] = perm[used:used + n_full[b]].to(torch.int32)
         used += n_full[b]
     S = B + 2
-    tail_k = (torch.randn(S, Hk, g, D, generator=gen) * 2).to(dtype)
-    tail_v = torch.randn(S, Hk, g, D, generator=gen).to(dtype)
+    tail_k = torch.randn(S, Hk, g + sink, D, generator=gen) * 2
+    tail_v = torch.randn(S, Hk, g + sink, D, generator=gen)
+    if sink:
+        tail_k[:, :, g] *= 6.0
+        tail_v[:, :, g] *= 4.0
+    tail_k, tail_v = tail_k.to(dtype), tail_v.to(dtype)
     slots = torch.randperm(S, generator=gen)[:B].to(torch.int32)
     return dict(cache=cache, block_table=bt.to(device), tail_k=tail_k.to(device), tail_v=tail_v.to(device),
                 tail_slots=slots.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device))
 
 
-def request_kv(setup, fmt, D, b):
+def request_kv(setup, fmt, D, b, sink_len=None):
     """fp32 K, V [Hk, seq_len, D] of request b exactly as the cache + tail hold them (dequantized)."""
     g = fmt.group
     s = int(setup["seq_lens"][b])
@@ -60,7 +66,13 @@ def request_kv(setup, fmt, D, b):
     slot = int(setup["tail_slots"][b])
     ks.append(setup["tail_k"][slot, :, :nt].float())
     vs.append(setup["tail_v"][slot, :, :nt].float())
-    return torch.cat(ks, 1), torch.cat(vs, 1)
+    k, v = torch.cat(ks, 1), torch.cat(vs, 1)
+    # the sink: once the first tile is quantized its first positions come from the 16-bit sink rows
+    n = (setup["tail_k"].shape[2] - g if sink_len is None else sink_len) if nf else 0
+    if n:
+        k[:, :n] = setup["tail_k"][slot, :, g:g + n].float()
+        v[:, :n] = setup["tail_v"][slot, :, g:g + n].float()
+    return k, v
 
 
 def rel_err(a, b):
@@ -312,7 +324,7 @@ from kvarn.kernels.common import layout
 bq, bm, warps = (int(x) for x in sys.argv[1:4])
 lay = layout(get_format("kvarn_k4v2_g128"), 128)
 sig = {"qr_ptr": "*fp32", "cache_ptr": "*u8", "cache16_ptr": "*fp16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
-       "qsl_ptr": "*i32", "po_r_ptr": "*fp32", "plse_ptr": "*fp32", "qk_scale": "fp32", "num_splits": "i32",
+       "qsl_ptr": "*i32", "sink_lens_ptr": "*i32", "po_r_ptr": "*fp32", "plse_ptr": "*fp32", "qk_scale": "fp32", "num_splits": "i32",
        "stride_btb": "i32", "stride_cb": "i32", "stride_ch": "i32", "HQ": "i32"}
 const = dict(GROUP=4, GP=4, BQ=bq, BM=bm, G=lay.g, D=128, KB=lay.kb, VB=lay.vb, OFF_PK=lay.pk, OFF_SK=lay.sk,
              OFF_ZK=lay.zk, OFF_RK=lay.rk, OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,

@@ -308,3 +308,70 @@ def test_gpu_step_ms_replays_the_layers_from_one_graph():
     torch.cuda.synchronize()
     assert x.item() == 2 + 5 * (1 + 7)  # 2 eager warm-ups, then (1 warm-up + 7 timed) replays of 5 calls
     assert 0 < ms < 5.0
+
+
+# ------------------------------------------------------------------------------------------------ attention sink
+
+SINK_CFGS = [None, "u2k2v1w4s1x1", "u2k2v1w4s1x1L1", "u2k2v1w4s3x1r128n8L2p1"]  # default (tuned off), layouts 0/1/2
+
+
+@pytest.mark.parametrize("cfg_name", SINK_CFGS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_decode_sink_matches_reference(monkeypatch, cfg_name, dtype):
+    """Compiled record kernels skip the sink's positions and the tensor-core tail kernel reads the sink rows; a row
+    with sink_lens 0 (a prefix hit) reads the records there."""
+    from kvarn.kernels import decode_attention
+    from kvarn.kernels.decode import DecodeConfig
+
+    monkeypatch.setenv("KVARN_AUTOTUNE", "0")
+    fmt = get_format("kvarn_k4v2_g128")
+    gen = torch.Generator().manual_seed(21)
+    lens = [0, 5, 16, 100, 128, 300, 2100, 700]
+    st = paged_setup(fmt, 128, 8, lens, dtype, device=DEV, gen=gen, sink=16)
+    q = (torch.randn(len(lens), 32, 128, generator=gen) * 2).to(dtype).to(DEV)
+    sl = torch.full((len(lens),), 16, dtype=torch.int32, device=DEV)
+    sl[-1] = 0
+    cpu = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
+    from kvarn.method.reference import reference_attention
+    from tests.test_kernels import request_kv
+
+    ref = torch.stack([torch.zeros(32, 128) if s == 0 else
+                       reference_attention(q[b].float().cpu()[:, None], *request_kv(cpu, fmt, 128, b, int(sl[b])),
+                                           128 ** -0.5)[:, 0] for b, s in enumerate(lens)])
+    out = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                           st["tail_slots"], fmt, 128 ** -0.5, out=torch.empty(q.shape, device=DEV),
+                           config=DecodeConfig.from_name(cfg_name) if cfg_name else None, sink_lens=sl)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-3
+
+
+def test_gpu_prefill_and_store_decode_with_sink():
+    from kvarn.kernels import prefill_attention, store_decode, store_tiles
+
+    fmt = get_format("kvarn_k4v2_g128")
+    gen = torch.Generator().manual_seed(22)
+    lens, q_lens = [300, 40, 140], [290, 30, 20]
+    st = paged_setup(fmt, 128, 2, lens, torch.bfloat16, device=DEV, gen=gen, sink=16)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    q = (torch.randn(int(qsl[-1]), 8, 128, generator=gen) * 2).bfloat16().to(DEV)
+    cpu = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
+    ref = prefill_reference(q.cpu(), qsl, cpu, fmt, 128, 128 ** -0.5)
+    out = prefill_attention(q, st["cache"], st["block_table"], qsl.to(DEV), st["seq_lens"], st["tail_k"], st["tail_v"],
+                            st["tail_slots"], fmt, 128 ** -0.5, max(q_lens), out=torch.empty(q.shape, device=DEV))
+    assert rel_err(out, ref) < 1e-3
+    # store_decode keeps the first 16 tokens in the sink rows and stores the first tile as store_tiles does
+    n, H = 130, 2
+    k = torch.randn(n, H, 128, device=DEV).bfloat16()
+    v = torch.randn(n, H, 128, device=DEV).bfloat16()
+    cache = torch.zeros(3, H, fmt.record_bytes(128), dtype=torch.uint8, device=DEV)
+    tk = torch.zeros(2, H, 128 + 16, 128, device=DEV, dtype=torch.bfloat16)
+    tv = torch.zeros_like(tk)
+    bt = torch.tensor([[1, 2]], dtype=torch.int32, device=DEV)
+    slots = torch.tensor([1], dtype=torch.int32, device=DEV)
+    for p in range(n):
+        store_decode(k[p:p + 1], v[p:p + 1], cache, bt, torch.tensor([p + 1], dtype=torch.int32, device=DEV),
+                     tk, tv, slots, fmt)
+    assert torch.equal(tk[1, :, 128:], k[:16].transpose(0, 1)) and torch.equal(tv[1, :, 128:], v[:16].transpose(0, 1))
+    want = torch.zeros(1, H, fmt.record_bytes(128), dtype=torch.uint8, device=DEV)
+    store_tiles(k[:128].transpose(0, 1)[None].contiguous(), v[:128].transpose(0, 1)[None].contiguous(), want,
+                torch.tensor([0], dtype=torch.int32, device=DEV), fmt)
+    assert torch.equal(cache[1], want[0])

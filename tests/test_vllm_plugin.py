@@ -307,9 +307,9 @@ def test_layers_kvarn_cannot_serve_fall_back_to_16bit(fake_vllm, caplog):
         sw2 = Attention(9, 64, 0.125, 3, cache_config=cc, per_layer_sliding_window=512, prefix="l2")
         cross = Attention(9, 64, 0.125, 3, cache_config=cc, attn_type="encoder_decoder", prefix="l3")
         odd = Attention(9, 96, 0.1, 3, cache_config=cc, prefix="l4")
-        wide = Attention(8, 256, 0.0625, 2, cache_config=cc, prefix="l6")  # store kernel too big for smem at 256
+        wide = Attention(8, 256, 0.0625, 2, cache_config=cc, prefix="l6")  # served since session 8 (GPU tests)
     assert sw.kv_cache_dtype == sw2.kv_cache_dtype == cross.kv_cache_dtype == odd.kv_cache_dtype == "auto"
-    assert wide.kv_cache_dtype == "auto"
+    assert wide.kv_cache_dtype == "kvarn_k4v2_g128"
     assert cc.cache_dtype == "kvarn_k4v2_g128"  # the shared config is untouched
     assert caplog.text.count("sliding-window") == 1  # said once
     plain = Attention(9, 64, 0.125, 3, cache_config=CC(cache_dtype="auto"), prefix="l5")
@@ -356,7 +356,7 @@ def test_spec_has_true_page_bytes_and_merge_keeps_it(fake_vllm):
         assert np.prod(shape) == 7 * spec.page_size_bytes
     assert B.get_name() == "CUSTOM" and B.get_supported_kernel_block_sizes() == [128]
     assert B.supports_kv_cache_dtype("kvarn_k2v2_g128") and not B.supports_kv_cache_dtype("fp8")
-    assert B.get_supported_head_sizes() == [64, 128]
+    assert B.get_supported_head_sizes() == [64, 128, 256]
     # every preset at D=128 (8 KV heads: Qwen3-8B's per-rank heads at TP 1; at TP 2 each rank gets 4 and the same
     # per-head record): the page is heads x record bytes, the tile's tokens x the capacity model's bytes per token
     for f in kvarn_formats():
@@ -380,7 +380,7 @@ def test_config_checks_name_the_fix(fake_vllm, monkeypatch):
         EA(kv_cache_dtype="kvarn_k4v2_g128", dtype="float32").create_engine_config()
     # a model whose head_dim has no kernels: every layer would fall back, so the start fails naming the fix
     orig = EA.create_engine_config.__wrapped__
-    for hs in (96, 256):
+    for hs in (96, 80):
         def with_head(self, *a, hs=hs, **k):
             c = orig(self, *a, **k)
             c.model_config.get_head_size = lambda: hs
@@ -436,7 +436,7 @@ def test_kv_budget_reserves_the_tail_buffers(fake_vllm):
               "d": L("kvarn_k4v2_g128", share="a")}
     vc = _vllm_config(layers, max_num_seqs=8)
     W = fake_vllm.vllm_v1_worker_gpu_worker.Worker
-    per_layer = 2 * 9 * 3 * 128 * 64 * 2  # K+V, (8 + scratch) slots, fp16
+    per_layer = 2 * 9 * 3 * (128 + 16) * 64 * 2  # K+V, (8 + scratch) slots, tile + sink rows, fp16
     w = W(vc, 10**9)
     assert w.determine_available_memory() == 10**9 - 2 * per_layer
     assert w.available_kv_cache_memory_bytes == 10**9 - 2 * per_layer
@@ -517,7 +517,7 @@ def test_builder_and_impl_run_a_step_on_cpu(fake_vllm):
     vc.cache_config.cache_dtype = fmt.name
     b = be.KvarnMetadataBuilder(spec, ["l0"], vc, torch.device("cpu"))
     b2 = be.KvarnMetadataBuilder(spec, ["l0"], vc, torch.device("cpu"))  # a second builder shares the buffers
-    assert b2.slots == 4 and TAILS.get("l0")[0].shape == (5, 2, 64, 64)
+    assert b2.slots == 4 and TAILS.get("l0")[0].shape == (5, 2, 64 + 16, 64)
     STEP.set_rows(np.array([2], dtype=np.int32), "mrv2")
     cm = types.SimpleNamespace(num_reqs=1, num_actual_tokens=70, query_start_loc_cpu=torch.tensor([0, 70]),
                                seq_lens=torch.tensor([70], dtype=torch.int32), seq_lens_cpu_upper_bound=torch.tensor([70]),

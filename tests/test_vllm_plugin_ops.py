@@ -25,14 +25,18 @@ class Req:
         self.q = torch.randn(total, HQ, D, generator=gen)
         self.done = 0  # tokens in the cache
         self.blocks: list[int] = []
+        self.own_sink = True  # False: started on a prefix hit, its slot's sink rows hold no tokens of its own
 
 
 class Engine:
-    def __init__(self, num_blocks=64, slots=4, seed=0):
+    def __init__(self, num_blocks=64, slots=4, seed=0, sink=0):
         self.cache = torch.zeros(num_blocks, HK, FMT.record_bytes(D), dtype=torch.uint8)
         self.tails = TailBuffers()
-        self.tails.allocate(["l0"], slots, HK, G, D, torch.float32, "cpu")
+        self.tails.allocate(["l0"], slots, HK, G, D, torch.float32, "cpu", sink=sink)
         self.tk, self.tv = self.tails.get("l0")
+        self.sink = sink
+        self.tags = torch.full((slots + 1,), -1, dtype=torch.int32)  # the builder's sink ownership tags
+        self.sink_buf = torch.zeros(32, dtype=torch.int32)
         self.table = SlotTable(slots)
         self.free = list(range(1, num_blocks))  # block 0 = vLLM's null block
         np.random.default_rng(seed).shuffle(self.free)
@@ -63,7 +67,8 @@ class Engine:
         v = torch.cat([v, torch.zeros(pad, HK, D)])
         # a fast step gets the minimal plan the builder makes when the decode kernels are there (host fields only)
         plan = ops.build_plan(np.array(qsl), np.array(seq), R, np.array(rows, dtype=np.int32), bt, G, "cpu",
-                              decode_minimal=fast)
+                              decode_minimal=fast, sink=self.sink)
+        ops.update_sink_lens(plan, self.tags, bt, self.sink_buf)
         out = torch.full_like(q, float("nan"))
         seq_t = torch.tensor(seq, dtype=torch.int32)
         if fast:
@@ -102,6 +107,11 @@ class Engine:
                 s = self.table.slot(r.rid)
                 assert torch.equal(self.tk[s, :, :rem], r.k[full * G:r.done].transpose(0, 1))
                 assert torch.equal(self.tv[s, :, :rem], r.v[full * G:r.done].transpose(0, 1))
+            n = min(self.sink, r.done)
+            if n and r.own_sink:  # the first tokens, 16-bit for good
+                s = self.table.slot(r.rid)
+                assert torch.equal(self.tk[s, :, G:G + n], r.k[:n].transpose(0, 1))
+                assert torch.equal(self.tv[s, :, G:G + n], r.v[:n].transpose(0, 1))
 
     def check_out(self, sched, starts, out, qsl, atol=2e-5):
         for i, ((r, n), c) in enumerate(zip(sched, starts)):
@@ -116,6 +126,8 @@ class Engine:
                     kk.append(dk.transpose(1, 2).reshape(-1, HK, D)); vv.append(dv.transpose(1, 2).reshape(-1, HK, D))
                 kk.append(r.k[full * G:s]); vv.append(r.v[full * G:s])
                 k, v = torch.cat(kk), torch.cat(vv)
+                if full and self.sink and r.own_sink:  # the sink's positions raw
+                    k[:self.sink], v[:self.sink] = r.k[:self.sink], r.v[:self.sink]
                 if n > 1 and ops.prefill_mode() != "kernel":  # dense paths: a chunk reads its own tokens raw
                     k, v = torch.cat([k[:c], r.k[c:s]]), torch.cat([v[:c], r.v[c:s]])
             want = reference_attention(r.q[c:s].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), SCALE,
@@ -140,9 +152,10 @@ def test_dense_groups():
     assert list(ops._groups(np.array([5, 5]), 150)) == [(0, 2)] and list(ops._groups(np.array([]), 10)) == []
 
 
-def test_chunked_prefill_decode_mixed_and_preemption(prefill_mode):
+@pytest.mark.parametrize("sink", [0, 16])
+def test_chunked_prefill_decode_mixed_and_preemption(prefill_mode, sink):
     gen = torch.Generator().manual_seed(0)
-    eng = Engine()
+    eng = Engine(sink=sink)
     a, b, c = Req("a", 200, gen), Req("b", 150, gen), Req("c", 140, gen)
     eng.step([(a, 50)])  # first chunk, raw
     eng.step([(a, 100), (b, 70)])  # continuation completing a tile that spans chunks + a new request
@@ -159,11 +172,12 @@ def test_chunked_prefill_decode_mixed_and_preemption(prefill_mode):
     assert len(eng.table) == 3
 
 
-def test_decode_fast_path_matches_general_path(monkeypatch):
+@pytest.mark.parametrize("sink", [0, 16])
+def test_decode_fast_path_matches_general_path(monkeypatch, sink):
     """ops.decode_step (store_decode + the decode kernel, as a full CUDA graph runs them) on decode-only steps:
     tail writes, a tile completing from the tail, a first-token row (ctx 0), graph padding rows (seq_len 0)."""
     gen = torch.Generator().manual_seed(3)
-    eng = Engine()
+    eng = Engine(sink=sink)
     a, b, c = Req("a", 140, gen), Req("b", 90, gen), Req("c", 3, gen)
     eng.step([(a, G - 2)])
     eng.step([(b, 70)])
@@ -178,15 +192,27 @@ def test_decode_fast_path_matches_general_path(monkeypatch):
     eng.step([(a, 1), (b, 1), (c, 1)], pad_rows=1, fast=True)  # a: first token of tile 1
 
 
-def test_prefix_hit_starts_on_a_tile_boundary(prefill_mode):
+@pytest.mark.parametrize("sink", [0, 16])
+def test_prefix_hit_starts_on_a_tile_boundary(prefill_mode, sink):
     gen = torch.Generator().manual_seed(1)
-    eng = Engine()
+    eng = Engine(sink=sink)
     a = Req("a", 180, gen)
     eng.step([(a, 130)])
     # a second request sharing a's first two tiles: vLLM gives it a's blocks and num_computed = 128
-    b = Req("b", 170, gen)
+    b = Req("b", 180, gen)
     b.k[:128], b.v[:128], b.blocks, b.done = a.k[:128], a.v[:128], list(a.blocks[:2]), 128
+    b.own_sink = False  # its slot's sink rows never saw its tokens: it reads the records there
     eng.step([(b, 42)])  # prefix-hit continuation: attends over the shared quantized tiles + its own new tokens
+    eng.step([(a, 1), (b, 1)])
+    if sink:
+        assert eng.sink_buf[:2].tolist() == [sink, 0]
+    # a finishes; c hits the same cached first blocks and gets a's slot, whose sink rows hold the same tokens
+    eng.table.release(["a"])
+    c = Req("c", 150, gen)
+    c.k[:128], c.v[:128], c.blocks, c.done = a.k[:128], a.v[:128], list(a.blocks[:2]), 128
+    eng.step([(c, 1)])  # a fully cached prompt: vLLM recomputes only its last token
+    if sink:
+        assert eng.table.slot("c") == 0 and eng.sink_buf[0].item() == sink
 
 
 @pytest.mark.parametrize("mode", ["dense", "dense_rot"])

@@ -163,8 +163,9 @@ def _key_plane(qj, sk_ptr, zk_ptr, DP: tl.constexpr, KSPLIT: tl.constexpr):
 @triton.jit
 def _sub_scores(pk_ptr, rk_ptr, J: tl.constexpr, a0, l0, a1, l1, a2, l2, a3, l3, qz, qnorm, tok0, L,
                 BM: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
-                UNPACK: tl.constexpr, KSPLIT: tl.constexpr):
-    """exp2-domain scores [BM, BT] of tokens J*BT .. (J+1)*BT - 1 of a tile (masked by the visible length)."""
+                UNPACK: tl.constexpr, KSPLIT: tl.constexpr, SINK: tl.constexpr = 0, sink_lo=0):
+    """exp2-domain scores [BM, BT] of tokens J*BT .. (J+1)*BT - 1 of a tile (masked by the visible length, and
+    below sink_lo: those positions are read 16-bit from the tail buffer's sink rows)."""
     PERK: tl.constexpr = 8 // KB
     dp = tl.arange(0, DP)
     bt = tl.arange(0, BT)
@@ -177,7 +178,11 @@ def _sub_scores(pk_ptr, rk_ptr, J: tl.constexpr, a0, l0, a1, l1, a2, l2, a3, l3,
         s = _dot16(a3, l3, _plane(pk, 3 * KB, KB, UNPACK), s, KSPLIT)
     rk = tl.load(rk_ptr + J * BT + bt).to(tl.float32) * qnorm
     s = (s + qz[:, None]) * rk[None, :]
-    return tl.where((tok0 + J * BT + bt)[None, :] < L[:, None], s, float("-inf"))
+    pos = tok0 + J * BT + bt
+    ok = pos[None, :] < L[:, None]
+    if SINK > 0:
+        ok = ok & (pos >= sink_lo)[None, :]
+    return tl.where(ok, s, float("-inf"))
 
 
 @triton.jit
@@ -254,7 +259,7 @@ def finish_kernel(po_r_ptr, po_t_ptr, plse_ptr, out_ptr, R, num_splits, stride_o
 
 @triton.jit
 def kvarn_attention_kernel(
-    qr_ptr, cache_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
+    qr_ptr, cache_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, sink_lens_ptr,
     po_r_ptr, plse_ptr,  # (the tail is tail_attention_kernel's)
     qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain (already in qr)
     num_splits,  # context splits per (request, KV head): a run-time value (no recompile per split count)
@@ -265,6 +270,7 @@ def kvarn_attention_kernel(
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     IS_PREFILL: tl.constexpr, MMA_BF16: tl.constexpr,
     UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
+    SINK: tl.constexpr = 0,
 ):
     b = tl.program_id(0)
     qblk = tl.program_id(1)
@@ -272,6 +278,9 @@ def kvarn_attention_kernel(
     split = tl.program_id(2) % num_splits
 
     S = tl.load(seq_lens_ptr + b)
+    sink_lo = 0
+    if SINK > 0:  # positions below it are the tail kernel's (16-bit sink rows)
+        sink_lo = tl.load(sink_lens_ptr + b)
     if IS_PREFILL:
         q0 = tl.load(qsl_ptr + b)
         qlen = tl.load(qsl_ptr + b + 1) - q0
@@ -329,15 +338,15 @@ def kvarn_attention_kernel(
         rk_ptr = cache16_ptr + rec16 + OFF_RK // 2
         tok0 = t * G
         s0 = _sub_scores(pk_ptr, rk_ptr, 0, a0, l0, a1, l1, a2, l2, a3, l3, qz, qnorm, tok0, L,
-                         BM, DP, BT, G, KB, UNPACK, KSPLIT)
+                         BM, DP, BT, G, KB, UNPACK, KSPLIT, SINK, sink_lo)
         s1 = _sub_scores(pk_ptr, rk_ptr, 1, a0, l0, a1, l1, a2, l2, a3, l3, qz, qnorm, tok0, L,
-                         BM, DP, BT, G, KB, UNPACK, KSPLIT)
+                         BM, DP, BT, G, KB, UNPACK, KSPLIT, SINK, sink_lo)
         m_t = tl.maximum(tl.max(s0, axis=1), tl.max(s1, axis=1))
         if PERV == 4:
             s2 = _sub_scores(pk_ptr, rk_ptr, 2, a0, l0, a1, l1, a2, l2, a3, l3, qz, qnorm, tok0, L,
-                             BM, DP, BT, G, KB, UNPACK, KSPLIT)
+                             BM, DP, BT, G, KB, UNPACK, KSPLIT, SINK, sink_lo)
             s3 = _sub_scores(pk_ptr, rk_ptr, 3, a0, l0, a1, l1, a2, l2, a3, l3, qz, qnorm, tok0, L,
-                             BM, DP, BT, G, KB, UNPACK, KSPLIT)
+                             BM, DP, BT, G, KB, UNPACK, KSPLIT, SINK, sink_lo)
             m_t = tl.maximum(m_t, tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1)))
         # ---- online softmax, one rescale per tile (exp2 domain); fully masked rows stay at -inf without NaN
         m_new = tl.maximum(m_i, m_t)
@@ -374,16 +383,63 @@ def kvarn_attention_kernel(
 
 
 @triton.jit
+def _tail_run(qa, qb, tk_base, tv_base, stride_tkg, stride_tvg, n, pos0, lo, L, m_i, l_i, acc_t, qk_scale,
+              D: tl.constexpr, TT: tl.constexpr, MMA_BF16: tl.constexpr, TAIL16: tl.constexpr,
+              Q_AS_TAIL: tl.constexpr):
+    """Online softmax of the rows over n consecutive 16-bit buffer rows holding positions pos0, pos0 + 1, ...
+    (visible where pos < L and pos >= lo). qa / qb: the 16-bit query hi / lo parts (tensor-core path), or the
+    fp32 scaled query twice."""
+    di = tl.arange(0, D)
+    ti = tl.arange(0, TT)
+    for c0 in range(0, n, TT):
+        tmask = (c0 + ti) < n
+        if MMA_BF16 and TAIL16:
+            tk = tl.load(tk_base + (c0 + ti)[:, None] * stride_tkg + di[None, :], mask=tmask[:, None],
+                         other=0.0)  # [TT, D], tail dtype
+            s = tl.dot(qa, tl.trans(tk), out_dtype=tl.float32)
+            if not Q_AS_TAIL:
+                s = tl.dot(qb, tl.trans(tk), s, out_dtype=tl.float32)
+            s = s * qk_scale
+        else:
+            tk32 = tl.load(tk_base + (c0 + ti)[None, :] * stride_tkg + di[:, None], mask=tmask[None, :],
+                           other=0.0).to(tl.float32)  # [D, TT]
+            s = tl.dot(qa, tk32, input_precision="ieee")
+        pos = pos0 + c0 + ti
+        s = tl.where((pos[None, :] < L[:, None]) & (tmask & (pos >= lo))[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        tv = tl.load(tv_base + (c0 + ti)[:, None] * stride_tvg + di[None, :], mask=tmask[:, None],
+                     other=0.0)  # [TT, D]
+        acc_t = acc_t * alpha[:, None]
+        if MMA_BF16 and TAIL16:
+            vdt = tv_base.dtype.element_ty
+            p_hi = p.to(vdt)
+            p_lo = (p - p_hi.to(tl.float32)).to(vdt)
+            acc_t = tl.dot(p_hi, tv, acc_t, out_dtype=tl.float32)
+            acc_t = tl.dot(p_lo, tv, acc_t, out_dtype=tl.float32)
+        else:
+            acc_t += tl.dot(p, tv.to(tl.float32), input_precision="ieee")
+    return m_i, l_i, acc_t
+
+
+@triton.jit
 def tail_attention_kernel(
-    q_ptr, seq_lens_ptr, qsl_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, po_t_ptr, plse_ptr,
+    q_ptr, seq_lens_ptr, qsl_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, sink_lens_ptr, po_t_ptr, plse_ptr,
     qk_scale, num_splits,
     stride_qn, stride_qh, stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg, HQ,
     GROUP: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     IS_PREFILL: tl.constexpr, TT: tl.constexpr, MMA_BF16: tl.constexpr, TAIL16: tl.constexpr,
-    Q_AS_TAIL: tl.constexpr,
+    Q_AS_TAIL: tl.constexpr, SINK: tl.constexpr = 0,
 ):
-    """Attention of the same rows over the 16-bit tail (unrotated, TT tokens at a time): the partial o / l goes to
-    po_t [R, D], its log2-sum-exp to plse[row, num_splits] (the extra 'split').
+    """Attention of the same rows over the 16-bit tail buffer (unrotated, TT tokens at a time): the unfinished
+    tile's rows and, once the first tile is in the records, the sink rows [G, G + sink_lens[b]) (positions
+    0 .. sink_lens[b] - 1, which the record kernels then skip; sink_lens[b] <= SINK, 0 where the rows do not hold
+    this request's tokens). The partial o / l goes to po_t [R, D], its log2-sum-exp to plse[row, num_splits] (the
+    extra 'split').
 
     Compiled GPU path with a 16-bit tail (MMA_BF16 and TAIL16): tensor-core dots with fp32 accumulation. Scores are
     dot(q, k) on the 16-bit operands (exact products; q in the tail's dtype, or split hi + lo in it when q has
@@ -412,54 +468,33 @@ def tail_attention_kernel(
     acc_t = tl.zeros([BM, D], dtype=tl.float32)
     n_full = S // G
     n_tail = S - n_full * G
-    if (qblk * BQ < qlen) & (n_tail > 0):
+    n_sink = 0
+    if SINK > 0:
+        n_sink = tl.where(n_full > 0, tl.load(sink_lens_ptr + b), 0)
+    if (qblk * BQ < qlen) & ((n_tail > 0) | (n_sink > 0)):
         q_off = (q0 + tok).to(tl.int64) * stride_qn + head * stride_qh
         q_raw = tl.load(q_ptr + q_off[:, None] + di[None, :], mask=row_ok[:, None], other=0.0)
         slot = tl.load(tail_slots_ptr + b).to(tl.int64)
         tk_base = tail_k_ptr + slot * stride_tks + kvh * stride_tkh
         tv_base = tail_v_ptr + slot * stride_tvs + kvh * stride_tvh
-        ti = tl.arange(0, TT)
         if MMA_BF16 and TAIL16:
             kdt = tail_k_ptr.dtype.element_ty
-            vdt = tail_v_ptr.dtype.element_ty
             if Q_AS_TAIL:
-                q_hi = q_raw.to(kdt)
+                qa = q_raw.to(kdt)
+                qb = qa
             else:
                 q32 = q_raw.to(tl.float32)
-                q_hi = q32.to(kdt)
-                q_lo = (q32 - q_hi.to(tl.float32)).to(kdt)
+                qa = q32.to(kdt)
+                qb = (q32 - qa.to(tl.float32)).to(kdt)
         else:
-            q = q_raw.to(tl.float32) * qk_scale
-        for c0 in range(0, n_tail, TT):
-            tmask = (c0 + ti) < n_tail
-            if MMA_BF16 and TAIL16:
-                tk = tl.load(tk_base + (c0 + ti)[:, None] * stride_tkg + di[None, :], mask=tmask[:, None],
-                             other=0.0)  # [TT, D], tail dtype
-                s = tl.dot(q_hi, tl.trans(tk), out_dtype=tl.float32)
-                if not Q_AS_TAIL:
-                    s = tl.dot(q_lo, tl.trans(tk), s, out_dtype=tl.float32)
-                s = s * qk_scale
-            else:
-                tk32 = tl.load(tk_base + (c0 + ti)[None, :] * stride_tkg + di[:, None], mask=tmask[None, :],
-                               other=0.0).to(tl.float32)  # [D, TT]
-                s = tl.dot(q, tk32, input_precision="ieee")
-            s = tl.where(((n_full * G + c0 + ti)[None, :] < L[:, None]) & tmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-            tv = tl.load(tv_base + (c0 + ti)[:, None] * stride_tvg + di[None, :], mask=tmask[:, None],
-                         other=0.0)  # [TT, D]
-            acc_t = acc_t * alpha[:, None]
-            if MMA_BF16 and TAIL16:
-                p_hi = p.to(vdt)
-                p_lo = (p - p_hi.to(tl.float32)).to(vdt)
-                acc_t = tl.dot(p_hi, tv, acc_t, out_dtype=tl.float32)
-                acc_t = tl.dot(p_lo, tv, acc_t, out_dtype=tl.float32)
-            else:
-                acc_t += tl.dot(p, tv.to(tl.float32), input_precision="ieee")
+            qa = q_raw.to(tl.float32) * qk_scale
+            qb = qa
+        if SINK > 0:
+            m_i, l_i, acc_t = _tail_run(qa, qb, tk_base + G * stride_tkg, tv_base + G * stride_tvg, stride_tkg,
+                                        stride_tvg, n_sink, 0, 0, L, m_i, l_i, acc_t, qk_scale, D, TT, MMA_BF16,
+                                        TAIL16, Q_AS_TAIL)
+        m_i, l_i, acc_t = _tail_run(qa, qb, tk_base, tv_base, stride_tkg, stride_tvg, n_tail, n_full * G, 0, L,
+                                    m_i, l_i, acc_t, qk_scale, D, TT, MMA_BF16, TAIL16, Q_AS_TAIL)
     has = l_i > 0.0
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     tl.store(po_t_ptr + row[:, None] * D + di[None, :], acc_t / tl.where(has, l_i, 1.0)[:, None],

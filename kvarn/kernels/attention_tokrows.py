@@ -55,7 +55,7 @@ def _value_plane_t(pvT, ps, acc, J: tl.constexpr, VB: tl.constexpr, UNPACK: tl.c
 
 @triton.jit
 def kvarn_attention_tok_kernel(
-    qr_ptr, cache_ptr, cache16_ptr, bt_ptr, seq_lens_ptr,
+    qr_ptr, cache_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr,
     po_r_ptr, plse_ptr,
     num_splits, stride_btb, stride_cb, stride_ch, HQ,
     GROUP: tl.constexpr, BN: tl.constexpr,
@@ -63,6 +63,7 @@ def kvarn_attention_tok_kernel(
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
+    SINK: tl.constexpr = 0,
 ):
     """Decode-only attention over the records with the tiles transposed: tokens (keys) and channels (values) are
     the MMA M dimension and the unpacked codes its A operand; the BN >= 16 columns are the query heads of the GQA
@@ -74,11 +75,14 @@ def kvarn_attention_tok_kernel(
 
     (j: key byte planes of DP channels, value byte planes of BT tokens; the p rows of plane j are cut out of the
     [G, BN] tile by reshape + split). Softmax statistics are per column. Decode sees every token of a full tile,
-    so the record tiles need no mask."""
+    so the record tiles need no mask but the sink's (positions below SINK, read 16-bit by the tail kernel)."""
     b = tl.program_id(0)
     kvh = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
     S = tl.load(seq_lens_ptr + b)
+    sink_lo = 0
+    if SINK > 0:  # positions below it are the tail kernel's (16-bit sink rows)
+        sink_lo = tl.load(sink_lens_ptr + b)
 
     PERK: tl.constexpr = 8 // KB
     DP: tl.constexpr = D // PERK  # channels per key byte plane
@@ -124,6 +128,8 @@ def kvarn_attention_tok_kernel(
             qz += z2 + z3
         rk = tl.load(cache16_ptr + rec16 + OFF_RK // 2 + ti).to(tl.float32) * qnorm
         s = (s + qz[None, :]) * rk[:, None]  # exp2-domain scores^T [G, BN]
+        if SINK > 0:  # positions below sink_lo are read 16-bit from the tail buffer's sink rows
+            s = tl.where((t * G + ti >= sink_lo)[:, None], s, float("-inf"))
         # ---- online softmax per column (query head), one rescale per tile
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp2(m_i - m_new)
@@ -216,7 +222,7 @@ def _pair_program(qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP: tl.constexpr, BN:
 
 @triton.jit
 def kvarn_attention_pair_kernel(
-    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr,
+    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr,
     po_r_ptr, plse_ptr,
     num_splits, stride_btb, stride_cb16, stride_ch16, HQ,
     GROUP: tl.constexpr, BN: tl.constexpr,
@@ -224,6 +230,7 @@ def kvarn_attention_pair_kernel(
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
+    SINK: tl.constexpr = 0,
 ):
     """kvarn_attention_tok_kernel with the packed bytes read as int16 pairs (DecodeConfig.layout = 2): the byte
     tiles are token-contiguous (keys) / channel-contiguous (values), but the MMA A operand wants pairs along its K
@@ -239,6 +246,9 @@ def kvarn_attention_pair_kernel(
     D2: tl.constexpr = D // 2
     b, kvh, split, S, col_ok, row, dp, u, v, bt, q0, q1, q2, q3, qnorm = _pair_program(
         qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP, BN, G, D, KB, VB)
+    sink_lo = 0
+    if SINK > 0:  # positions below it are the tail kernel's (16-bit sink rows)
+        sink_lo = tl.load(sink_lens_ptr + b)
 
     t_begin, t_stop = _split_tiles(S, S, G, split, num_splits)
 
@@ -271,6 +281,9 @@ def kvarn_attention_pair_kernel(
         rk = rec + OFF_RK // 2 + 2 * u
         s_e = (s_e + qz[None, :]) * (tl.load(rk).to(tl.float32) * qnorm)[:, None]
         s_o = (s_o + qz[None, :]) * (tl.load(rk + 1).to(tl.float32) * qnorm)[:, None]
+        if SINK > 0:  # positions below sink_lo are read 16-bit from the tail buffer's sink rows
+            s_e = tl.where((t * G + 2 * u >= sink_lo)[:, None], s_e, float("-inf"))
+            s_o = tl.where((t * G + 2 * u + 1 >= sink_lo)[:, None], s_o, float("-inf"))
         # ---- online softmax per column over both token halves
         m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=0))
         alpha = tl.exp2(m_i - m_new)
@@ -384,7 +397,7 @@ def _key_plane_p(qT, sk, zk, KSPLIT: tl.constexpr):
 
 @triton.jit
 def kvarn_attention_pair_pipe_kernel(
-    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr,
+    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr,
     po_r_ptr, plse_ptr,
     num_splits, stride_btb, stride_cb16, stride_ch16, HQ,
     GROUP: tl.constexpr, BN: tl.constexpr,
@@ -392,6 +405,7 @@ def kvarn_attention_pair_pipe_kernel(
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
+    SINK: tl.constexpr = 0,
 ):
     """kvarn_attention_pair_kernel restructured for the pipeliner (DecodeConfig.pipe = 1; use with num_stages 2-3).
 
@@ -410,6 +424,9 @@ def kvarn_attention_pair_pipe_kernel(
     D2: tl.constexpr = D // 2
     b, kvh, split, S, col_ok, row, dp, u, v, bt, q0, q1, q2, q3, qnorm = _pair_program(
         qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP, BN, G, D, KB, VB)
+    sink_lo = 0
+    if SINK > 0:  # positions below it are the tail kernel's (16-bit sink rows)
+        sink_lo = tl.load(sink_lens_ptr + b)
 
     t_begin, t_stop = _split_tiles(S, S, G, split, num_splits)
 
@@ -443,6 +460,9 @@ def kvarn_attention_pair_pipe_kernel(
         rk_e, rk_o = _pair_scales(rk)
         s_e = (s_e + qz[None, :]) * (rk_e * qnorm)[:, None]
         s_o = (s_o + qz[None, :]) * (rk_o * qnorm)[:, None]
+        if SINK > 0:  # positions below sink_lo are read 16-bit from the tail buffer's sink rows
+            s_e = tl.where((t * G + 2 * u >= sink_lo)[:, None], s_e, float("-inf"))
+            s_o = tl.where((t * G + 2 * u + 1 >= sink_lo)[:, None], s_o, float("-inf"))
         # ---- online softmax; the denominator stays per row (l_part)
         m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=0))
         alpha = tl.exp2(m_i - m_new)

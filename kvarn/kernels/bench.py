@@ -444,7 +444,8 @@ def _dense_prefill_runner(st, fmt, q, qsl, scale, fa, bname, rotated=False):
     except Exception:  # noqa: BLE001
         return {}, None
     plan = types.SimpleNamespace(cont_rows=np.arange(st["seq_lens"].shape[0]), seq_lens=st["seq_lens"].cpu().numpy(),
-                                 qsl=qsl.cpu().numpy().astype(np.int64), tail_slots_np=st["tail_slots"].cpu().numpy())
+                                 qsl=qsl.cpu().numpy().astype(np.int64), tail_slots_np=st["tail_slots"].cpu().numpy(),
+                                 sink_lens=None)
     dec = "Triton decoder" if st["cache"].is_cuda else "reference decoder"
     varlen, what = None, f"{dec} + torch varlen"
     if fa is not None and bname.startswith("vllm FlashAttention"):

@@ -97,13 +97,17 @@ def check_cache(cache: torch.Tensor, lay: RecordLayout, name: str = "cache") -> 
         raise KvarnError(f"{name} must start at an even byte offset (fp16 fields)")
 
 
-def check_tail(tail_k: torch.Tensor, tail_v: torch.Tensor, hk: int, g: int, d: int) -> None:
-    """The 16-bit tail buffers [S, Hk, g, D] (K and V alike), contiguous along D."""
-    if tail_k.dim() != 4 or tuple(tail_k.shape[1:]) != (hk, g, d) or tail_v.shape != tail_k.shape:
-        raise KvarnError(f"tail_k / tail_v must be [S, {hk}, {g}, {d}], got {tuple(tail_k.shape)} "
-                         f"and {tuple(tail_v.shape)}")
+def check_tail(tail_k: torch.Tensor, tail_v: torch.Tensor, hk: int, g: int, d: int) -> int:
+    """The 16-bit tail buffers [S, Hk, g + sink, D] (K and V alike), contiguous along D: rows [0, g) hold a
+    request's unfinished tile, rows [g, g + sink) its first `sink` tokens for good (0 <= sink < g; the backend
+    allocates fmt.sink_tokens of them). Returns sink."""
+    if (tail_k.dim() != 4 or tuple(tail_k.shape[1:2]) + tuple(tail_k.shape[3:]) != (hk, d)
+            or not g <= tail_k.shape[2] < 2 * g or tail_v.shape != tail_k.shape):
+        raise KvarnError(f"tail_k / tail_v must be [S, {hk}, {g} + sink, {d}] with 0 <= sink < {g}, got "
+                         f"{tuple(tail_k.shape)} and {tuple(tail_v.shape)}")
     if tail_k.stride(-1) != 1 or tail_v.stride(-1) != 1:
         raise KvarnError("tail buffers must be contiguous along the head dim")
+    return tail_k.shape[2] - g
 
 
 def f16_view(cache: torch.Tensor) -> torch.Tensor:

@@ -8,13 +8,16 @@ Public API (stable; the vLLM backend calls exactly this):
         cache       uint8 [num_blocks, Hk, record_bytes(D)]
         block_table int32 [B, max_blocks]: record row of each full tile of request b
         seq_lens    int32 [B]: tokens visible to the query; seq_len // g full tiles come from records, the last
-                    seq_len % g tokens from tail_k / tail_v [S, Hk, g, D] at row tail_slots[b] (int32 [B]),
-                    position pos % g. seq_len 0 rows (CUDA-graph padding) produce zeros.
+                    seq_len % g tokens from tail_k / tail_v [S, Hk, g + sink, D] at row tail_slots[b] (int32 [B]),
+                    position pos % g; positions below sink (0 <= sink < g) from rows g + pos instead (the
+                    attention sink, 16-bit for good). seq_len 0 rows (CUDA-graph padding) produce zeros.
         scale       softmax scale (python float)
         num_splits  context splits per (request, KV head), merged with log-sum-exp; None: tuned / heuristic from
                     B, Hk, block_table.shape[1] and the SM count (host values only, never device data)
         out         optional [B, Hq, D] output (q's dtype, or fp32 for tests); allocated when None
         config      optional DecodeConfig (kernel variant, warps, pipeline depth); None: the tuned / default one
+        sink_lens   optional int32 [B]: sink rows row b may read (<= sink; 0 where they hold another request's
+                    tokens); None: all of them
 
 Launches (fixed from shapes, no host sync -> CUDA-graph capturable): query rotation (B*Hq/16 programs), attention
 over the records (B, 1, Hk * num_splits), over the 16-bit tail (B, 1, Hk), merge + rotation back (B*Hq/16).
@@ -206,7 +209,7 @@ def asm_unpack_ok(device: torch.device) -> bool:
 
 
 def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slots, out, lay, group, gp, scale,
-                  splits, cfg: DecodeConfig, *, prefill: bool, bq: int = 1, q_blocks: int = 1):
+                  splits, cfg: DecodeConfig, *, prefill: bool, bq: int = 1, q_blocks: int = 1, sink_lens=None):
     """The four launches shared by decode and prefill: rotate the query rows (fp32), the attention over the
     records (partials per split, rotated basis), the attention over the 16-bit tail (unrotated partial), the
     merge + rotate-back. Grids from shapes only; scratch from torch's caching allocator (graph-safe)."""
@@ -214,6 +217,9 @@ def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slo
     B = seq_lens.shape[0]
     Hk = cache.shape[1]
     R = N * Hq
+    sink = tail_k.shape[2] - lay.g  # the tail buffer's rows past the tile hold the first `sink` tokens (check_tail)
+    if sink_lens is None:  # every row's sink rows hold its own first tokens
+        sink_lens = torch.full((B,), sink, dtype=torch.int32, device=q.device) if sink else seq_lens
     dev = q.device
     qk = float(scale) * LOG2E
     mma = mma_bf16()
@@ -225,36 +231,37 @@ def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slo
                                                MMA_BF16=mma, num_warps=4)
     bm = max(16, bq * gp)
     if not prefill and cfg.layout in (1, 2):
-        _launch_tok(qr, cache, block_table, seq_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma)
+        _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma,
+                    sink)
     else:
-        _launch_rows(qr, cache, block_table, seq_lens, qsl, po_r, plse, lay, group, gp, splits, cfg, Hq, qk, mma,
-                     prefill, bq, bm, q_blocks)
+        _launch_rows(qr, cache, block_table, seq_lens, qsl, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq,
+                     qk, mma, prefill, bq, bm, q_blocks, sink)
     # tail on tensor cores (16-bit q.k, hi/lo p.v) when compiled and the tail buffers are 16-bit (both fp16/bf16)
     tail16 = all(t.dtype in (torch.float16, torch.bfloat16) for t in (tail_k, tail_v))
     tt = (64 if D <= 128 else 32) if mma and tail16 else 16
     tail_attention_kernel[(B, q_blocks, Hk)](
-        q, seq_lens, qsl, tail_k, tail_v, tail_slots, po_t, plse, qk, splits,
+        q, seq_lens, qsl, tail_k, tail_v, tail_slots, sink_lens, po_t, plse, qk, splits,
         q.stride(0), q.stride(1), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
         tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), Hq,
         GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, IS_PREFILL=prefill, TT=tt, MMA_BF16=mma,
-        TAIL16=tail16, Q_AS_TAIL=q.dtype == tail_k.dtype, num_warps=4)
+        TAIL16=tail16, Q_AS_TAIL=q.dtype == tail_k.dtype, SINK=sink, num_warps=4)
     finish_kernel[(triton.cdiv(R, 16),)](po_r, po_t, plse, out, R, splits, out.stride(0), out.stride(1), HQ=Hq, D=D,
                                          BR=16, MMA_BF16=mma, num_warps=4)
     return out
 
 
-def _launch_rows(qr, cache, block_table, seq_lens, qsl, po_r, plse, lay, group, gp, splits, cfg, Hq, qk, mma,
-                 prefill, bq, bm, q_blocks):
+def _launch_rows(qr, cache, block_table, seq_lens, qsl, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, qk,
+                 mma, prefill, bq, bm, q_blocks, sink=0):
     """Layout 0 (decode and prefill): M rows = (query token, group head) pairs, codes as the B operand."""
     B, Hk, D = seq_lens.shape[0], cache.shape[1], lay.d
     kvarn_attention_kernel[(B, q_blocks, Hk * splits)](
-        qr, cache, f16_view(cache), block_table, seq_lens, qsl, po_r, plse, qk, splits,
+        qr, cache, f16_view(cache), block_table, seq_lens, qsl, sink_lens, po_r, plse, qk, splits,
         block_table.stride(0), cache.stride(0), cache.stride(1), Hq,
         GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, KB=lay.kb, VB=lay.vb,
         OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
         OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
         IS_PREFILL=prefill, MMA_BF16=mma,
-        UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages,
+        UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=sink,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}),
     )
@@ -266,14 +273,15 @@ def tok_warps(lay, num_warps: int) -> int:
     return min(num_warps, max(4, min(lay.g, lay.d) // 16))
 
 
-def _launch_tok(qr, cache, block_table, seq_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma):
+def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma,
+                sink=0):
     """Layouts 1 / 2 (decode only): M = tokens (keys) / channels (values), the group's query heads as N."""
     B, Hk = seq_lens.shape[0], cache.shape[1]
     bn = max(cfg.bn, gp) if cfg.bn else max(16, gp)
     common = dict(GROUP=group, BN=bn, G=lay.g, D=lay.d, KB=lay.kb, VB=lay.vb,
                   OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
                   OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-                  UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages,
+                  UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=sink,
                   num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}))
     if cfg.layout == 2:  # int16 pairs: M = g/2 token pairs, d/2 channel pairs; offsets in 2-byte units
         # the pipe kernel reads the scale runs as int32: needs 4-byte aligned records (always, for torch-allocated
@@ -282,20 +290,20 @@ def _launch_tok(qr, cache, block_table, seq_lens, po_r, plse, lay, group, gp, sp
                 and all(o % 4 == 0 for o in (lay.rk, lay.sv, lay.zv, lay.cv)))
         kern = kvarn_attention_pair_pipe_kernel if pipe else kvarn_attention_pair_kernel
         kern[(B, 1, Hk * splits)](
-            qr, f16_view(cache), block_table, seq_lens, po_r, plse, splits,
+            qr, f16_view(cache), block_table, seq_lens, sink_lens, po_r, plse, splits,
             block_table.stride(0), cache.stride(0) // 2, cache.stride(1) // 2, Hq,
             num_warps=min(cfg.num_warps, max(4, min(lay.g, lay.d) // 32)), **common)
     else:
         kvarn_attention_tok_kernel[(B, 1, Hk * splits)](
-            qr, cache, f16_view(cache), block_table, seq_lens, po_r, plse, splits,
+            qr, cache, f16_view(cache), block_table, seq_lens, sink_lens, po_r, plse, splits,
             block_table.stride(0), cache.stride(0), cache.stride(1), Hq,
             num_warps=tok_warps(lay, cfg.num_warps), **common)
 
 
 def _launch(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, out, lay, group, gp, scale, splits,
-            cfg: DecodeConfig):
+            cfg: DecodeConfig, sink_lens=None):
     return run_attention(q, cache, block_table, seq_lens, seq_lens, tail_k, tail_v, tail_slots, out, lay, group, gp,
-                         scale, splits, cfg, prefill=False)
+                         scale, splits, cfg, prefill=False, sink_lens=sink_lens)
 
 
 def _tune_key(q, cache, block_table, lay, group):
@@ -361,7 +369,7 @@ def check_attention_args(q, cache, block_table, tail_k, tail_v, fmt, batch: int,
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor, fmt: KVFormat | str,
                      scale: float, num_splits: int | None = None, out: torch.Tensor | None = None, *,
-                     config: DecodeConfig | None = None) -> torch.Tensor:
+                     config: DecodeConfig | None = None, sink_lens: torch.Tensor | None = None) -> torch.Tensor:
     B = q.shape[0] if q.dim() == 3 else -1
     q, out, lay, Hk, group, gp = check_attention_args(q, cache, block_table, tail_k, tail_v, fmt, B, out, "B")
     if B == 0:
@@ -384,4 +392,4 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
         splits = int(max(1, min(64, max_blocks, round(base_splits * cfg.split_mult))))
     if num_splits is not None:
         splits = int(max(1, num_splits))
-    return _launch(*args, out, lay, group, gp, scale, splits, effective_config(cfg, q.device))
+    return _launch(*args, out, lay, group, gp, scale, splits, effective_config(cfg, q.device), sink_lens)

@@ -11,7 +11,8 @@ Public API (stable):
         seq_lens         int32 [B]: tokens in the cache after this step's store (this chunk included)
         max_query_len    python int >= every q_len_i (sizes the fixed grid; vLLM's metadata has it on the host)
         Each query attends causally to keys at positions <= its own, ALL read from the post-store cache state:
-        full tiles from records (block_table), the partial tile from tail_k/tail_v [S, Hk, g, D] row tail_slots[i].
+        full tiles from records (block_table), the partial tile from tail_k/tail_v [S, Hk, g + sink, D] row
+        tail_slots[i], positions below sink from that row's sink rows (as decode_attention).
 
 It is the decode kernel (kvarn.kernels.attention) with BQ query tokens per program: M = BQ x (padded GQA group)
 rows share each unpacked tile, and the causal mask is per row. No split-K (the query block already gives enough
@@ -63,7 +64,7 @@ def prefill_geometry(max_query_len: int, gp: int, cfg: DecodeConfig = PREFILL_CO
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor,
                       fmt: KVFormat | str, scale: float, max_query_len: int,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, sink_lens: torch.Tensor | None = None) -> torch.Tensor:
     B = seq_lens.shape[0]
     if query_start_loc.shape != (B + 1,):
         raise KvarnError(f"query_start_loc must be [B+1={B + 1}], got {tuple(query_start_loc.shape)}")
@@ -72,14 +73,16 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.T
     if B == 0 or Nq == 0 or max_query_len <= 0:
         return out
     return _launch_prefill(q, cache, block_table, query_start_loc, seq_lens, tail_k, tail_v, tail_slots, out, lay,
-                           group, gp, scale, max_query_len, PREFILL_CONFIG, ROWS_PER_PROGRAM)
+                           group, gp, scale, max_query_len, PREFILL_CONFIG, ROWS_PER_PROGRAM, sink_lens=sink_lens)
 
 
 def _launch_prefill(q, cache, block_table, query_start_loc, seq_lens, tail_k, tail_v, tail_slots, out, lay, group,
-                    gp, scale, max_query_len, cfg: DecodeConfig, rows_per_program: int, *, cap_warps: bool = True):
+                    gp, scale, max_query_len, cfg: DecodeConfig, rows_per_program: int, *, cap_warps: bool = True,
+                    sink_lens=None):
     """The launches behind prefill_attention with an explicit config / rows per program (GPU tests compare
     variants; cap_warps=False reproduces an uncapped layout for diagnosis only)."""
     bq, bm, capped = prefill_geometry(max_query_len, gp, cfg, rows_per_program)
     cfg = effective_config(capped if cap_warps else cfg, q.device)
     return run_attention(q, cache, block_table, seq_lens, query_start_loc, tail_k, tail_v, tail_slots, out, lay,
-                         group, gp, scale, 1, cfg, prefill=True, bq=bq, q_blocks=triton.cdiv(int(max_query_len), bq))
+                         group, gp, scale, 1, cfg, prefill=True, bq=bq, q_blocks=triton.cdiv(int(max_query_len), bq),
+                         sink_lens=sink_lens)

@@ -18,7 +18,8 @@ Public API (the vLLM backend codes against these; signatures are stable):
     store_decode(k, v, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, iters=8) -> None
         The whole KV write of a one-token-per-row (decode) step: k, v [B, H, D]; row b's token goes to the tail at
         position (seq_lens[b] - 1) % g of row tail_slots[b]; a tile it completes is quantized from the tail into
-        cache[block_table[b, seq_lens[b] // g - 1]]. seq_lens[b] == 0 marks a padded row (skipped).
+        cache[block_table[b, seq_lens[b] // g - 1]]. seq_lens[b] == 0 marks a padded row (skipped). A tail buffer
+        [S, H, g + sink, D] also keeps positions below sink in rows g + pos (the attention sink, 16-bit for good).
 
 All launch a fixed grid from shapes only and never sync with the host, so they can be captured in CUDA graphs
 (call kvarn.kernels.prepare(D, device) once before capture).
@@ -559,8 +560,9 @@ def store_tail_tokens(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, ta
 def _decode_tail_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, slot_ptr, seq_lens_ptr,
                         stride_kn, stride_kh, stride_vn, stride_vh,
                         stride_ts, stride_th, stride_tg, stride_us, stride_uh, stride_ug,
-                        H: tl.constexpr, G: tl.constexpr, D: tl.constexpr):
-    # row b's one new token sits at position seq_lens[b] - 1 of its sequence; rows with seq_len 0 are padding
+                        H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr = 0):
+    # row b's one new token sits at position seq_lens[b] - 1 of its sequence; rows with seq_len 0 are padding.
+    # SINK > 0: a token below SINK also goes to the sink row G + position (16-bit for good)
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
@@ -569,10 +571,16 @@ def _decode_tail_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, slot_ptr, seq_lens_ptr,
         pos = (s - 1) % G
         slot = tl.load(slot_ptr + b).to(tl.int64)
         di = tl.arange(0, D)
-        kv = tl.load(k_ptr + b.to(tl.int64) * stride_kn + h * stride_kh + di)
-        vv = tl.load(v_ptr + b.to(tl.int64) * stride_vn + h * stride_vh + di)
-        tl.store(tk_ptr + slot * stride_ts + h * stride_th + pos * stride_tg + di, kv.to(tk_ptr.dtype.element_ty))
-        tl.store(tv_ptr + slot * stride_us + h * stride_uh + pos * stride_ug + di, vv.to(tv_ptr.dtype.element_ty))
+        kv = tl.load(k_ptr + b.to(tl.int64) * stride_kn + h * stride_kh + di).to(tk_ptr.dtype.element_ty)
+        vv = tl.load(v_ptr + b.to(tl.int64) * stride_vn + h * stride_vh + di).to(tv_ptr.dtype.element_ty)
+        tkb = tk_ptr + slot * stride_ts + h * stride_th
+        tvb = tv_ptr + slot * stride_us + h * stride_uh
+        tl.store(tkb + pos * stride_tg + di, kv)
+        tl.store(tvb + pos * stride_ug + di, vv)
+        if SINK > 0:
+            if s - 1 < SINK:
+                tl.store(tkb + (G + s - 1) * stride_tg + di, kv)
+                tl.store(tvb + (G + s - 1) * stride_ug + di, vv)
 
 
 def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
@@ -590,7 +598,7 @@ def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ta
     B, H, D = k.shape
     lay = layout(fmt, D)
     check_cache(cache, lay)
-    check_tail(tail_k, tail_v, H, lay.g, D)
+    sink = check_tail(tail_k, tail_v, H, lay.g, D)
     if seq_lens.shape[0] < B or tail_slots.shape[0] < B or block_table.dim() != 2 or block_table.shape[0] < B:
         raise KvarnError(f"seq_lens, tail_slots and block_table need {B} rows, got {tuple(seq_lens.shape)}, "
                          f"{tuple(tail_slots.shape)}, {tuple(block_table.shape)}")
@@ -602,7 +610,7 @@ def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ta
         k, v, tail_k, tail_v, tail_slots, seq_lens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_v.stride(0), tail_v.stride(1), tail_v.stride(2),
-        H=H, G=lay.g, D=D, num_warps=1,
+        H=H, G=lay.g, D=D, SINK=sink, num_warps=1,
     )
     _launch_store(tail_k, tail_v, cache, lay, B, H, iters, src_rows=tail_slots, seq_lens=seq_lens,
                   block_table=block_table, balance=balance, grid=grid)

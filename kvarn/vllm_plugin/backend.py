@@ -112,12 +112,16 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self.slots = int(vllm_config.scheduler_config.max_num_seqs)
         dtype = vllm_config.model_config.dtype
         TAILS.allocate(layer_names, self.slots, kv_cache_spec.num_kv_heads, self.fmt.group, kv_cache_spec.head_size,
-                       dtype, device)
+                       dtype, device, sink=self.fmt.sink_tokens)
         # rows of a (padded) batch can exceed max_num_seqs: graph capture sizes go up to max_num_batched_tokens
         sched = vllm_config.scheduler_config
         cap = max(self.slots, int(getattr(sched, "max_num_batched_tokens", 0) or 0),
                   int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0)) + 1
         self._tail_slots = torch.full((cap,), self.slots, dtype=torch.int32, device=device)
+        # the sink: per tail slot, the first block of the request whose first tokens its sink rows hold, and the
+        # per-row count of sink rows a step may read (ops.update_sink_lens; persistent: graph replays read it)
+        self._sink_tags = torch.full((self.slots + 1,), -1, dtype=torch.int32, device=device)
+        self._sink_lens = torch.zeros(cap, dtype=torch.int32, device=device)
         self._decode_kernels = torch.device(device).type == "cuda" and ops.decode_kernels_available()
         if self._decode_kernels:
             from ..kernels import prepare
@@ -142,7 +146,10 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self._tail_slots[:R].copy_(torch.from_numpy(rows), non_blocking=True)
         plan = ops.build_plan(cm.query_start_loc_cpu, np.asarray(seq_cpu), R, rows, cm.block_table_tensor,
                               self.fmt.group, self.device, decode_minimal=self._decode_kernels,
-                              tail_slots_dev=self._tail_slots[:R])
+                              tail_slots_dev=self._tail_slots[:R], sink=self.fmt.sink_tokens)
+        if R > self._sink_lens.shape[0]:  # as _tail_slots above
+            self._sink_lens = torch.zeros(R + 1, dtype=torch.int32, device=self.device)
+        ops.update_sink_lens(plan, self._sink_tags, cm.block_table_tensor, self._sink_lens)
         return KvarnMetadata(plan=plan, num_actual_tokens=cm.num_actual_tokens, block_table=cm.block_table_tensor,
                              seq_lens=cm.seq_lens, slot_mapping=cm.slot_mapping)
 

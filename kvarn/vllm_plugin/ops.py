@@ -91,6 +91,14 @@ class StepPlan:
     decode_only: bool = False
     # decode_only with only the host fields (build_plan's decode_minimal): the decode kernels must run it
     minimal: bool = False
+    # the attention sink (the first `sink` positions, 16-bit for good in tail rows g + pos): new tokens below it
+    sink: int = 0
+    sink_tok: torch.Tensor | None = None  # int64 [n4]
+    sink_slot: torch.Tensor | None = None  # int64 [n4]
+    sink_pos: torch.Tensor | None = None  # int64 [n4]
+    # int32 [R] device: sink rows each batch row may read (sink, or 0 where its slot's rows hold another request's
+    # tokens: a prefix-cache hit); None = all `sink` (set by the metadata builder through update_sink_lens)
+    sink_lens: torch.Tensor | None = None
 
     @property
     def pure_prefill(self) -> bool:
@@ -118,7 +126,7 @@ def decode_kernels_available() -> bool:
 
 def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, block_table: torch.Tensor,
                group: int, device, decode_minimal: bool = False,
-               tail_slots_dev: torch.Tensor | None = None) -> StepPlan:
+               tail_slots_dev: torch.Tensor | None = None, sink: int = 0) -> StepPlan:
     """qsl_cpu [>= R + 1], seq_lens_cpu [>= R] (host), tail_slots_np int32 [R], block_table [R, max_blocks].
 
     Vectorized over rows (numpy on the host arrays, no Python loop per row; the same non-blocking host->device copies
@@ -126,7 +134,8 @@ def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, 
     decode_minimal: a decode_only step gets only its host fields (the decode kernels read everything else on the
     device): no host->device copies on the steps a full CUDA graph replays.
     tail_slots_dev: tail_slots_np already on the device (the builder's persistent buffer): used as the plan's
-    `tail_slots` instead of another copy."""
+    `tail_slots` instead of another copy. sink: the format's 16-bit sink tokens (0 <= sink < group; the tail
+    buffers then have group + sink rows)."""
     g = group
     R = int(num_reqs)
     qsl = np.asarray(qsl_cpu[: R + 1], dtype=np.int64)
@@ -149,7 +158,7 @@ def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, 
             raw_rows=np.zeros(0, dtype=np.int64),
             raw_tok=None, raw_cu=None, raw_max=0, dec_rows=act, dec_rows_t=None, dec_tok=None,
             cont_rows=np.zeros(0, dtype=np.int64), cont_rows_t=None, cont_tok=None, cont_qsl=None, cont_max_q=0,
-            decode_only=True, minimal=True)
+            decode_only=True, minimal=True, sink=sink)
     c, s, q0, slot = ctx[act], seq[act], qsl[:-1][act], slots_r[act]
 
     # tiles [c // g, s // g) of each active row complete in this step, in row order then tile order
@@ -186,6 +195,12 @@ def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, 
         tail_slot = slot[u_seg]
         tail_pos = pos % g
 
+    # sink: new tokens at positions [c, min(s, sink)) -> tail rows g + pos
+    sink_tok = sink_slot = sink_pos = None
+    if sink:
+        k_seg, k_pos = _ragged(c, np.maximum(np.minimum(s, sink) - c, 0))
+        if len(k_seg):
+            sink_tok, sink_slot, sink_pos = q0[k_seg] + (k_pos - c[k_seg]), slot[k_seg], g + k_pos
     raw_rows = np.nonzero(active & (ctx == 0))[0]
     dec_rows = np.nonzero(active & (ctx > 0) & (qlen == 1))[0]
     cont_rows = np.nonzero(active & (ctx > 0) & (qlen > 1))[0]
@@ -215,15 +230,52 @@ def build_plan(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, 
         raw_rows=raw_rows, raw_tok=_t(raw_tok, np.int64, device), raw_cu=_t(raw_cu, np.int32, device), raw_max=raw_max,
         dec_rows=dec_rows, dec_rows_t=_t(dec_rows, np.int64, device), dec_tok=_t(dec_tok, np.int64, device),
         cont_rows=cont_rows, cont_rows_t=_t(cont_rows, np.int64, device), cont_tok=_t(cont_tok, np.int64, device),
-        cont_qsl=_t(cont_cu, np.int32, device), cont_max_q=cont_max, decode_only=decode_only,
+        cont_qsl=_t(cont_cu, np.int32, device), cont_max_q=cont_max, decode_only=decode_only, sink=sink,
+        sink_tok=_t(sink_tok, np.int64, device), sink_slot=_t(sink_slot, np.int64, device),
+        sink_pos=_t(sink_pos, np.int64, device),
     )
+
+
+def update_sink_lens(plan: StepPlan, tags: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor) -> None:
+    """The sink bookkeeping of one step (the metadata builder runs it once, before the layers; device ops, no sync).
+    tags int32 [S + 1]: per tail slot, the block id of the first tile of the request whose first tokens its sink
+    rows hold. Rows that write positions below the sink this step claim their slot (tag = their first block); then
+    sink_lens[b] = sink where the slot's tag is row b's own first block, else 0. A request that starts on a
+    prefix-cache hit never wrote its first tokens, so it reads them from the records (as without a sink), unless
+    its slot last served a request with the same cached first block: the same tokens, the same K/V, a safe match.
+    out: int32 [>= R] (a persistent buffer: CUDA graphs); plan.sink_lens becomes out[:R]."""
+    R = plan.num_reqs
+    if not plan.sink or R == 0:
+        return
+    dev = block_table.device
+    claim = np.nonzero((np.diff(plan.qsl) > 0) & (plan.ctx_lens < plan.sink))[0]
+    if len(claim):
+        rows = torch.from_numpy(claim).to(dev, non_blocking=True)
+        slots = torch.from_numpy(plan.tail_slots_np[claim].astype(np.int64)).to(dev, non_blocking=True)
+        tags[slots] = block_table[rows, 0].to(tags.dtype)
+    slots_r = (plan.tail_slots if plan.tail_slots is not None
+               else torch.from_numpy(plan.tail_slots_np[:R]).to(dev, non_blocking=True))
+    own = tags[slots_r[:R].long()] == block_table[:R, 0].to(tags.dtype)
+    out[:R] = own.to(out.dtype) * plan.sink
+    plan.sink_lens = out[:R]
+
+
+def _rows_of(x: torch.Tensor | None, rows):
+    return None if x is None else x[rows]
+
+
+def _host(x: torch.Tensor | None):
+    return None if x is None else x.cpu().numpy()
 
 
 def store(plan: StepPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, tail_k: torch.Tensor,
           tail_v: torch.Tensor, fmt: KVFormat, iters: int = 8) -> None:
-    """k, v [N, Hk, D] new tokens (N >= plan.num_tokens); cache uint8 [num_blocks, Hk, R]; tails [S+1, Hk, g, D].
-    Complete tiles are assembled (tail + new) and quantized first, then the unfinished tiles' tokens go to the tail."""
+    """k, v [N, Hk, D] new tokens (N >= plan.num_tokens); cache uint8 [num_blocks, Hk, R]; tails
+    [S+1, Hk, g + sink, D]. Complete tiles are assembled (tail + new) and quantized first, then the unfinished
+    tiles' tokens go to the tail and the sink's to its rows."""
     g = plan.group
+    if tail_k.shape[2] != g + plan.sink:
+        raise ValueError(f"kvarn: tail buffers of {tail_k.shape[2]} rows, the plan wants {g} + sink {plan.sink}")
     if plan.num_tiles:
         T = plan.num_tiles
         H, D = k.shape[1], k.shape[2]
@@ -241,6 +293,10 @@ def store(plan: StepPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
     if plan.tail_tok is not None:
         tail_k[plan.tail_slot, :, plan.tail_pos] = k[plan.tail_tok].to(tail_k.dtype)
         tail_v[plan.tail_slot, :, plan.tail_pos] = v[plan.tail_tok].to(tail_v.dtype)
+    if plan.sink_tok is not None:
+        tail_k[plan.sink_slot, :, plan.sink_pos] = k[plan.sink_tok].to(tail_k.dtype)
+        tail_v[plan.sink_slot, :, plan.sink_pos] = v[plan.sink_tok].to(tail_v.dtype)
+
 
 
 def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor, fmt: KVFormat,
@@ -263,8 +319,9 @@ def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids
 # attention
 
 
-def _materialize(cache, block_row, seq_len, tail_k, tail_v, slot, fmt, D):
-    """Post-store K/V of one request: [seq_len, Hk, D] float32 (full tiles dequantized, then the tail)."""
+def _materialize(cache, block_row, seq_len, tail_k, tail_v, slot, fmt, D, sink_len=None):
+    """Post-store K/V of one request: [seq_len, Hk, D] float32 (full tiles dequantized, then the tail; the first
+    sink_len positions (default: the buffer's sink) from its 16-bit sink rows once the first tile is quantized)."""
     from ..method.reference import dequantize_tiles
 
     g = fmt.group
@@ -278,10 +335,17 @@ def _materialize(cache, block_row, seq_len, tail_k, tail_v, slot, fmt, D):
     if r:
         ks.append(tail_k[slot, :, :r].transpose(0, 1).float())
         vs.append(tail_v[slot, :, :r].transpose(0, 1).float())
-    return torch.cat(ks), torch.cat(vs)
+    k, v = torch.cat(ks), torch.cat(vs)
+    # the sink: once the first tile is in the records, its first positions from the rows past the tile
+    n = (tail_k.shape[2] - g if sink_len is None else int(sink_len)) if n_full else 0
+    if n:
+        k[:n] = tail_k[slot, :, g:g + n].transpose(0, 1).float()
+        v[:n] = tail_v[slot, :, g:g + n].transpose(0, 1).float()
+    return k, v
 
 
-def cached_attention_torch(q, cache, block_table, qsl, seq_lens, tail_k, tail_v, tail_slots, fmt, scale):
+def cached_attention_torch(q, cache, block_table, qsl, seq_lens, tail_k, tail_v, tail_slots, fmt, scale,
+                           sink_lens=None):
     """Reference: each row's q tokens (the last q_len positions) attend causally over the post-store state.
     q [Nq, Hq, D]; qsl / seq_lens / tail_slots host sequences. Returns float32 [Nq, Hq, D]."""
     from ..method.reference import reference_attention
@@ -292,7 +356,8 @@ def cached_attention_torch(q, cache, block_table, qsl, seq_lens, tail_k, tail_v,
         a, e, s = int(qsl[b]), int(qsl[b + 1]), int(seq_lens[b])
         if e <= a or s <= 0:
             continue
-        k, v = _materialize(cache, block_table[b], s, tail_k, tail_v, int(tail_slots[b]), fmt, D)
+        k, v = _materialize(cache, block_table[b], s, tail_k, tail_v, int(tail_slots[b]), fmt, D,
+                            None if sink_lens is None else sink_lens[b])
         qq = q[a:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         o = reference_attention(qq, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale,
                                 causal_offset=s - (e - a))
@@ -346,11 +411,12 @@ def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, ta
         fn = _kernel("decode", "decode_attention") if use_kernels else None
         if fn is not None:
             o = fn(qd, cache, block_table[rows], seq_lens_dev[rows], tail_k, tail_v, plan.tail_slots[rows], fmt, scale,
-                   config=_decode_config())
+                   config=_decode_config(), sink_lens=_rows_of(plan.sink_lens, rows))
         else:
             r = plan.dec_rows
             o = cached_attention_torch(qd, cache, block_table[rows], np.arange(len(r) + 1), plan.seq_lens[r],
-                                       tail_k, tail_v, plan.tail_slots_np[r], fmt, scale)
+                                       tail_k, tail_v, plan.tail_slots_np[r], fmt, scale,
+                                       _host(_rows_of(plan.sink_lens, rows)))
         out[plan.dec_tok] = o.to(out.dtype)
     # 3. continuation chunks / prefix hits: several new tokens over the post-store cache
     if plan.cont_tok is not None:
@@ -364,12 +430,12 @@ def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, ta
                               own_v=None if v is None else v[plan.cont_tok])
         elif fn is not None:
             o = fn(qc, cache, block_table[rows], plan.cont_qsl, seq_lens_dev[rows], tail_k, tail_v,
-                   plan.tail_slots[rows], fmt, scale, plan.cont_max_q)
+                   plan.tail_slots[rows], fmt, scale, plan.cont_max_q, sink_lens=_rows_of(plan.sink_lens, rows))
         else:
             r = plan.cont_rows
             cu = np.concatenate([[0], np.cumsum(plan.qsl[r + 1] - plan.qsl[r])])
             o = cached_attention_torch(qc, cache, block_table[rows], cu, plan.seq_lens[r], tail_k, tail_v,
-                                       plan.tail_slots_np[r], fmt, scale)
+                                       plan.tail_slots_np[r], fmt, scale, _host(_rows_of(plan.sink_lens, rows)))
         out[plan.cont_tok] = o.to(out.dtype)
 
 
@@ -396,7 +462,8 @@ def decode_step(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, 
     bt, sl, ts = block_table[:B], seq_lens_dev[:B], tail_slots_dev[:B]
     if write_kv and k is not None:
         store_fn(k[:B], v[:B], cache, bt, sl, tail_k, tail_v, ts, fmt)
-    attn_fn(q[:B], cache, bt, sl, tail_k, tail_v, ts, fmt, scale, out=out[:B], config=_decode_config())
+    attn_fn(q[:B], cache, bt, sl, tail_k, tail_v, ts, fmt, scale, out=out[:B], config=_decode_config(),
+            sink_lens=None if plan.sink_lens is None else plan.sink_lens[:B])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -439,11 +506,13 @@ def dense_varlen_torch(q, k, v, cu_q, cu_k, scale):
 
 
 def materialize_dense(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cache, block_table, tail_k, tail_v,
-                      fmt: KVFormat, dtype, use_kernels: bool | None = None, rotated: bool = False):
+                      fmt: KVFormat, dtype, use_kernels: bool | None = None, rotated: bool = False, sink_lens=None):
     """Post-store K/V of batch rows `rows` (seq_lens / slots: their lengths and tail slots, host), back to back:
     (k, v [sum seq_len, Hk, D] in `dtype`, cu_k int64 host). Full tiles come from the records, dequantized to the
     unrotated basis (kvarn.kernels.dequantize_to_rows on CUDA, else the reference decoder in passes of
-    DENSE_TILES_PER_PASS records), the last seq_len % g tokens from the tail rows. rotated=True: everything in the
+    DENSE_TILES_PER_PASS records), the last seq_len % g tokens from the tail rows; rows whose first tile is
+    quantized take their first `sink` positions (sink_lens[i] of them, a device tensor, where given) from the sink
+    rows (tail rows g + pos). rotated=True: everything in the
     stored basis (unrotated K/V times Hn): records decoded without the Hadamard, tail rows rotated forward."""
     from ..method.hadamard import hadamard
     from ..method.reference import dequantize_tiles
@@ -485,6 +554,21 @@ def materialize_dense(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray,
             tk, tv = tk.float() @ hn, tv.float() @ hn
         k[dst] = tk.to(dtype)
         v[dst] = tv.to(dtype)
+    sink = tail_k.shape[2] - g  # rows with a quantized first tile read its first positions from the sink rows
+    if sink:
+        sseg, spos = _ragged(np.zeros(len(rows), dtype=np.int64), np.where(n_full > 0, sink, 0))
+        if len(sseg):
+            dst = torch.from_numpy(cu_k[sseg] + spos).to(dev)
+            sl, ps = torch.from_numpy(slots[sseg]).to(dev), torch.from_numpy(g + spos).to(dev)
+            tk, tv = tail_k[sl, :, ps], tail_v[sl, :, ps]
+            if rotated:
+                hn = hadamard(D, dev)
+                tk, tv = tk.float() @ hn, tv.float() @ hn
+            if sink_lens is not None:  # sink_lens[i] of row i's sink rows are its own (device: no sync)
+                use = (torch.from_numpy(spos).to(dev) < sink_lens.to(dev)[torch.from_numpy(sseg).to(dev)])[:, None, None]
+                tk, tv = torch.where(use, tk.to(dtype), k[dst]), torch.where(use, tv.to(dtype), v[dst])
+            k[dst] = tk.to(dtype)
+            v[dst] = tv.to(dtype)
     return k, v, cu_k
 
 
@@ -526,7 +610,8 @@ def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: K
     outs = []
     for a, e in _groups(s, key_budget):
         k, v, cu_k = materialize_dense(rows[a:e], s[a:e], plan.tail_slots_np[rows[a:e]], cache, block_table,
-                                       tail_k, tail_v, fmt, qc.dtype, use_kernels, rotated)
+                                       tail_k, tail_v, fmt, qc.dtype, use_kernels, rotated,
+                                       None if plan.sink_lens is None else plan.sink_lens[rows[a:e]])
         if own_k is not None:  # row i's last qlen[i] positions are its own chunk: raw
             seg, pos = _ragged(np.zeros(e - a, dtype=np.int64), qlen[a:e])
             dst = torch.from_numpy(cu_k[seg + 1] - qlen[a:e][seg] + pos).to(k.device)

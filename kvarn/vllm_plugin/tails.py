@@ -1,7 +1,7 @@
 """The 16-bit tail buffer of the vLLM backend: which tail slot each batch row uses, and the per-layer buffers.
 
-A request's unfinished tile (fewer than g tokens) lives 16-bit in `tail_k / tail_v [S + 1, Hk, g, D]` of every
-KVarN layer, row `slot`. Row S is a scratch row that dummy / padded batch rows point at, so they never touch a
+A request's unfinished tile (fewer than g tokens) lives 16-bit in `tail_k / tail_v [S + 1, Hk, g + sink, D]` of
+every KVarN layer, row `slot`, rows [g, g + sink) its first `sink` tokens for good (the attention sink). Row S is a scratch row that dummy / padded batch rows point at, so they never touch a
 live request's tail. Slots come from one of two sources, set per step by the model-runner hooks (patches.py):
 
 * Model Runner V2: the request's persistent index in `RequestState` (`input_batch.idx_mapping_np`): stable for the
@@ -103,11 +103,11 @@ class TailBuffers:
         self.slots = 0  # S (without the scratch row)
 
     def allocate(self, layer_names, slots: int, num_kv_heads: int, group: int, head_dim: int,
-                 dtype: torch.dtype, device) -> None:
+                 dtype: torch.dtype, device, sink: int = 0) -> None:
         for name in layer_names:
             if name in self._bufs:
                 continue
-            shape = (slots + 1, num_kv_heads, group, head_dim)
+            shape = (slots + 1, num_kv_heads, group + sink, head_dim)  # rows [group, group + sink): the sink
             self._bufs[name] = (torch.zeros(shape, dtype=dtype, device=device),
                                 torch.zeros(shape, dtype=dtype, device=device))
         self.slots = max(self.slots, slots)
@@ -129,6 +129,6 @@ class TailBuffers:
 TAILS = TailBuffers()
 
 
-def tail_bytes(slots: int, num_kv_heads: int, group: int, head_dim: int, itemsize: int) -> int:
-    """Bytes of one layer's K and V tails, scratch row included."""
-    return 2 * (slots + 1) * num_kv_heads * group * head_dim * itemsize
+def tail_bytes(slots: int, num_kv_heads: int, group: int, head_dim: int, itemsize: int, sink: int = 0) -> int:
+    """Bytes of one layer's K and V tails (unfinished tile + sink), scratch row included."""
+    return 2 * (slots + 1) * num_kv_heads * (group + sink) * head_dim * itemsize
