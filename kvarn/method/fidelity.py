@@ -225,7 +225,7 @@ def run_fidelity(model: str = SYNTHETIC, kv_dtypes: str | None = None, context: 
         raise KvarnError(f"--windows must be >= 1, got {windows}")
     log = log or (lambda msg: None)
     t0 = time.time()
-    info = {"model": model, "chunk": chunk, "device": device, "sink": sink or 0, "windows": windows}
+    info = {"model": model, "chunk": chunk, "device": device, "sink": sink, "windows": windows}  # None: each preset's
     lm = None
     if model.strip().lower() == SYNTHETIC:
         context = context or 1024

@@ -29,8 +29,8 @@ def register(app: typer.Typer) -> None:
                                             "shipped excerpt, 0 for --text)."),
         windows: int = typer.Option(1, "--windows", help="Consecutive windows of --context tokens for perplexity."),
         device: str = typer.Option("cpu", "--device", help="torch device for the model."),
-        sink: int = typer.Option(None, "--sink", help="First N tokens kept 16-bit in the cache (default: the "
-                                                      "format's sink_tokens, 0)."),
+        sink: int = typer.Option(None, "--sink", help="First N tokens kept 16-bit in the cache (default: each "
+                                                      "format's own: 16 for KVarN presets, 0 for the others)."),
         per_layer: bool = typer.Option(False, "--per-layer", help="Also show / emit the per-layer K/V metrics."),
         json_: bool = typer.Option(False, "--json", help="One JSON object per format."),
         out_dir: str = typer.Option(None, "--out", help="Also append rows (kind=fidelity) to this results store."),
@@ -82,6 +82,7 @@ def register(app: typer.Typer) -> None:
 def _store(out_dir: str, results, info: dict) -> None:
     import json
 
+    from kvarn.method.codecs import get_codec
     from kvarn.results import ResultsStore
     from kvarn.results.schema import config_hash
 
@@ -91,7 +92,8 @@ def _store(out_dir: str, results, info: dict) -> None:
         cfg["kv_dtype"] = r.kv_dtype
         rows.append({"kind": "fidelity", "status": "ok", "config_hash": config_hash(cfg), "run_id": _run_id(),
                      "model": info["model"], "kv_dtype": r.kv_dtype, "engine": "hf", "tp": 1, "seed": 0,
-                     "context": info["context"], "chunk": info["chunk"], "sink": info["sink"],
+                     "context": info["context"], "chunk": info["chunk"],
+                     "sink": info["sink"] if info["sink"] is not None else get_codec(r.kv_dtype).fmt.sink_tokens,
                      "windows": info["windows"], "layers": info["layers"],
                      "bytes_per_token_per_head": r.bytes_per_token_per_head, **r.metrics,
                      "per_layer_json": json.dumps(r.layers)})
