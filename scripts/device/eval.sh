@@ -19,7 +19,7 @@ T0=$(date +%s)
 log() { echo "[eval +$(( $(date +%s) - T0 ))s] $*"; }
 free_gpu() { for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
   kill -9 "$pid" 2>/dev/null; done; sleep 1; }
-STEPS="${KVARN_EVAL_STEPS:-ppl_vllm ppl_hf niah gsm8k}"  # a subset, e.g. KVARN_EVAL_STEPS=gsm8k
+STEPS="${KVARN_EVAL_STEPS:-ppl_vllm ppl_hf niah gsm8k}"  # a subset, e.g. KVARN_EVAL_STEPS=gsm8k; also greedy_vllm greedy_hf
 step() {  # name, seconds, kvarn eval args...
   local name=$1 secs=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -42,6 +42,14 @@ step ppl_hf 70 ppl --engine hf --kv-dtype "$KV" --context 1024 --limit 8 --chunk
 step niah "${KVARN_NIAH_SECS:-220}" niah --engine vllm --kv-dtype "$KV" --context 2k,4k,8k --limit 10
 # 4. gsm8k, lm-eval protocol (5-shot, strict/flexible), 200 problems, greedy, 256 new tokens
 step gsm8k "${KVARN_GSM8K_SECS:-220}" gsm8k --engine vllm --kv-dtype "$KV" --limit 200 --max-tokens 256
+
+# 5. issue 5's greedy check: the same 8 gsm8k prompts, greedy, 32 new tokens, on vLLM (the plugin) and on the hf
+#    engine (transformers + the reference KVCodecCache, same weights, same preset); compared token by token below
+step greedy_vllm "${KVARN_GREEDY_SECS:-150}" gsm8k --engine vllm --kv-dtype "$KV" --limit 8 --max-tokens 32
+step greedy_hf 90 gsm8k --engine hf --kv-dtype "$KV" --limit 8 --max-tokens 32
+case " $STEPS " in *" greedy_vllm "*|*" greedy_hf "*)
+  python3 -m kvarn.eval.greedy_match "$RES" --model "$SMOL" --max-tokens 32 2>&1 | tee "$OUT/greedy_match.txt" ;;
+esac
 
 # the table, last
 python3 - "$RES" "$OUT/eval_status.txt" <<'PY'
