@@ -93,15 +93,17 @@ def kvarn_record_bytes(head_dim: int, group: int, key_bits: int, value_bits: int
 # tail buffer beside the unfinished tile. CPU reference, SmolLM2-135M, Moby-Dick 8 x 1024 windows, chunk 128,
 # kvarn_k4v2_g128 ppl vs fp16 (BENCHMARKS.md): no sink +1.81%, 4 tokens +0.95%, 16 +0.81%, 32 +1.10%, 64 +0.57%,
 # 128 (the whole first tile) +0.32% (n = 8 windows: +-0.3-0.6% noise). 16 tokens cost 1/8 of the tail buffer
-# (~0.6 GB at 256 requests on Qwen3-8B), 128 would cost 4.8 GB (capacity 4.54x -> ~4.35x). KVARN_SINK=<n> (0 <= n <
-# the tile; read at import, so set it for every process) trades capacity for accuracy.
+# (~0.6 GB at 256 requests on Qwen3-8B), 128 would cost 4.8 GB (capacity 4.54x -> ~4.35x). KVARN_SINK=<n> (capped at
+# the tile - 1; read at import, so set it for every process) trades capacity for accuracy.
 KVARN_SINK = int(os.environ.get("KVARN_SINK", "16"))
 
 
 def _sink_for(g: int) -> int:
-    if not 0 <= KVARN_SINK < g:
-        raise KvarnError(f"KVARN_SINK={KVARN_SINK}: the sink must hold 0 to {g - 1} tokens (fewer than a {g}-token tile)")
-    return KVARN_SINK
+    # fewer tokens than a tile (the kernels keep part of the first tile's record visible); a larger KVARN_SINK is
+    # capped per preset (g64 presets hold at most 63) rather than breaking the import for every preset
+    if KVARN_SINK < 0:
+        raise KvarnError(f"KVARN_SINK={KVARN_SINK}: the sink holds 0 or more tokens")
+    return min(KVARN_SINK, g - 1)
 
 
 def _kvarn(kb: int, vb: int, g: int, desc: str) -> KVFormat:

@@ -327,3 +327,31 @@ def test_decode_config_from_env(monkeypatch):
     monkeypatch.setenv("KVARN_DECODE_CONFIG", "fast")
     with pytest.raises(KvarnError, match="'fast' is not a name like"):
         ops._decode_config()
+
+
+def test_sink_tags_follow_recycled_blocks():
+    """A block id vLLM recycles as another request's first tile takes its sink ownership along: a later prefix hit
+    on it in the first owner's old slot must not read the first owner's tokens."""
+    tags = torch.full((4,), -1, dtype=torch.int32)
+    buf = torch.zeros(8, dtype=torch.int32)
+
+    def step(rows, slots, first_blocks, ctx, qlen):
+        R = len(rows)
+        qsl = np.concatenate([[0], np.cumsum(qlen)])
+        seq = np.asarray(ctx) + np.asarray(qlen)
+        bt = torch.tensor([[b, 0] for b in first_blocks], dtype=torch.int32)
+        plan = ops.build_plan(qsl, seq, R, np.asarray(slots, dtype=np.int32), bt, G, "cpu", sink=16)
+        ops.update_sink_lens(plan, tags, bt, buf)
+        return plan.sink_lens.tolist()
+
+    assert step([0], [0], [5], [0], [10]) == [16]  # A (slot 0) writes its first tokens into block 5
+    assert tags.tolist() == [5, -1, -1, -1]
+    # A finished; block 5 is recycled as C's first block in slot 1
+    assert step([0], [1], [5], [0], [40]) == [16] and tags.tolist() == [-1, 5, -1, -1]
+    # D hits C's cached block 5 from slot 0: slot 0's rows hold A's tokens, not C's
+    assert step([0], [0], [5], [128], [1]) == [0]
+    # E hits the same cached block from slot 1 (C's slot, C's tokens = E's tokens): the sink is kept
+    assert step([0], [1], [5], [128], [1]) == [16]
+    # two claims in one step, a mismatched row beside them
+    assert step([0, 1, 2], [2, 3, 0], [7, 8, 5], [0, 3, 200], [5, 2, 1]) == [16, 16, 0]
+    assert tags.tolist() == [-1, 5, 7, 8]

@@ -120,7 +120,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self._tail_slots = torch.full((cap,), self.slots, dtype=torch.int32, device=device)
         # the sink: per tail slot, the first block of the request whose first tokens its sink rows hold, and the
         # per-row count of sink rows a step may read (ops.update_sink_lens; persistent: graph replays read it)
-        self._sink_tags = torch.full((self.slots + 1,), -1, dtype=torch.int32, device=device)
+        self._sink_tags = TAILS.sink_tags(layer_names, self.slots, device)
         self._sink_lens = torch.zeros(cap, dtype=torch.int32, device=device)
         self._decode_kernels = torch.device(device).type == "cuda" and ops.decode_kernels_available()
         if self._decode_kernels:

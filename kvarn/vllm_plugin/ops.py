@@ -242,7 +242,9 @@ def update_sink_lens(plan: StepPlan, tags: torch.Tensor, block_table: torch.Tens
     rows hold. Rows that write positions below the sink this step claim their slot (tag = their first block); then
     sink_lens[b] = sink where the slot's tag is row b's own first block, else 0. A request that starts on a
     prefix-cache hit never wrote its first tokens, so it reads them from the records (as without a sink), unless
-    its slot last served a request with the same cached first block: the same tokens, the same K/V, a safe match.
+    its slot last served a request with the same cached first block: the same tokens, the same K/V, a safe match
+    (a block's content changes as a first tile only through a write at position 0, which claims: the claim clears
+    every other slot's tag of that block id).
     out: int32 [>= R] (a persistent buffer: CUDA graphs); plan.sink_lens becomes out[:R]."""
     R = plan.num_reqs
     if not plan.sink or R == 0:
@@ -252,7 +254,11 @@ def update_sink_lens(plan: StepPlan, tags: torch.Tensor, block_table: torch.Tens
     if len(claim):
         rows = torch.from_numpy(claim).to(dev, non_blocking=True)
         slots = torch.from_numpy(plan.tail_slots_np[claim].astype(np.int64)).to(dev, non_blocking=True)
-        tags[slots] = block_table[rows, 0].to(tags.dtype)
+        new = block_table[rows, 0].to(tags.dtype)
+        # a block id is recycled by vLLM: a slot still tagged with a block now written as another request's first
+        # tile would hand a later prefix hit on it the old request's tokens, so those tags are cleared first
+        tags.masked_fill_(torch.isin(tags, new), -1)
+        tags[slots] = new
     slots_r = (plan.tail_slots if plan.tail_slots is not None
                else torch.from_numpy(plan.tail_slots_np[:R]).to(dev, non_blocking=True))
     own = tags[slots_r[:R].long()] == block_table[:R, 0].to(tags.dtype)

@@ -100,6 +100,7 @@ class TailBuffers:
 
     def __init__(self):
         self._bufs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tags: dict[tuple, torch.Tensor] = {}
         self.slots = 0  # S (without the scratch row)
 
     def allocate(self, layer_names, slots: int, num_kv_heads: int, group: int, head_dim: int,
@@ -112,6 +113,15 @@ class TailBuffers:
                                 torch.zeros(shape, dtype=dtype, device=device))
         self.slots = max(self.slots, slots)
 
+    def sink_tags(self, layer_names, slots: int, device) -> torch.Tensor:
+        """The sink ownership tags (ops.update_sink_lens) of the slots these layers' buffers hold: one int32 [S + 1]
+        per layer set, shared by every metadata builder of those layers (their claims must see each other)."""
+        key = tuple(sorted(layer_names))
+        t = self._tags.get(key)
+        if t is None or t.shape[0] < slots + 1:
+            t = self._tags[key] = torch.full((slots + 1,), -1, dtype=torch.int32, device=device)
+        return t
+
     def get(self, layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         try:
             return self._bufs[layer_name]
@@ -123,6 +133,7 @@ class TailBuffers:
 
     def clear(self) -> None:
         self._bufs.clear()
+        self._tags.clear()
         self.slots = 0
 
 
