@@ -64,6 +64,8 @@ def test_prefill_reads_the_sink_causally():
     out = prefill_attention(q, st["cache"], st["block_table"], qsl, st["seq_lens"], st["tail_k"], st["tail_v"],
                             st["tail_slots"], fmt, 0.125, max(q_lens), out=torch.empty(q.shape, dtype=torch.float32))
     assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-3
+    plain = dict(st, tail_k=st["tail_k"][:, :, :64].contiguous(), tail_v=st["tail_v"][:, :, :64].contiguous())
+    assert rel_err(prefill_reference(q, qsl, plain, fmt, 64, 0.125), ref) > 0.02  # the sink rows matter here
 
 
 def test_store_decode_keeps_the_sink():
@@ -101,6 +103,7 @@ def test_decode_sink_lens_zero_reads_the_records():
     st = paged_setup(fmt, 64, 2, lens, torch.float16, gen=gen, sink=SINK)
     q = (torch.randn(3, 4, 64, generator=gen) * 2).to(torch.float16)
     sl = torch.tensor([0, SINK, 5], dtype=torch.int32)
+    big = torch.tensor([0, 1000, 5], dtype=torch.int32)  # out of range: read as the whole sink, never past its rows
     ref = torch.stack([reference_attention(q[b].float()[:, None], *request_kv(st, fmt, 64, b, int(sl[b])), 0.125)[:, 0]
                        for b in range(3)])
     for cfg in CONFIGS:
@@ -108,6 +111,9 @@ def test_decode_sink_lens_zero_reads_the_records():
                                st["tail_slots"], fmt, 0.125, num_splits=2, out=torch.empty(q.shape), config=cfg,
                                sink_lens=sl)
         assert rel_err(out, ref) < 1e-3, cfg.name
+    out = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                           st["tail_slots"], fmt, 0.125, num_splits=2, out=torch.empty(q.shape), sink_lens=big)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-3
 
 
 def test_tail_buffer_shape_names_the_sink_rule():

@@ -280,7 +280,7 @@ def kvarn_attention_kernel(
     S = tl.load(seq_lens_ptr + b)
     sink_lo = 0
     if SINK > 0:  # positions below it are the tail kernel's (16-bit sink rows)
-        sink_lo = tl.load(sink_lens_ptr + b)
+        sink_lo = tl.minimum(tl.load(sink_lens_ptr + b), SINK)  # never past the rows
     if IS_PREFILL:
         q0 = tl.load(qsl_ptr + b)
         qlen = tl.load(qsl_ptr + b + 1) - q0
@@ -470,7 +470,7 @@ def tail_attention_kernel(
     n_tail = S - n_full * G
     n_sink = 0
     if SINK > 0:
-        n_sink = tl.where(n_full > 0, tl.load(sink_lens_ptr + b), 0)
+        n_sink = tl.where(n_full > 0, tl.minimum(tl.load(sink_lens_ptr + b), SINK), 0)
     if (qblk * BQ < qlen) & ((n_tail > 0) | (n_sink > 0)):
         q_off = (q0 + tok).to(tl.int64) * stride_qn + head * stride_qh
         q_raw = tl.load(q_ptr + q_off[:, None] + di[None, :], mask=row_ok[:, None], other=0.0)

@@ -82,7 +82,7 @@ def kvarn_attention_tok_kernel(
     S = tl.load(seq_lens_ptr + b)
     sink_lo = 0
     if SINK > 0:  # positions below it are the tail kernel's (16-bit sink rows)
-        sink_lo = tl.load(sink_lens_ptr + b)
+        sink_lo = tl.minimum(tl.load(sink_lens_ptr + b), SINK)  # never past the rows
 
     PERK: tl.constexpr = 8 // KB
     DP: tl.constexpr = D // PERK  # channels per key byte plane
@@ -248,7 +248,7 @@ def kvarn_attention_pair_kernel(
         qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP, BN, G, D, KB, VB)
     sink_lo = 0
     if SINK > 0:  # positions below it are the tail kernel's (16-bit sink rows)
-        sink_lo = tl.load(sink_lens_ptr + b)
+        sink_lo = tl.minimum(tl.load(sink_lens_ptr + b), SINK)  # never past the rows
 
     t_begin, t_stop = _split_tiles(S, S, G, split, num_splits)
 
@@ -426,7 +426,7 @@ def kvarn_attention_pair_pipe_kernel(
         qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP, BN, G, D, KB, VB)
     sink_lo = 0
     if SINK > 0:  # positions below it are the tail kernel's (16-bit sink rows)
-        sink_lo = tl.load(sink_lens_ptr + b)
+        sink_lo = tl.minimum(tl.load(sink_lens_ptr + b), SINK)  # never past the rows
 
     t_begin, t_stop = _split_tiles(S, S, G, split, num_splits)
 

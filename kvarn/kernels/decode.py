@@ -16,8 +16,9 @@ Public API (stable; the vLLM backend calls exactly this):
                     B, Hk, block_table.shape[1] and the SM count (host values only, never device data)
         out         optional [B, Hq, D] output (q's dtype, or fp32 for tests); allocated when None
         config      optional DecodeConfig (kernel variant, warps, pipeline depth); None: the tuned / default one
-        sink_lens   optional int32 [B]: sink rows row b may read (<= sink; 0 where they hold another request's
-                    tokens); None: all of them
+        sink_lens   optional int32 [B]: sink rows row b may read (<= sink, larger values read as sink; 0 where
+                    they hold another request's tokens); None: all of them, from a tensor made per call (a CUDA
+                    graph captured that way keeps "all": pass a persistent buffer, as the backend does)
 
 Launches (fixed from shapes, no host sync -> CUDA-graph capturable): query rotation (B*Hq/16 programs), attention
 over the records (B, 1, Hk * num_splits), over the 16-bit tail (B, 1, Hk), merge + rotation back (B*Hq/16).
