@@ -167,11 +167,14 @@ def _paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev, gen_seed=0):
         bt = torch.randperm(B * n_full, generator=gen, device=dev).view(B, n_full).to(torch.int32)
     else:
         bt = torch.zeros(B, 1, dtype=torch.int32, device=dev)
-    tail_k = torch.randn(B, Hk, g, D, generator=gen, device=dev, dtype=dtype)
-    tail_v = torch.randn(B, Hk, g, D, generator=gen, device=dev, dtype=dtype)
+    # tail rows + the format's sink rows, as the backend allocates them (the kernels then mask the sink's positions)
+    sink = fmt.sink_tokens
+    tail_k = torch.randn(B, Hk, g + sink, D, generator=gen, device=dev, dtype=dtype)
+    tail_v = torch.randn(B, Hk, g + sink, D, generator=gen, device=dev, dtype=dtype)
     return dict(cache=cache, block_table=bt, tail_k=tail_k, tail_v=tail_v,
                 tail_slots=torch.arange(B, dtype=torch.int32, device=dev),
-                seq_lens=torch.full((B,), ctx, dtype=torch.int32, device=dev))
+                seq_lens=torch.full((B,), ctx, dtype=torch.int32, device=dev),
+                sink_lens=torch.full((B,), sink, dtype=torch.int32, device=dev))
 
 
 def _reference_out(st, fmt, D, q, scale, rows, causal_q=None):
@@ -192,6 +195,10 @@ def _reference_out(st, fmt, D, q, scale, rows, causal_q=None):
         ks.append(st["tail_k"][int(st["tail_slots"][b]), :, :nt].float())
         vs.append(st["tail_v"][int(st["tail_slots"][b]), :, :nt].float())
         K, V = torch.cat(ks, 1), torch.cat(vs, 1)
+        n = int(st["sink_lens"][b]) if nf else 0  # the sink's positions: its 16-bit rows past the tile
+        if n:
+            K[:, :n] = st["tail_k"][int(st["tail_slots"][b]), :, g:g + n].float()
+            V[:, :n] = st["tail_v"][int(st["tail_slots"][b]), :, g:g + n].float()
         if causal_q is None:
             outs.append(reference_attention(q[b].float()[:, None], K, V, scale)[:, 0])
         else:
@@ -275,7 +282,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
 
     def ours():
         decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                         st["tail_slots"], fmt, scale, num_splits=num_splits, out=out)
+                         st["tail_slots"], fmt, scale, num_splits=num_splits, out=out, sink_lens=st["sink_lens"])
 
     ms = time_ms(ours, dev, iters, warmup=3 if dev.type == "cuda" else 1)
     g = fmt.group
@@ -291,7 +298,8 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
         ref = torch.stack(_reference_out(st, fmt, D, q, scale, rows))
         out32 = torch.empty(q.shape, dtype=torch.float32, device=dev)  # the kernel's own precision
         decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                         st["tail_slots"], fmt, scale, num_splits=num_splits, out=out32)
+                         st["tail_slots"], fmt, scale, num_splits=num_splits, out=out32,
+                         sink_lens=st["sink_lens"])
         err = _rel(out32[:rows], ref)
         check_extra = {"rel_err_in_q_dtype": _rel(out[:rows], ref)}
     from dataclasses import replace
@@ -307,7 +315,8 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
         def one(cfg, splits=None):
             def fn():
                 decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                                 st["tail_slots"], fmt, scale, num_splits=splits, out=out, config=cfg)
+                                 st["tail_slots"], fmt, scale, num_splits=splits, out=out, config=cfg,
+                                 sink_lens=st["sink_lens"])
             row = {"config": cfg.name, "splits": splits}
             try:
                 t0 = time.perf_counter()
@@ -319,7 +328,8 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
                 if ref_rows is not None:
                     o32 = torch.empty(q.shape, dtype=torch.float32, device=dev)
                     decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                                     st["tail_slots"], fmt, scale, num_splits=splits, out=o32, config=cfg)
+                                     st["tail_slots"], fmt, scale, num_splits=splits, out=o32, config=cfg,
+                                     sink_lens=st["sink_lens"])
                     row["rel_err"] = _rel(o32[:ref_rows.shape[0]], ref_rows)
             except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
@@ -363,7 +373,7 @@ def bench_prefill(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device=
 
     def ours():
         prefill_attention(q, st["cache"], st["block_table"], qsl, st["seq_lens"], st["tail_k"], st["tail_v"],
-                          st["tail_slots"], fmt, scale, chunk, out=out)
+                          st["tail_slots"], fmt, scale, chunk, out=out, sink_lens=st["sink_lens"])
 
     ms = time_ms(ours, dev, iters, warmup=2 if dev.type == "cuda" else 1)
     g = fmt.group
@@ -424,7 +434,7 @@ def bench_prefill(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device=
                 dense_extra[f"{key}_rel_err"] = _rel(fn()[: rows * chunk].float(), ref)
         out32 = torch.empty(q.shape, dtype=torch.float32, device=dev)
         prefill_attention(q, st["cache"], st["block_table"], qsl, st["seq_lens"], st["tail_k"], st["tail_v"],
-                          st["tail_slots"], fmt, scale, chunk, out=out32)
+                          st["tail_slots"], fmt, scale, chunk, out=out32, sink_lens=st["sink_lens"])
         err = _rel(out32[: rows * chunk], ref)
         check_extra = {"rel_err_in_q_dtype": _rel(out[: rows * chunk], ref)}
     return BenchResult("prefill", str(dev), dev.type == "cpu", fmt.name, B, ctx, Hq, Hk, D, ms, bname, bms,
@@ -493,7 +503,8 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
     st = _paged_kvarn(fmt, batch, context, H, D, dtype, dev)
     q = torch.randn(batch, q_heads, D, device=dev, dtype=dtype)
     dec = time_ms(lambda: decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"],
-                                           st["tail_v"], st["tail_slots"], fmt, 1 / math.sqrt(D)), dev, iters)
+                                           st["tail_v"], st["tail_slots"], fmt, 1 / math.sqrt(D),
+                                           sink_lens=st["sink_lens"]), dev, iters)
     attn_ms = dec * L
     nbytes = H * (2 * g * D * 2 + fmt.record_bytes(D))
     copy = copy_bandwidth_gbps(dev)
@@ -555,7 +566,7 @@ def _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check) -> list:
     idb = torch.arange(batch, dtype=torch.int32, device=dev)
     # decode: row b has seq_len g*(b+1)+1 (mid-tile); "one" makes row 0 complete its first tile
     kd = torch.randn(batch, H, D, device=dev, dtype=k.dtype)
-    tail_k = torch.randn(batch + 1, H, g, D, device=dev, dtype=k.dtype)
+    tail_k = torch.randn(batch + 1, H, g + fmt.sink_tokens, D, device=dev, dtype=k.dtype)  # as the backend
     tail_v = torch.randn_like(tail_k)
     slots = torch.arange(batch, dtype=torch.int32, device=dev)
     bt = torch.arange(batch * (batch + 2), dtype=torch.int32, device=dev).reshape(batch, batch + 2) % (batch + 1)
