@@ -27,6 +27,7 @@ class KVFormat:
     boundary_layers: int = 0  # first and last N decoder layers kept 16-bit (dense models)
     tail_tokens: int = 0  # 16-bit tokens per request per layer for the unfinished tile
     sink_tokens: int = 0  # 16-bit tokens per request per layer kept for good (attention sinks)
+    balance_iters: int = 8  # KVarN: Sinkhorn-like balancing iterations per tile (the best iterate is kept)
     description: str = ""
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
@@ -98,6 +99,13 @@ def kvarn_record_bytes(head_dim: int, group: int, key_bits: int, value_bits: int
 KVARN_SINK = int(os.environ.get("KVARN_SINK", "16"))
 
 
+# Balancing iterations per tile (the store's latency chain; kvarn-method.md keeps the best of 8). CPU reference,
+# SmolLM2 8 x 1024 windows, chunk 128, sink 16: kvarn_k4v2_g128 ppl +0.81% at 8 iterations, +0.71% at 3 (k4v4 +0.18 /
+# +0.19%): within noise. KVARN_BALANCE_ITERS=<n> (read at import) changes the method for the store kernels and the
+# reference alike; the store's speed at fewer iterations is not measured yet.
+KVARN_BALANCE_ITERS = int(os.environ.get("KVARN_BALANCE_ITERS", "8"))
+
+
 def _sink_for(g: int) -> int:
     # fewer tokens than a tile (the kernels keep part of the first tile's record visible); a larger KVARN_SINK is
     # capped per preset (g64 presets hold at most 63) rather than breaking the import for every preset
@@ -116,6 +124,7 @@ def _kvarn(kb: int, vb: int, g: int, desc: str) -> KVFormat:
         block_size=g,
         tail_tokens=g,
         sink_tokens=_sink_for(g),
+        balance_iters=KVARN_BALANCE_ITERS,
         description=desc,
     )
 

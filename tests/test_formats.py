@@ -53,3 +53,23 @@ def test_lookup_and_errors():
         get_format("fp9")
     with pytest.raises(KvarnError, match="model dtype 'float16'"):
         get_format("fp8").check_model_dtype("float16")
+
+
+def test_balance_iterations_are_a_format_property(monkeypatch):
+    """The reference quantizer and the store kernels take the format's balancing iterations by default
+    (KVARN_BALANCE_ITERS changes the method for both); an explicit iters still wins."""
+    import dataclasses
+
+    import torch
+
+    from kvarn.method.reference import quantize_tiles
+
+    fmt = get_format("kvarn_k4v2_g64")
+    assert fmt.balance_iters == 8 and get_format("fp8").balance_iters == 8
+    k = torch.randn(2, 2, 64, 64)
+    k[..., 3] *= 30.0
+    v = torch.randn(2, 2, 64, 64)
+    three = dataclasses.replace(fmt, balance_iters=3)
+    assert torch.equal(quantize_tiles(k, v, three), quantize_tiles(k, v, fmt, iters=3))
+    assert torch.equal(quantize_tiles(k, v, fmt), quantize_tiles(k, v, fmt, iters=8))
+    assert not torch.equal(quantize_tiles(k, v, three), quantize_tiles(k, v, fmt))

@@ -1,6 +1,6 @@
 """Triton kernels for the KVarN paged cache (docs/format.md).
 
-    store_tiles(k, v, cache, block_ids, fmt, iters=8)                    quantize-on-write (kvarn.kernels.store)
+    store_tiles(k, v, cache, block_ids, fmt, iters=None)                 quantize-on-write (kvarn.kernels.store)
     store_tail_tokens(k, v, tail_k, tail_v, tail_slot, tail_pos)         16-bit tail scatter
     store_decode(k, v, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt)
                                                                          a decode step's KV write (tail + flush)

@@ -2,7 +2,7 @@
 
 Public API (the vLLM backend codes against these; signatures are stable):
 
-    store_tiles(k, v, cache, block_ids, fmt, iters=8) -> None
+    store_tiles(k, v, cache, block_ids, fmt, iters=None) -> None   (iters None: fmt.balance_iters, 8)
         k, v       [T, H, g, D] fp16/bf16/fp32: T complete tiles per KV head, token rows, NOT rotated
         cache      uint8 [num_blocks, H, record_bytes(D)] (records contiguous)
         block_ids  int32 [T]: the block (record row) each tile goes to; entries < 0 are skipped (padding)
@@ -15,7 +15,7 @@ Public API (the vLLM backend codes against these; signatures are stable):
         k, v       [N, H, D] new tokens (16-bit); tail_k/tail_v [S, H, g, D] the 16-bit unfinished-tile buffer
         tail_slot  int32 [N] row of the tail buffer (< 0: skipped); tail_pos int32 [N] position in the tile (0..g-1)
 
-    store_decode(k, v, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, iters=8) -> None
+    store_decode(k, v, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, iters=None) -> None
         The whole KV write of a one-token-per-row (decode) step: k, v [B, H, D]; row b's token goes to the tail at
         position (seq_lens[b] - 1) % g of row tail_slots[b]; a tile it completes is quantized from the tail into
         cache[block_table[b, seq_lens[b] // g - 1]]. seq_lens[b] == 0 marks a padded row (skipped). A tail buffer
@@ -493,10 +493,11 @@ def _launch_store(k, v, cache, lay, n_tiles, H, iters, *, block_ids=None, src_ro
 
 
 def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
-                fmt: KVFormat | str, iters: int = 8, *, balance: str | None = None) -> None:
+                fmt: KVFormat | str, iters: int | None = None, *, balance: str | None = None) -> None:
     """Quantize T complete tiles per head into `cache[block_ids[t], h]` (see the module docstring).
     balance: a BALANCE_VARIANTS key (default STORE_BALANCE, "fused")."""
     fmt = as_format(fmt)
+    iters = fmt.balance_iters if iters is None else iters  # the format's (KVARN_BALANCE_ITERS)
     if k.dim() != 4 or k.shape != v.shape:
         raise KvarnError(f"k and v must both be [T, H, g, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     T, H, g, D = k.shape
@@ -585,7 +586,7 @@ def _decode_tail_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, slot_ptr, seq_lens_ptr,
 
 def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor,
-                 fmt: KVFormat | str, iters: int = 8, *, balance: str | None = None,
+                 fmt: KVFormat | str, iters: int | None = None, *, balance: str | None = None,
                  grid: str | None = None) -> None:
     """The KV write of a step where batch row b has exactly one new token k[b], v[b] ([B, H, D]) at position
     seq_lens[b] - 1 (seq_lens int32 [B]; 0 = padded row, skipped): the token goes to tail row tail_slots[b], and
@@ -593,6 +594,7 @@ def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ta
     cache[block_table[b, seq_len // g - 1]]. Two launches of fixed grids, no host data: CUDA-graph capturable.
     balance / grid: store variants (BALANCE_VARIANTS, DECODE_GRIDS; defaults STORE_BALANCE, STORE_DECODE_GRID)."""
     fmt = as_format(fmt)
+    iters = fmt.balance_iters if iters is None else iters  # the format's (KVARN_BALANCE_ITERS)
     if k.dim() != 3 or k.shape != v.shape:
         raise KvarnError(f"k and v must both be [B, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     B, H, D = k.shape

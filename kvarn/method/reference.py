@@ -177,9 +177,12 @@ def _to_f16(x: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(x, nan=0.0).clamp(-FP16_MAX, FP16_MAX).to(torch.float16).float()
 
 
-def quantize_fields(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, iters: int = 8, keep_best: bool = True,
+def quantize_fields(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, iters: int | None = None, keep_best: bool = True,
                     rotate: bool = True, balance: bool = True) -> dict:
-    """The method up to (not including) bit packing: the fields of unpack_records."""
+    """The method up to (not including) bit packing: the fields of unpack_records. iters: balancing iterations
+    (None: the format's balance_iters)."""
+    if iters is None:
+        iters = fmt.balance_iters
     if k.shape != v.shape or k.dim() < 2:
         raise KvarnError(f"k and v must have the same shape [..., g, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     g, d = k.shape[-2], k.shape[-1]
@@ -196,7 +199,7 @@ def quantize_fields(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, iters: int 
     return {"qK": qK, "sK": sK, "zK": zK, "rK": rK, "qV": qV, "sV": sV, "zV": zV, "cV": cV}
 
 
-def quantize_tiles(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, iters: int = 8, keep_best: bool = True,
+def quantize_tiles(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, iters: int | None = None, keep_best: bool = True,
                    rotate: bool = True, balance: bool = True) -> torch.Tensor:
     """k, v [..., g, D] (fp16/bf16/fp32) -> uint8 records [..., fmt.record_bytes(D)] (docs/format.md).
     rotate=False / balance=False are ablations: their records decode with dequantize_tiles(rotated=True)."""

@@ -68,7 +68,8 @@ def fallback_reason(*, head_size: int, head_size_v: int | None, sliding_window, 
 # Environment knobs of the backend that change what a run measures (defaults = what the code does unset).
 # Results carry the non-default ones (provenance `kvarn_env`, and the bench configuration hash).
 BACKEND_KNOBS = {"KVARN_PREFILL": "dense", "KVARN_FULL_GRAPH": "1", "KVARN_AUTOTUNE": "0", "KVARN_DECODE_CONFIG": "",
-                 "KVARN_STORE_BALANCE": "fused", "KVARN_STORE_DECODE_GRID": "rows", "KVARN_SINK": "16"}
+                 "KVARN_STORE_BALANCE": "fused", "KVARN_STORE_DECODE_GRID": "rows", "KVARN_SINK": "16",
+                 "KVARN_BALANCE_ITERS": "8"}
 
 
 def backend_env(environ=None) -> str:

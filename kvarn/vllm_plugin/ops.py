@@ -275,7 +275,7 @@ def _host(x: torch.Tensor | None):
 
 
 def store(plan: StepPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, tail_k: torch.Tensor,
-          tail_v: torch.Tensor, fmt: KVFormat, iters: int = 8) -> None:
+          tail_v: torch.Tensor, fmt: KVFormat, iters: int | None = None) -> None:
     """k, v [N, Hk, D] new tokens (N >= plan.num_tokens); cache uint8 [num_blocks, Hk, R]; tails
     [S+1, Hk, g + sink, D]. Complete tiles are assembled (tail + new) and quantized first, then the unfinished
     tiles' tokens go to the tail and the sink's to its rows."""
@@ -306,7 +306,7 @@ def store(plan: StepPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
 
 
 def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor, fmt: KVFormat,
-                iters: int = 8) -> None:
+                iters: int | None = None) -> None:
     """k, v [T, H, g, D] complete tiles -> records in cache at block_ids (< 0 skipped)."""
     fn = _kernel("store", "store_tiles") if k.is_cuda else None
     if fn is not None:
