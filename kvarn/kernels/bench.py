@@ -485,7 +485,8 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
     _check_heads(q_heads, kv_heads, head_dim)
     _check_sizes(batch, context, iters=iters)
     fmt = _kv_format(kv_dtype)
-    _store_variant_names()  # a bad KVARN_STORE_VARIANTS fails before anything is timed
+    _store_variant_names()  # a bad KVARN_STORE_VARIANTS / KVARN_STORE_ITERS fails before anything is timed
+    _store_iter_counts(fmt)
     iters = iters or (50 if dev.type == "cuda" else 2)
     g, H, D, L = fmt.group, kv_heads, head_dim, shape.num_layers
     k = torch.randn(1, H, g, D, device=dev, dtype=dtype)
@@ -579,30 +580,50 @@ def _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check) -> list:
 
         ref = dequantize_tiles(quantize_tiles(k, v, fmt), fmt, D)
     rows = []
-    for bal in _store_variant_names(dev.type == "cpu"):
-        for grid in S.DECODE_GRIDS:
-            row = {"balance": bal, "decode_grid": grid}
-            try:
-                if grid == S.DECODE_GRIDS[0]:  # store_tiles does not depend on the decode grid
-                    def flush():
-                        S.store_tiles(k, v, cache, ids, fmt, balance=bal)
-                    row["flush_ms"] = step_ms(flush, L, dev, iters)
-                    row["flush_host_ms"] = L * time_ms(flush, dev, iters, warmup=1)
-                    row["batch_flush_ms"] = step_ms(lambda: S.store_tiles(kb, vb, cache[:batch], idb, fmt,
-                                                                          balance=bal), L, dev, it, warmup=1)
-                    if ref is not None:
-                        S.store_tiles(k, v, cache, ids, fmt, balance=bal)
-                        got = dequantize_tiles(cache[1:2], fmt, D)
-                        row["rel_err"] = max(_rel(got[0], ref[0]), _rel(got[1], ref[1]))
-                for name, sl in (("decode_idle_ms", idle), ("decode_one_ms", one)):
-                    def dec(sl=sl):
-                        S.store_decode(kd, kd, cache, bt, sl, tail_k, tail_v, slots, fmt, balance=bal, grid=grid)
-                    row[name] = step_ms(dec, L, dev, it, warmup=1)
-            except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
-                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-            rows.append(row)
-            print("store-row " + json.dumps(row), file=sys.stderr, flush=True)
+    for n_it in _store_iter_counts(fmt):
+        for bal in _store_variant_names(dev.type == "cpu"):
+            for grid in S.DECODE_GRIDS:
+                # the balance label carries a non-default iteration count ("fused/i3"): the printed tables stay as
+                # they are, and the error column compares it with the reference at the format's own count
+                label = bal if n_it == fmt.balance_iters else f"{bal}/i{n_it}"
+                row = {"balance": label, "decode_grid": grid, "balance_iters": n_it}
+                try:
+                    if grid == S.DECODE_GRIDS[0]:  # store_tiles does not depend on the decode grid
+                        def flush(bal=bal, n_it=n_it):
+                            S.store_tiles(k, v, cache, ids, fmt, n_it, balance=bal)
+                        row["flush_ms"] = step_ms(flush, L, dev, iters)
+                        row["flush_host_ms"] = L * time_ms(flush, dev, iters, warmup=1)
+                        row["batch_flush_ms"] = step_ms(lambda: S.store_tiles(kb, vb, cache[:batch], idb, fmt, n_it,
+                                                                              balance=bal), L, dev, it, warmup=1)
+                        if ref is not None:
+                            S.store_tiles(k, v, cache, ids, fmt, n_it, balance=bal)
+                            got = dequantize_tiles(cache[1:2], fmt, D)
+                            row["rel_err"] = max(_rel(got[0], ref[0]), _rel(got[1], ref[1]))
+                    for name, sl in (("decode_idle_ms", idle), ("decode_one_ms", one)):
+                        def dec(sl=sl, bal=bal, grid=grid, n_it=n_it):
+                            S.store_decode(kd, kd, cache, bt, sl, tail_k, tail_v, slots, fmt, n_it, balance=bal,
+                                           grid=grid)
+                        row[name] = step_ms(dec, L, dev, it, warmup=1)
+                except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                    row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                rows.append(row)
+                print("store-row " + json.dumps(row), file=sys.stderr, flush=True)
     return rows
+
+
+def _store_iter_counts(fmt) -> list[int]:
+    """KVARN_STORE_ITERS="8,3": balancing iteration counts the store table times side by side (default: the
+    format's own, KVARN_BALANCE_ITERS / 8)."""
+    spec = os.environ.get("KVARN_STORE_ITERS", "").strip()
+    if not spec:
+        return [fmt.balance_iters]
+    try:
+        counts = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(c < 1 or c > 64 for c in counts):
+        raise KvarnError(f"KVARN_STORE_ITERS={spec!r}: a comma list of balancing iteration counts in 1..64, e.g. 8,3")
+    return counts
 
 
 TARGETS = {"decode": bench_decode, "prefill": bench_prefill, "store": bench_store}

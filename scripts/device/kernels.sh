@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # KVarN Triton kernels on the GPU (every step has its own timeout; KVARN_SWEEP_SECS=200 for the decode sweep,
-# KVARN_STORE_SECS=150 for the store variants (6 balancing kernels x 2 decode grids), 0 skips either): the
+# KVARN_STORE_SECS=150 for the store variants (6 balancing kernels x 2 decode grids; KVARN_STORE_VARIANTS=fused
+# limits them, KVARN_STORE_ITERS=8,3 adds balancing iteration counts side by side), 0 skips either): the
 # microbench targets, then a short correctness smoke. A warning 'inline-PTX code unpack failed its self-check' in
 # mb_*.err means the u2 rows silently ran the u1 (pure Triton) unpack.
 #   bash scripts/device/kernels.sh          (logs and JSON under "$OUT", default ./out-kernels)
