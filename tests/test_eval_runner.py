@@ -300,7 +300,24 @@ def test_each_problem_is_on_disk_before_the_next_is_scored(tmp_path):
     rows, _ = _run(tmp_path, task="ppl", engine=Watching(), limit=3, context="64", kv_dtypes="fp8")
     assert seen == [0, 1, 2, 0, 1, 2] and {r["status"] for r in rows} == {"ok"}
     s = store.read("sample")
-    assert len(s) == 6 and len(store.files()) == 2 + 1  # each format's parts merged into one, plus the summaries
+    assert len(s) == 6 and len(store.files()) == 2 + 2  # each format's parts merged into one + its summary row
+
+
+def test_a_run_cut_after_a_format_keeps_its_summary(tmp_path):
+    """The summary row of each finished format is stored when it finishes: a run killed in the next format (a step's
+    time limit) still has the baseline's summary, and a rerun resumes the samples and writes the rest."""
+    class Killed(FakeEngine):
+        def score(self, fmt, windows, chunk):
+            if fmt.name != "auto":
+                raise KeyboardInterrupt  # what a SIGINT / the step's timeout looks like inside the engine
+            yield from super().score(fmt, windows, chunk)
+
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, task="ppl", engine=Killed(), limit=3, context="64", kv_dtypes="fp8")
+    ev = ResultsStore(tmp_path / "res").read("eval")
+    assert list(ev["kv_dtype"]) == ["auto"] and ev["n"].tolist() == [3] and ev["status"].tolist() == ["ok"]
+    rows, _ = _run(tmp_path, task="ppl", engine=FakeEngine(), limit=3, context="64", kv_dtypes="fp8")
+    assert [r["kv_dtype"] for r in rows] == ["auto", "fp8"] and {r["status"] for r in rows} == {"ok"}
 
 
 def test_aime_from_the_local_datasets_cache_when_the_hub_is_unreachable(monkeypatch):

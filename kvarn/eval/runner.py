@@ -236,6 +236,7 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
                      "answers that reach it count as truncated")
         eng.cfg.max_model_len = min(need, cap) if cap else need
     per_format: dict[str, dict] = {}
+    summaries: list[dict] = []
     label = model_label(o.model)  # the rows' model column, as bench writes it (the hash keeps --model: resume)
     for fmt in p.formats:
         cfg = {"task": spec.name, "model": o.model, "weights": o.weights, "kv_dtype": fmt.name, "engine": p.engine,
@@ -298,16 +299,18 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
             status, error = "failed", f"{missing} of {len(want)} samples missing (engine returned fewer results)"
         per_format[fmt.name] = {"fmt": fmt, "rows": rows, "base_row": base_row, "status": status, "error": error,
                                 "seconds": time.perf_counter() - t0, "config": cfg}
+        # this format's summary (paired against the baseline, which runs first) goes to disk now: a run cut later
+        # (a step's time limit, a stuck engine shutdown) keeps the summaries of every format it finished
+        sub = {p.baseline.name: per_format[p.baseline.name], fmt.name: per_format[fmt.name]}
+        s = summarize(spec, sub, p.baseline.name, items, k, seed=o.bootstrap_seed)[-1]
+        s.update({"engine_why": p.engine_why, "data_source": source, "samples_k": k, **{
+            f"protocol_{key}": (json.dumps(v) if isinstance(v, (dict, list)) else v) for key, v in p.protocol.items()}})
+        store.append([s], kind="eval")
+        summaries.append(s)
     try:
         eng.close()
     except Exception:  # noqa: BLE001
         pass
-
-    summaries = summarize(spec, per_format, p.baseline.name, items, k, seed=o.bootstrap_seed)
-    for s in summaries:
-        s.update({"engine_why": p.engine_why, "data_source": source, "samples_k": k, **{
-            f"protocol_{key}": (json.dumps(v) if isinstance(v, (dict, list)) else v) for key, v in p.protocol.items()}})
-    store.append(summaries, kind="eval")
     return summaries
 
 
