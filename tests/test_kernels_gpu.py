@@ -375,3 +375,38 @@ def test_gpu_prefill_and_store_decode_with_sink():
     store_tiles(k[:128].transpose(0, 1)[None].contiguous(), v[:128].transpose(0, 1)[None].contiguous(), want,
                 torch.tensor([0], dtype=torch.int32, device=DEV), fmt)
     assert torch.equal(cache[1], want[0])
+
+
+def test_gpu_decode_sink_lens_cuda_graph_replay():
+    """A captured decode step reads the persistent sink_lens buffer at replay: the builder's per-step values (a
+    prefix hit's 0) change the output as the reference says, without a new capture."""
+    from kvarn.kernels import decode_attention, prepare
+    from kvarn.method.reference import reference_attention
+    from tests.test_kernels import request_kv
+
+    fmt = get_format("kvarn_k4v2_g128")
+    D, Hq, Hk = 128, 32, 8
+    lens = [700, 300, 129]
+    st = paged_setup(fmt, D, Hk, lens, torch.bfloat16, device=DEV, sink=16)
+    q = torch.randn(3, Hq, D, device=DEV, dtype=torch.bfloat16)
+    out = torch.empty(q.shape, device=DEV)
+    sl = torch.full((3,), 16, dtype=torch.int32, device=DEV)
+    prepare(D, DEV)
+
+    def step():
+        decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                         st["tail_slots"], fmt, 1 / math.sqrt(D), num_splits=4, out=out, sink_lens=sl)
+
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    cpu = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
+    for vals in ([16, 16, 16], [0, 16, 0], [16, 0, 5]):
+        sl.copy_(torch.tensor(vals, dtype=torch.int32, device=DEV))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = torch.stack([reference_attention(q[b].float().cpu()[:, None], *request_kv(cpu, fmt, D, b, vals[b]),
+                                               1 / math.sqrt(D))[:, 0] for b in range(3)])
+        assert rel_err(out, ref) < 1e-3, vals
