@@ -161,6 +161,15 @@ def _key_plane(qj, sk_ptr, zk_ptr, DP: tl.constexpr, KSPLIT: tl.constexpr):
 
 
 @triton.jit
+def _sink_lo(sink_lens_ptr, b, SINK: tl.constexpr):
+    """Positions of request b below this are read 16-bit from the tail buffer's sink rows (by the tail kernel), so
+    the record kernels skip them: sink_lens[b] clamped to the SINK rows the buffer has (0 without a sink)."""
+    if SINK > 0:
+        return tl.minimum(tl.load(sink_lens_ptr + b), SINK)
+    return 0
+
+
+@triton.jit
 def _sub_scores(pk_ptr, rk_ptr, J: tl.constexpr, a0, l0, a1, l1, a2, l2, a3, l3, qz, qnorm, tok0, L,
                 BM: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
                 UNPACK: tl.constexpr, KSPLIT: tl.constexpr, SINK: tl.constexpr = 0, sink_lo=0):
@@ -278,9 +287,7 @@ def kvarn_attention_kernel(
     split = tl.program_id(2) % num_splits
 
     S = tl.load(seq_lens_ptr + b)
-    sink_lo = 0
-    if SINK > 0:  # positions below it are the tail kernel's (16-bit sink rows)
-        sink_lo = tl.minimum(tl.load(sink_lens_ptr + b), SINK)  # never past the rows
+    sink_lo = _sink_lo(sink_lens_ptr, b, SINK)
     if IS_PREFILL:
         q0 = tl.load(qsl_ptr + b)
         qlen = tl.load(qsl_ptr + b + 1) - q0
@@ -383,11 +390,11 @@ def kvarn_attention_kernel(
 
 
 @triton.jit
-def _tail_run(qa, qb, tk_base, tv_base, stride_tkg, stride_tvg, n, pos0, lo, L, m_i, l_i, acc_t, qk_scale,
+def _tail_run(qa, qb, tk_base, tv_base, stride_tkg, stride_tvg, n, pos0, L, m_i, l_i, acc_t, qk_scale,
               D: tl.constexpr, TT: tl.constexpr, MMA_BF16: tl.constexpr, TAIL16: tl.constexpr,
               Q_AS_TAIL: tl.constexpr):
     """Online softmax of the rows over n consecutive 16-bit buffer rows holding positions pos0, pos0 + 1, ...
-    (visible where pos < L and pos >= lo). qa / qb: the 16-bit query hi / lo parts (tensor-core path), or the
+    (visible where pos < L). qa / qb: the 16-bit query hi / lo parts (tensor-core path), or the
     fp32 scaled query twice."""
     di = tl.arange(0, D)
     ti = tl.arange(0, TT)
@@ -405,7 +412,7 @@ def _tail_run(qa, qb, tk_base, tv_base, stride_tkg, stride_tvg, n, pos0, lo, L, 
                            other=0.0).to(tl.float32)  # [D, TT]
             s = tl.dot(qa, tk32, input_precision="ieee")
         pos = pos0 + c0 + ti
-        s = tl.where((pos[None, :] < L[:, None]) & (tmask & (pos >= lo))[None, :], s, float("-inf"))
+        s = tl.where((pos[None, :] < L[:, None]) & tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -468,9 +475,7 @@ def tail_attention_kernel(
     acc_t = tl.zeros([BM, D], dtype=tl.float32)
     n_full = S // G
     n_tail = S - n_full * G
-    n_sink = 0
-    if SINK > 0:
-        n_sink = tl.where(n_full > 0, tl.minimum(tl.load(sink_lens_ptr + b), SINK), 0)
+    n_sink = tl.where(n_full > 0, _sink_lo(sink_lens_ptr, b, SINK), 0)  # the sink rows once tile 0 is quantized
     if (qblk * BQ < qlen) & ((n_tail > 0) | (n_sink > 0)):
         q_off = (q0 + tok).to(tl.int64) * stride_qn + head * stride_qh
         q_raw = tl.load(q_ptr + q_off[:, None] + di[None, :], mask=row_ok[:, None], other=0.0)
@@ -491,9 +496,9 @@ def tail_attention_kernel(
             qb = qa
         if SINK > 0:
             m_i, l_i, acc_t = _tail_run(qa, qb, tk_base + G * stride_tkg, tv_base + G * stride_tvg, stride_tkg,
-                                        stride_tvg, n_sink, 0, 0, L, m_i, l_i, acc_t, qk_scale, D, TT, MMA_BF16,
+                                        stride_tvg, n_sink, 0, L, m_i, l_i, acc_t, qk_scale, D, TT, MMA_BF16,
                                         TAIL16, Q_AS_TAIL)
-        m_i, l_i, acc_t = _tail_run(qa, qb, tk_base, tv_base, stride_tkg, stride_tvg, n_tail, n_full * G, 0, L,
+        m_i, l_i, acc_t = _tail_run(qa, qb, tk_base, tv_base, stride_tkg, stride_tvg, n_tail, n_full * G, L,
                                     m_i, l_i, acc_t, qk_scale, D, TT, MMA_BF16, TAIL16, Q_AS_TAIL)
     has = l_i > 0.0
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))

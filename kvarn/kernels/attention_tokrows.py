@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention import _partial_stats, _plane, _query_planes, _split16, _split_tiles
+from .attention import _partial_stats, _plane, _query_planes, _sink_lo, _split16, _split_tiles
 
 
 # ------------------------------------------------------------------------------------------------ token-row layout
@@ -80,9 +80,7 @@ def kvarn_attention_tok_kernel(
     kvh = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
     S = tl.load(seq_lens_ptr + b)
-    sink_lo = 0
-    if SINK > 0:  # positions below it are the tail kernel's (16-bit sink rows)
-        sink_lo = tl.minimum(tl.load(sink_lens_ptr + b), SINK)  # never past the rows
+    sink_lo = _sink_lo(sink_lens_ptr, b, SINK)
 
     PERK: tl.constexpr = 8 // KB
     DP: tl.constexpr = D // PERK  # channels per key byte plane
@@ -128,7 +126,7 @@ def kvarn_attention_tok_kernel(
             qz += z2 + z3
         rk = tl.load(cache16_ptr + rec16 + OFF_RK // 2 + ti).to(tl.float32) * qnorm
         s = (s + qz[None, :]) * rk[:, None]  # exp2-domain scores^T [G, BN]
-        if SINK > 0:  # positions below sink_lo are read 16-bit from the tail buffer's sink rows
+        if SINK > 0:  # positions below sink_lo are read 16-bit from the tail buffer's sink rows (_sink_lo)
             s = tl.where((t * G + ti >= sink_lo)[:, None], s, float("-inf"))
         # ---- online softmax per column (query head), one rescale per tile
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
@@ -199,6 +197,14 @@ def _pair_key_dot(pk, J: tl.constexpr, b_hi, b_lo, s_e, s_o, KB: tl.constexpr, U
 
 
 @triton.jit
+def _pair_sink_mask(s_e, s_o, pos_e, sink_lo):
+    """Pair-kernel scores of the even / odd tokens (positions pos_e, pos_e + 1) with the sink's positions (below
+    sink_lo, read 16-bit by the tail kernel) taken out."""
+    return (tl.where((pos_e >= sink_lo)[:, None], s_e, float("-inf")),
+            tl.where((pos_e + 1 >= sink_lo)[:, None], s_o, float("-inf")))
+
+
+@triton.jit
 def _pair_program(qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
                   D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr):
     """Shared prologue of the pair kernels: this program's request, KV head and split, its query columns (padded to
@@ -246,9 +252,7 @@ def kvarn_attention_pair_kernel(
     D2: tl.constexpr = D // 2
     b, kvh, split, S, col_ok, row, dp, u, v, bt, q0, q1, q2, q3, qnorm = _pair_program(
         qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP, BN, G, D, KB, VB)
-    sink_lo = 0
-    if SINK > 0:  # positions below it are the tail kernel's (16-bit sink rows)
-        sink_lo = tl.minimum(tl.load(sink_lens_ptr + b), SINK)  # never past the rows
+    sink_lo = _sink_lo(sink_lens_ptr, b, SINK)
 
     t_begin, t_stop = _split_tiles(S, S, G, split, num_splits)
 
@@ -281,9 +285,8 @@ def kvarn_attention_pair_kernel(
         rk = rec + OFF_RK // 2 + 2 * u
         s_e = (s_e + qz[None, :]) * (tl.load(rk).to(tl.float32) * qnorm)[:, None]
         s_o = (s_o + qz[None, :]) * (tl.load(rk + 1).to(tl.float32) * qnorm)[:, None]
-        if SINK > 0:  # positions below sink_lo are read 16-bit from the tail buffer's sink rows
-            s_e = tl.where((t * G + 2 * u >= sink_lo)[:, None], s_e, float("-inf"))
-            s_o = tl.where((t * G + 2 * u + 1 >= sink_lo)[:, None], s_o, float("-inf"))
+        if SINK > 0:
+            s_e, s_o = _pair_sink_mask(s_e, s_o, t * G + 2 * u, sink_lo)
         # ---- online softmax per column over both token halves
         m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=0))
         alpha = tl.exp2(m_i - m_new)
@@ -424,9 +427,7 @@ def kvarn_attention_pair_pipe_kernel(
     D2: tl.constexpr = D // 2
     b, kvh, split, S, col_ok, row, dp, u, v, bt, q0, q1, q2, q3, qnorm = _pair_program(
         qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP, BN, G, D, KB, VB)
-    sink_lo = 0
-    if SINK > 0:  # positions below it are the tail kernel's (16-bit sink rows)
-        sink_lo = tl.minimum(tl.load(sink_lens_ptr + b), SINK)  # never past the rows
+    sink_lo = _sink_lo(sink_lens_ptr, b, SINK)
 
     t_begin, t_stop = _split_tiles(S, S, G, split, num_splits)
 
@@ -460,9 +461,8 @@ def kvarn_attention_pair_pipe_kernel(
         rk_e, rk_o = _pair_scales(rk)
         s_e = (s_e + qz[None, :]) * (rk_e * qnorm)[:, None]
         s_o = (s_o + qz[None, :]) * (rk_o * qnorm)[:, None]
-        if SINK > 0:  # positions below sink_lo are read 16-bit from the tail buffer's sink rows
-            s_e = tl.where((t * G + 2 * u >= sink_lo)[:, None], s_e, float("-inf"))
-            s_o = tl.where((t * G + 2 * u + 1 >= sink_lo)[:, None], s_o, float("-inf"))
+        if SINK > 0:
+            s_e, s_o = _pair_sink_mask(s_e, s_o, t * G + 2 * u, sink_lo)
         # ---- online softmax; the denominator stays per row (l_part)
         m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=0))
         alpha = tl.exp2(m_i - m_new)
