@@ -304,7 +304,6 @@ def store(plan: StepPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
         tail_v[plan.sink_slot, :, plan.sink_pos] = v[plan.sink_tok].to(tail_v.dtype)
 
 
-
 def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor, fmt: KVFormat,
                 iters: int | None = None) -> None:
     """k, v [T, H, g, D] complete tiles -> records in cache at block_ids (< 0 skipped)."""
@@ -325,45 +324,21 @@ def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids
 # attention
 
 
-def _materialize(cache, block_row, seq_len, tail_k, tail_v, slot, fmt, D, sink_len=None):
-    """Post-store K/V of one request: [seq_len, Hk, D] float32 (full tiles dequantized, then the tail; the first
-    sink_len positions (default: the buffer's sink) from its 16-bit sink rows once the first tile is quantized)."""
-    from ..method.reference import dequantize_tiles
-
-    g = fmt.group
-    n_full, r = seq_len // g, seq_len % g
-    ks, vs = [], []
-    if n_full:
-        rec = cache[block_row[:n_full].long()]  # [n, Hk, R]
-        k, v = dequantize_tiles(rec, fmt, D)  # [n, Hk, g, D]
-        ks.append(k.transpose(1, 2).reshape(n_full * g, -1, D))
-        vs.append(v.transpose(1, 2).reshape(n_full * g, -1, D))
-    if r:
-        ks.append(tail_k[slot, :, :r].transpose(0, 1).float())
-        vs.append(tail_v[slot, :, :r].transpose(0, 1).float())
-    k, v = torch.cat(ks), torch.cat(vs)
-    # the sink: once the first tile is in the records, its first positions from the rows past the tile
-    n = (tail_k.shape[2] - g if sink_len is None else int(sink_len)) if n_full else 0
-    if n:
-        k[:n] = tail_k[slot, :, g:g + n].transpose(0, 1).float()
-        v[:n] = tail_v[slot, :, g:g + n].transpose(0, 1).float()
-    return k, v
-
-
 def cached_attention_torch(q, cache, block_table, qsl, seq_lens, tail_k, tail_v, tail_slots, fmt, scale,
                            sink_lens=None):
     """Reference: each row's q tokens (the last q_len positions) attend causally over the post-store state.
     q [Nq, Hq, D]; qsl / seq_lens / tail_slots host sequences. Returns float32 [Nq, Hq, D]."""
     from ..method.reference import reference_attention
 
-    D = q.shape[-1]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b in range(len(seq_lens)):
         a, e, s = int(qsl[b]), int(qsl[b + 1]), int(seq_lens[b])
         if e <= a or s <= 0:
             continue
-        k, v = _materialize(cache, block_table[b], s, tail_k, tail_v, int(tail_slots[b]), fmt, D,
-                            None if sink_lens is None else sink_lens[b])
+        # the post-store K/V of row b, fp32, through the reference decoder (the dense path's own materialization)
+        k, v, _ = materialize_dense(np.array([b]), np.array([s]), np.array([int(tail_slots[b])]), cache, block_table,
+                                    tail_k, tail_v, fmt, torch.float32, use_kernels=False,
+                                    sink_lens=None if sink_lens is None else torch.tensor([int(sink_lens[b])]))
         qq = q[a:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         o = reference_attention(qq, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale,
                                 causal_offset=s - (e - a))
@@ -571,7 +546,8 @@ def materialize_dense(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray,
                 hn = hadamard(D, dev)
                 tk, tv = tk.float() @ hn, tv.float() @ hn
             if sink_lens is not None:  # sink_lens[i] of row i's sink rows are its own (device: no sync)
-                use = (torch.from_numpy(spos).to(dev) < sink_lens.to(dev)[torch.from_numpy(sseg).to(dev)])[:, None, None]
+                own = sink_lens.to(dev)[torch.from_numpy(sseg).to(dev)]
+                use = (torch.from_numpy(spos).to(dev) < own)[:, None, None]
                 tk, tv = torch.where(use, tk.to(dtype), k[dst]), torch.where(use, tv.to(dtype), v[dst])
             k[dst] = tk.to(dtype)
             v[dst] = tv.to(dtype)

@@ -1,8 +1,8 @@
 """The 16-bit tail buffer of the vLLM backend: which tail slot each batch row uses, and the per-layer buffers.
 
 A request's unfinished tile (fewer than g tokens) lives 16-bit in `tail_k / tail_v [S + 1, Hk, g + sink, D]` of
-every KVarN layer, row `slot`, rows [g, g + sink) its first `sink` tokens for good (the attention sink). Row S is a scratch row that dummy / padded batch rows point at, so they never touch a
-live request's tail. Slots come from one of two sources, set per step by the model-runner hooks (patches.py):
+every KVarN layer, row `slot`, rows [g, g + sink) its first `sink` tokens for good (the attention sink). Row S is a
+scratch row that dummy / padded batch rows point at, so they never touch a live request's tail. Slots come from one of two sources, set per step by the model-runner hooks (patches.py):
 
 * Model Runner V2: the request's persistent index in `RequestState` (`input_batch.idx_mapping_np`): stable for the
   request's life, in [0, max_num_reqs), freed and reused by vLLM itself. Nothing to book-keep here.
