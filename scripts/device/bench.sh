@@ -40,7 +40,7 @@ else
   grep -E "^(ok|failed|timeout|oom|skipped) " "$OUT/bench_cli.log" | tail -n 10
 fi
 # leftover engines of an interrupted cell keep GPU memory
-for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+bash "$(dirname "$0")/free_gpu.sh"
 
 # few files come back from a device call: one Parquet part, the failed cells' log tails printed, logs dropped.
 # To resume in a later call: copy bench/parts here into .device/results/parts and carry .device/results.

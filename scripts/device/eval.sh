@@ -17,8 +17,7 @@ KV="${KVARN_EVAL_KV:-auto,kvarn_k4v2_g128}"
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false COLUMNS=200
 T0=$(date +%s)
 log() { echo "[eval +$(( $(date +%s) - T0 ))s] $*"; }
-free_gpu() { for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
-  kill -9 "$pid" 2>/dev/null; done; sleep 1; }
+free_gpu() { bash "$(dirname "$0")/free_gpu.sh"; sleep 1; }
 STEPS="${KVARN_EVAL_STEPS:-ppl_vllm ppl_hf niah gsm8k}"  # a subset, e.g. KVARN_EVAL_STEPS=gsm8k; also greedy_vllm greedy_hf
 step() {  # name, seconds, kvarn eval args...
   local name=$1 secs=$2; shift 2

@@ -24,7 +24,7 @@ PY
 timeout -k 10 210 kvarn bench --engine vllm --model qwen3-8b --kv-dtype auto,kvarn_k4v2_g128 --burst 1536 \
   --prompt-len 1024 --requests 64 --dummy-weights --timeout 150 --out "$OUT/bench" > "$OUT/bench_cli.log" 2>&1
 echo "kvarn bench rc=$?"
-for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+bash "$(dirname "$0")/free_gpu.sh"
 python3 -c "
 import sys
 from kvarn.results import ResultsStore

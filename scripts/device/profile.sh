@@ -15,7 +15,7 @@ ARGS=(--model qwen3-8b --batch 64 --context 4096 --steps "${KVARN_PROFILE_STEPS:
 timeout -k 10 "${KVARN_PROFILE_BUDGET:-235}" $KVARN profile "${ARGS[@]}" --kv-dtype "${KVARN_PROFILE_DTYPES:-auto,kvarn_k4v2_g128}" \
   --json > "$OUT/profile/profile.jsonl" 2> "$OUT/profile/profile.err"
 echo "kvarn profile rc=$? (124 = budget spent)"; tail -n 5 "$OUT/profile/profile.err"
-for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+bash "$(dirname "$0")/free_gpu.sh"
 # the tables, last (rendered from the JSON so a dtype that finished is shown even if a later one was cut)
 python3 - "$OUT/profile" <<'PY'
 import json, pathlib, sys

