@@ -142,3 +142,41 @@ def test_a_chunk_reads_the_stored_prefix_and_its_own_raw_tokens():
     kd, vd = torch.randn(1, 2, 1, 64, generator=g), torch.randn(1, 2, 1, 64, generator=g)
     k, _ = layer.update(kd, vd)
     assert torch.equal(k, layer.read()[0])
+
+
+class _Tok:
+    eos_token_id = 100
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_engine_first_token_comes_from_the_raw_prefill(tiny, monkeypatch, temperature):
+    """--engine hf generation, as vLLM serves a prompt: the first token is drawn from the prompt's own prefill,
+    whose (first) chunk reads its own tokens raw, so a quantized format gives the fp16 logits there; the tokens after
+    it read the stored cache (here: 4-bit keys / 2-bit values), so the answers may part later, never at token 1."""
+    import kvarn.eval.engines as E
+    from kvarn.formats import get_format
+
+    m, cfg, ids = tiny
+    seen = []
+    pick = E._pick_token
+    monkeypatch.setattr(E, "_pick_token", lambda lg, t, p: (seen.append(lg.clone()), pick(lg, t, p))[1])
+    eng = E.HFEngine("tiny", device="cpu", model=m, tokenizer=_Tok())
+    params = E.GenParams(max_tokens=6, temperature=temperature, top_p=0.9 if temperature else 1.0)
+    req = [E.GenRequest("a", 0, ids[0, :260].tolist(), seed=3)]
+    out = {kv: next(iter(eng.generate(get_format(kv), req, params))) for kv in ("auto", "kvarn_k4v2_g128")}
+    assert len(seen) == 2 and torch.allclose(seen[0], seen[1], atol=1e-5)
+    assert out["auto"].text.split()[0] == out["kvarn_k4v2_g128"].text.split()[0]
+    assert all(r.gen_tokens == 6 for r in out.values())
+
+
+def test_pick_token_top_p_keeps_the_head_of_the_distribution():
+    from kvarn.eval.engines import _pick_token
+
+    lg = torch.tensor([4.0, 3.0, 0.0, -1.0, -2.0])  # softmax mass: ~0.71, 0.26, then 0.03 in the rest
+    torch.manual_seed(0)
+    draws = {int(_pick_token(lg, 1.0, 0.9)) for _ in range(200)}
+    assert draws == {0, 1}
+    assert int(_pick_token(lg, 0.0, 1.0)) == 0

@@ -118,6 +118,21 @@ def load_tokenizer(src: str):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+def _pick_token(logits, temperature: float, top_p: float):
+    """One token from a [vocab] logit row: argmax (temperature 0), else a draw from the softmax at `temperature`
+    cut to the smallest set of mass >= top_p (transformers' TopPLogitsWarper), from torch's global generator."""
+    import torch
+
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, -1)
+    if top_p < 1:
+        p, idx = probs.sort(descending=True)
+        p = p * ((p.cumsum(-1) - p) < top_p)  # keep a token while the mass before it is under top_p
+        probs = torch.zeros_like(probs).scatter(-1, idx, p)
+    return torch.multinomial(probs / probs.sum(), 1)[0]
+
+
 class HFEngine:
     """transformers in process; the KV cache of each request is kvarn.method.hf_cache.KVCodecCache(kv dtype)."""
 
@@ -184,18 +199,24 @@ class HFEngine:
             t0 = time.perf_counter()
             ids = torch.tensor([r.prompt_ids], device=self.device)
             cache = self.new_cache(fmt)
-            if ids.shape[-1] > 1:
-                self._prefill(ids[:, :-1], cache, params.chunk)
             sample = params.temperature > 0
-            kw = dict(max_new_tokens=params.max_tokens, do_sample=sample, pad_token_id=eos,
-                      stopping_criteria=StoppingCriteriaList([StopOnText(ids.shape[-1])]))
             if sample:
                 torch.manual_seed(r.seed)
-                kw.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
-            else:
-                kw.update(temperature=None, top_p=None, top_k=None)
-            with torch.no_grad():
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **{self.cache_kw: cache}, **kw)
+            # the first token comes from the prompt's own prefill (its chunks read their own tokens raw), as on
+            # vLLM; generate() then feeds one token at a time, each step reading the stored cache
+            last = self._prefill(ids, cache, params.chunk)[-1][0, -1].float()
+            first = _pick_token(last, params.temperature if sample else 0.0, params.top_p)
+            out = torch.cat([ids, first.view(1, 1)], -1)
+            if params.max_tokens > 1 and first.item() != eos:
+                kw = dict(max_new_tokens=params.max_tokens - 1, do_sample=sample, pad_token_id=eos,
+                          stopping_criteria=StoppingCriteriaList([StopOnText(ids.shape[-1])]))
+                if sample:
+                    kw.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
+                else:
+                    kw.update(temperature=None, top_p=None, top_k=None)
+                with torch.no_grad():
+                    out = self.model.generate(out, attention_mask=torch.ones_like(out), **{self.cache_kw: cache},
+                                              **kw)
             new = out[0, ids.shape[-1]:].tolist()
             text = tok.decode(new, skip_special_tokens=False)
             reason = "length"
