@@ -28,3 +28,13 @@ def test_compare_counts_per_kv_dtype():
     assert out["auto"]["median_prefix"] == 2.5
     k = out["kvarn_k4v2_g128"]
     assert k["prompts"] == 1 and k["first_token"] == 0 and k["all"] == 0
+
+
+def test_compare_empty_and_early_stop():
+    """Two empty answers (a stop string at once on both engines) agree; an empty answer against a non-empty one, or
+    an answer that stops where the other goes on, does not."""
+    rows = [{"engine": e, "kv_dtype": "auto", "sample_id": sid, "repeat": 0, "response": t}
+            for sid, (tv, th) in {"e": ("", ""), "f": ("", "x"), "g": ("x y", "x y z")}.items()
+            for e, t in (("vllm", tv), ("hf", th))]
+    r = compare(pd.DataFrame(rows), str.split)[0]
+    assert r["prompts"] == 3 and r["first_token"] == 2 and r["first_8"] == 1 and r["all"] == 1

@@ -37,15 +37,15 @@ def compare(samples: pd.DataFrame, encode, engines: tuple[str, str] = ("vllm", "
         keys = [k for k in x.index if k in y.index]
         if not keys:
             continue
-        pref, lens = [], []
+        pref, lens, same = [], [], []
         for k in keys:
             ta, tb = encode(str(x.loc[k, "response"])), encode(str(y.loc[k, "response"]))
             pref.append(common_prefix(ta, tb))
             lens.append(min(len(ta), len(tb)))
-        out.append({"kv_dtype": kv, "prompts": len(keys), "first_token": sum(p >= 1 for p in pref),
-                    "first_8": sum(p >= min(8, n) for p, n in zip(pref, lens)),
-                    "all": sum(p == n for p, n in zip(pref, lens)), "median_prefix": statistics.median(pref),
-                    "mean_len": sum(lens) / len(lens)})
+            same.append(ta == tb)  # identical answers agree on any prefix, also when shorter than it (or empty)
+        out.append({"kv_dtype": kv, "prompts": len(keys), "first_token": sum(p >= 1 or e for p, e in zip(pref, same)),
+                    "first_8": sum(p >= 8 or e for p, e in zip(pref, same)), "all": sum(same),
+                    "median_prefix": statistics.median(pref), "mean_len": sum(lens) / len(lens)})
     return out
 
 
