@@ -131,3 +131,29 @@ def test_vllm_ppl_window_at_the_model_limit_is_a_clear_error(tmp_path, fake_vllm
     with pytest.raises(KvarnError, match="use --context 63 or less"):
         R.run_eval(o, engine_obj=_engine(tmp_path))
     assert not fake_vllm.exists()  # no engine was started
+
+
+def test_model_args_reach_vllm_and_the_config_hash(tmp_path, monkeypatch):
+    """--model-args (lm-eval's k=v syntax) are vllm.LLM arguments on the built-in harness too, and part of the
+    protocol: a run with prefix caching off does not resume one with it on."""
+    import kvarn.eval.engines as E
+
+    monkeypatch.setattr(R, "pick_engine", lambda e: ("vllm", "test"))
+    monkeypatch.setattr(E, "load_tokenizer", lambda src: FakeTok())
+    o = R.EvalOptions(task="gsm8k", model="/models/m", out=str(tmp_path), kv_dtypes="kvarn_k4v2_g128",
+                      model_args="enable_prefix_caching=false,max_num_seqs=1")
+    p = R.plan(o)
+    assert p.engine_args == {"enable_prefix_caching": False, "max_num_seqs": 1}
+    assert json.loads(p.protocol["engine_args"]) == p.engine_args
+    assert "engine_args" not in R.plan(R.EvalOptions(task="gsm8k", model="/models/m")).protocol  # old hashes stay
+    eng = R._make_engine(p, o)
+    a = eng._llm_args(p.formats[1], None, None)
+    assert a["enable_prefix_caching"] is False and a["max_num_seqs"] == 1 and a["block_size"] == 128
+
+
+def test_model_args_refused_on_the_hf_engine(tmp_path):
+    from helpers import run_cli
+
+    r = run_cli("eval", "gsm8k", "--engine", "hf", "--model-args", "max_num_seqs=1", "--out", str(tmp_path))
+    assert r.returncode == 2 and "--model-args are vLLM engine arguments" in r.stderr + r.stdout
+    assert "Traceback" not in r.stderr

@@ -54,6 +54,7 @@ class EvalOptions:
     resume: bool = True
     timeout_min: float = 60.0
     bootstrap_seed: int = 0
+    model_args: str | None = None  # vLLM engine arguments k=v,... (as lm-eval's --model_args), e.g. max_num_seqs=1
 
 
 class Reporter:
@@ -84,6 +85,7 @@ class Plan:
     chunk: int | None
     protocol: dict = field(default_factory=dict)
     depths: tuple[float, ...] = ()  # niah needle depths given with --depth
+    engine_args: dict = field(default_factory=dict)  # --model-args, passed to vllm.LLM
 
 
 def with_baseline(formats: list[KVFormat]) -> tuple[list[KVFormat], KVFormat]:
@@ -132,6 +134,11 @@ def plan(o: EvalOptions) -> Plan:
         raise KvarnError("ppl takes one --context (the window in tokens), e.g. --context 1024")
     formats, base = with_baseline(parse_formats(o.kv_dtypes or "auto"))
     engine, why = pick_engine(o.engine)
+    from .harness import parse_kv_args
+
+    engine_args = parse_kv_args(o.model_args)
+    if engine_args and engine != "vllm":
+        raise KvarnError(f"--model-args are vLLM engine arguments; this run uses --engine {engine}")
     chunk = o.chunk if o.chunk is not None else DEFAULT_CHUNK.get(spec.name)
     params = None
     if spec.kind == "generate":
@@ -144,9 +151,11 @@ def plan(o: EvalOptions) -> Plan:
                 "needle": o.needle if spec.name == "niah" else None, "lm_eval_task": spec.lm_eval or None}
     if depths:  # niah with chosen depths: other prompts than the default spacing (hashed only when given)
         protocol["depths"] = ",".join(f"{d:g}" for d in depths)
+    if engine_args:  # engine settings that change what attention reads (prefix caching, batching): hashed when given
+        protocol["engine_args"] = json.dumps(engine_args, sort_keys=True)
     if protocol["fewshot"]:  # gsm8k's shots are lm-eval's draw (tasks.load_gsm8k); older runs drew per problem
         protocol["fewshot_sampler"] = f"lm-eval:{LM_EVAL_FEWSHOT_SEED}"
-    return Plan(spec, formats, base, engine, why, params, contexts, chunk, protocol, depths)
+    return Plan(spec, formats, base, engine, why, params, contexts, chunk, protocol, depths, engine_args)
 
 
 def _prompt_ids(tok, prompt: str, chat: bool, thinking: bool | None) -> list[int]:
@@ -348,8 +357,8 @@ def _make_engine(p: Plan, o: EvalOptions):
     if src.lower() in bundled_models() and not Path(src).exists():
         raise KvarnError(f"--engine vllm needs real weights for {src!r}: give --weights DIR (a Hugging Face folder)")
     tok = load_tokenizer(src)
-    return VLLMEngine(VLLMConfig(model=src, tp=o.tp, seed=o.seed,
-                                 timeout_s=o.timeout_min * 60, log_dir=str(Path(o.out) / "logs")), tok)
+    return VLLMEngine(VLLMConfig(model=src, tp=o.tp, seed=o.seed, timeout_s=o.timeout_min * 60,
+                                 log_dir=str(Path(o.out) / "logs"), extra=dict(p.engine_args)), tok)
 
 
 # ---- summaries -------------------------------------------------------------------------------------------------------
