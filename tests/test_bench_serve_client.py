@@ -86,7 +86,9 @@ def test_failed_request_and_dead_server(server):
 def test_arrivals():
     assert arrival_delays(3, None, 1.0, 0) == [0.0, 0.0, 0.0]
     d = arrival_delays(2000, 10.0, 1.0, 0)
-    assert d == sorted(d) and d[0] == 0.0 and 150 < d[-1] < 250  # ~200 s for 2000 requests at 10 req/s
+    # as vllm bench serve: the first request waits one gap too, and the last goes at exactly n / rate
+    assert d == sorted(d) and 0 < d[0] < 2.0 and d[-1] == pytest.approx(200.0)
+    assert arrival_delays(4, 2.0, float("inf"), 0) == pytest.approx([0.5, 1.0, 1.5, 2.0])  # constant gaps
     bursty = arrival_delays(2000, 10.0, 0.2, 0)
     gaps = [b - a for a, b in zip(bursty, bursty[1:])]
     smooth = [b - a for a, b in zip(d, d[1:])]

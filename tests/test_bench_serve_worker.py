@@ -60,6 +60,9 @@ class H(BaseHTTPRequestHandler):
         usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
         self.wfile.write(("data: " + json.dumps({"choices": [], "usage": usage}) + "\\n\\ndata: [DONE]\\n\\n").encode())
 
+if os.environ.get("FAKE_SERVE_OOM"):  # the engine dies while sizing its KV cache; the reason is only in the log
+    print("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`", flush=True)
+    sys.exit(1)
 print("INFO 11-29 12:00:00 [kv_cache_utils.py:2177] GPU KV cache size: 3,597,696 tokens", flush=True)
 time.sleep(0.3)  # /health answers only after the engine is up, as vllm serve's does
 ThreadingHTTPServer((host, port), H).serve_forever()
@@ -82,7 +85,7 @@ def fake_serve(tmp_path, monkeypatch):
 def test_serve_mode_metrics_capacity_warmup_and_goodput(fake_serve):
     shape = Path(__file__).resolve().parents[1] / "suites" / "models" / "qwen3-8b.json"
     cfg = BenchConfig(model="Qwen/Qwen3-8B", kv_dtype="kvarn_k4v2_g128", tp=1, engine="vllm", mode="serve",
-                      burst=4096, prompt_len=512, output_len=6, requests=4, gpu_memory_utilization=0.9,
+                      burst=4000, prompt_len=512, output_len=6, requests=4, gpu_memory_utilization=0.9,
                       max_num_seqs=None, dummy_weights=True, seed=0, model_path=str(shape),
                       goodput=json.dumps({"ttft": 60000, "tpot": 60000}))
     cell = Cell(cfg, 0, "run", str(fake_serve / "logs" / f"{cfg.hash}-r0.log"))
@@ -92,8 +95,9 @@ def test_serve_mode_metrics_capacity_warmup_and_goodput(fake_serve):
     assert m["completed"] == 4 and m["total_output_tokens"] == 24 and m["total_input_tokens"] == 4 * 512
     assert m["ttft_ms_p50"] > 0 and m["tpot_ms_p50"] > 0 and m["itl_ms_p50"] > 0 and m["e2el_ms_p50"] > 0
     assert m["goodput_req_s"] == pytest.approx(m["request_throughput"])  # generous SLOs: every request meets them
-    # capacity from the server's own log line; requests of 4,096 tokens in 128-token blocks
-    assert m["kv_tokens"] == 3_597_696 and m["max_concurrency"] == pytest.approx(3_597_696 / 128 / 32)
+    # capacity from the server's own log line, which vLLM 0.26 prints as int(max concurrency x max_model_len) with
+    # max_model_len = the burst (4,000 tokens: not a whole number of 128-token blocks)
+    assert m["kv_tokens"] == 3_597_696 and m["max_concurrency"] == pytest.approx(3_597_696 / 4000)
     # the untimed warm-up burst ran first: the fake's cumulative counter (one per request served) minus the warm-up's
     # leaves the timed burst's 4
     assert m["peak_running"] == 3 and m["kv_usage_peak"] == 0.25 and m["preemptions"] == 4
@@ -101,3 +105,15 @@ def test_serve_mode_metrics_capacity_warmup_and_goodput(fake_serve):
     assert argv[argv.index("--kv-cache-dtype") + 1] == "kvarn_k4v2_g128" and "--skip-tokenizer-init" in argv
     assert argv[argv.index("--block-size") + 1] == "128" and argv[argv.index("--load-format") + 1] == "dummy"
     assert "GPU KV cache size" in Path(cell.log_path).read_text()
+
+
+def test_serve_start_oom_is_an_oom_row(fake_serve, monkeypatch):
+    """A server that dies at start says why only in its log: the row is `oom` with that line, not a bare exit code."""
+    monkeypatch.setenv("FAKE_SERVE_OOM", "1")
+    shape = Path(__file__).resolve().parents[1] / "suites" / "models" / "qwen3-8b.json"
+    cfg = BenchConfig(model="Qwen/Qwen3-8B", kv_dtype="auto", tp=1, engine="vllm", mode="serve", burst=4096,
+                      prompt_len=512, output_len=6, requests=4, gpu_memory_utilization=0.9, max_num_seqs=None,
+                      dummy_weights=True, seed=0, model_path=str(shape))
+    cell = Cell(cfg, 0, "run", str(fake_serve / "logs" / f"{cfg.hash}-r0.log"))
+    res = VllmEngine().run(cell, timeout_s=60)
+    assert res.status == "oom" and "No available memory for the cache blocks" in res.error, res.error

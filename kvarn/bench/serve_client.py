@@ -21,34 +21,45 @@ def wait_healthy(host: str, port: int, timeout_s: float, proc=None, poll_s: floa
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode} before /health answered")
+        c = http.client.HTTPConnection(host, port, timeout=5)
         try:
-            c = http.client.HTTPConnection(host, port, timeout=5)
             c.request("GET", "/health")
             if c.getresponse().status == 200:
                 return
         except OSError:
             pass
+        finally:
+            c.close()
         time.sleep(poll_s)
     raise TimeoutError(f"server on {host}:{port} not healthy after {timeout_s:.0f} s")
 
 
 def arrival_delays(n: int, request_rate: float | None, burstiness: float, seed: int) -> list[float]:
-    """Send times (s from start) of `n` requests: gaps ~ Gamma(shape=burstiness, scale=1/(rate*burstiness))."""
+    """Send times (s from start) of `n` requests, as `vllm bench serve` draws them (get_request): each request waits
+    one gap ~ Gamma(shape=burstiness, scale=1/(rate*burstiness)) after the previous (the first one too), and the
+    cumulative times are rescaled so the last one is sent at exactly n / rate; burstiness inf = constant 1/rate."""
     if not request_rate or request_rate == float("inf"):
         return [0.0] * n
-    rng = random.Random(seed)
-    theta = 1.0 / (request_rate * burstiness)
-    t, out = 0.0, []
-    for _ in range(n):
+    if burstiness == float("inf"):
+        gaps = [1.0 / request_rate] * n
+    else:
+        rng = random.Random(seed)
+        theta = 1.0 / (request_rate * burstiness)
+        gaps = [rng.gammavariate(burstiness, theta) for _ in range(n)]
+    out, t = [], 0.0
+    for g in gaps:
+        t += g
         out.append(t)
-        t += rng.gammavariate(burstiness, theta)
-    return out
+    scale = n / request_rate / out[-1] if out and out[-1] > 0 else 1.0
+    return [x * scale for x in out]
 
 
-def stream_completion(host: str, port: int, payload: dict, timeout_s: float) -> RequestRecord:
-    """One streamed request; TTFT at the first chunk with choices, ITL for each later one, usage for the count."""
+def stream_completion(host: str, port: int, payload: dict, timeout_s: float,
+                      start: float | None = None) -> RequestRecord:
+    """One streamed request; TTFT at the first chunk with choices, ITL for each later one, usage for the count.
+    `start`: the perf_counter time the request was due (default now), so a wait for a thread counts in its latency."""
     rec = RequestRecord(prompt_len=len(payload["prompt"]) if isinstance(payload["prompt"], list) else 0)
-    st = time.perf_counter()
+    st = time.perf_counter() if start is None else start
     rec.start = st
     last = st
     first = False
@@ -108,8 +119,11 @@ class MetricsSampler(threading.Thread):
 
     def scrape(self) -> dict[str, float]:
         c = http.client.HTTPConnection(self.host, self.port, timeout=5)
-        c.request("GET", "/metrics")
-        text = c.getresponse().read().decode(errors="replace")
+        try:
+            c.request("GET", "/metrics")
+            text = c.getresponse().read().decode(errors="replace")
+        finally:
+            c.close()
         vals: dict[str, float] = {}
         for line in text.splitlines():
             m = self._LINE.match(line.strip())
@@ -152,25 +166,27 @@ def run_load(host: str, port: int, model: str, prompts: list[list[int]], output_
     gate = threading.Semaphore(max_concurrency) if max_concurrency else None
     records: list[RequestRecord | None] = [None] * len(prompts)
 
-    def one(i: int) -> None:
+    def one(i: int, due: float) -> None:
         payload = {"model": model, "prompt": prompts[i], "max_tokens": output_len, "stream": True,
                    "stream_options": {"include_usage": True}, "ignore_eos": True, "repetition_penalty": 1.0}
         payload.update(extra_body or {})
         if gate:
-            with gate:
+            with gate:  # as vLLM's semaphore: the clock starts once the request may go
                 records[i] = stream_completion(host, port, payload, request_timeout_s)
         else:
-            records[i] = stream_completion(host, port, payload, request_timeout_s)
+            records[i] = stream_completion(host, port, payload, request_timeout_s, start=due)
 
     start = time.perf_counter()
-    workers = max(1, min(len(prompts), max_concurrency or len(prompts), 1024))
+    # one thread per request in flight (vLLM's client has no connection cap); past the cap a request waits for a
+    # thread, and that wait counts in its TTFT / E2EL (its clock starts when it was due)
+    workers = max(1, min(len(prompts), max_concurrency or len(prompts), 4096))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = []
         for i, d in enumerate(delays):
             wait = start + d - time.perf_counter()
             if wait > 0:
                 time.sleep(wait)
-            futures.append(pool.submit(one, i))
+            futures.append(pool.submit(one, i, time.perf_counter()))
         for f in futures:
             f.result()
     duration = time.perf_counter() - start

@@ -35,6 +35,23 @@ def classify_error(text: str) -> str:
     return "oom" if any(p.lower() in text.lower() for p in OOM_PATTERNS) else "failed"
 
 
+def _log_error(path: str | None, tail_bytes: int = 200_000) -> str:
+    """The line of a server log that says why it stopped: the last out-of-memory line, else the last error line."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - tail_bytes))
+            lines = [x.strip() for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+    except (OSError, TypeError):
+        return "(no log)"
+    for pick in (lambda x: classify_error(x) == "oom", lambda x: "Error" in x or "error:" in x):
+        hit = [x for x in lines if pick(x)]
+        if hit:
+            return hit[-1][-300:]
+    return lines[-1][-300:] if lines else "(empty log)"
+
+
 class GpuMemSampler(threading.Thread):
     """Peak used memory (GiB) over the visible GPUs from nvidia-smi, without touching CUDA in this process."""
 
@@ -235,13 +252,16 @@ def run_serve(spec: dict) -> dict:
     t0 = time.perf_counter()
     server = subprocess.Popen(argv, stdout=sys.stdout, stderr=sys.stderr, stdin=subprocess.DEVNULL)
     try:
-        wait_healthy(host, port, spec.get("start_timeout_s", 1800), proc=server)
+        try:
+            wait_healthy(host, port, spec.get("start_timeout_s", 1800), proc=server)
+        except (RuntimeError, TimeoutError) as e:
+            # the server's own error (an OOM at KV sizing, say) is only in its log: name it, so the row says oom
+            raise RuntimeError(f"{e}; server log: {_log_error(spec.get('log_path'))}") from None
         start_s = time.perf_counter() - t0
         sys.stdout.flush()
         log_text = Path(spec["log_path"]).read_text(errors="replace") if spec.get("log_path") else ""
         kv = [int(m.replace(",", "")) for m in KV_LOG.findall(log_text)]
         kv_tokens = float(kv[-1]) if kv else float("nan")
-        block = kwargs.get("block_size") or 16  # vLLM's default for the paged layouts used here
         vocab = int(spec.get("vocab_size", 32000))
         prompts = random_prompts(spec["requests"], spec["prompt_len"], vocab, spec["seed"])
         # the same untimed warm-up as offline mode (first-use Triton compiles), counted in engine_start_s
@@ -263,8 +283,9 @@ def run_serve(spec: dict) -> dict:
         if not math.isnan(preempt0):
             server_stats["preemptions"] = server_stats["preemptions"] - preempt0
         metrics.update(server_stats)
+        # vLLM logs int(max concurrency x max_model_len) tokens, and max_model_len = the burst's context
         metrics.update(engine_start_s=start_s, kv_tokens=kv_tokens,
-                       max_concurrency=(kv_tokens / block) / -(-spec["burst"] // block) if kv else float("nan"))
+                       max_concurrency=kv_tokens / spec["burst"] if kv else float("nan"))
         errors = [r.error for r in records if not r.success]
         status = "ok" if not errors else "failed"
         err = "" if not errors else f"{len(errors)}/{len(records)} requests failed; first: {errors[0][:300]}"
