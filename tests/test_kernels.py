@@ -425,6 +425,8 @@ def test_microbench_store_on_cpu_runs_the_default_variant():
     ex = row["extra"]
     assert row["kernel"] == "store" and ex["layers"] == 30 and [v["balance"] for v in ex["variants"]] == ["log"] * 2
     assert ex["flush_ms_all_layers"] > 0 and ex["flush_host_ms_all_layers"] > 0 and row["rel_err"] < 0.06
+    # and every layer's tile in one launch (flush_layers), timed beside it
+    assert ex["flush_layers_ms"] > 0 and ex["flush_layers_host_ms"] > 0 and ex["flush_layers_frac_of_step"] > 0
 
 
 def test_microbench_store_iteration_counts_side_by_side():

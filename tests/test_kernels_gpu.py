@@ -410,3 +410,33 @@ def test_gpu_decode_sink_lens_cuda_graph_replay():
         ref = torch.stack([reference_attention(q[b].float().cpu()[:, None], *request_kv(cpu, fmt, D, b, vals[b]),
                                                1 / math.sqrt(D))[:, 0] for b in range(3)])
         assert rel_err(out, ref) < 1e-3, vals
+
+
+def test_gpu_flush_layers_equals_store_tiles_per_layer():
+    """flush_layers (every layer's pending tiles in one launch, layers reached through an address table) writes the
+    records store_tiles writes layer by layer, compiled at the shipped shape (D=128, bf16 tails with sink rows)."""
+    from kvarn.kernels import store_tiles
+    from kvarn.kernels.store import flush_layers
+    from kvarn.method.reference import dequantize_tiles, unpack_records
+
+    fmt = get_format("kvarn_k4v2_g128")
+    g, D, H, L, S, nb = fmt.group, 128, 8, 6, 9, 20
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    tk = [(torch.randn(S, H, g + fmt.sink_tokens, D, device=DEV, generator=gen) * 2).bfloat16() for _ in range(L)]
+    tv = [torch.randn(S, H, g + fmt.sink_tokens, D, device=DEV, generator=gen).bfloat16() for _ in range(L)]
+    caches = [torch.zeros(nb, H, fmt.record_bytes(D), dtype=torch.uint8, device=DEV) for _ in range(L)]
+    slots = torch.tensor([4, 1, 8], dtype=torch.int32, device=DEV)
+    blocks = torch.tensor([3, -1, 17], dtype=torch.int32, device=DEV)
+    flush_layers(tk, tv, caches, slots, blocks, fmt)
+    for layer in range(L):
+        ref = torch.zeros_like(caches[layer])
+        live = blocks >= 0
+        store_tiles(tk[layer][slots[live].long(), :, :g], tv[layer][slots[live].long(), :, :g], ref, blocks[live], fmt)
+        got, want = caches[layer][[3, 17]], ref[[3, 17]]
+        a, b = unpack_records(got, fmt, D), unpack_records(want, fmt, D)
+        codes = torch.cat([(a["qK"] == b["qK"]).flatten(), (a["qV"] == b["qV"]).flatten()]).float().mean().item()
+        assert codes > 0.999, (layer, codes)
+        kd, vd = dequantize_tiles(got, fmt, D)
+        kr, vr = dequantize_tiles(want, fmt, D)
+        assert rel_err(kd, kr) < 1e-3 and rel_err(vd, vr) < 1e-3, layer
+        assert torch.count_nonzero(caches[layer][[b for b in range(nb) if b not in (3, 17)]]) == 0

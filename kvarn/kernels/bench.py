@@ -479,7 +479,7 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
     dev = resolve_device(device)
     from ..shapes import resolve_model
     from .decode import decode_attention
-    from .store import store_tiles
+    from .store import flush_layers, store_tiles
 
     shape = resolve_model(model)
     _check_heads(q_heads, kv_heads, head_dim)
@@ -501,6 +501,15 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
     cb = torch.zeros(batch, H, fmt.record_bytes(D), dtype=torch.uint8, device=dev)
     idb = torch.arange(batch, dtype=torch.int32, device=dev)
     allb_ms = step_ms(lambda: store_tiles(kb, vb, cb, idb, fmt), L, dev, max(1, iters // 5), warmup=1)
+    # the same tile of every layer in one launch (flush_layers: L caches and tails reached through an address
+    # table), as a deferred flush would run it once per step: GPU time (graph) and call time (eager, host included)
+    tails_k = [torch.randn(2, H, g + fmt.sink_tokens, D, device=dev, dtype=dtype) for _ in range(L)]
+    tails_v = [torch.randn_like(t) for t in tails_k]
+    caches = [torch.zeros(2, H, fmt.record_bytes(D), dtype=torch.uint8, device=dev) for _ in range(L)]
+    one_slot = torch.zeros(1, dtype=torch.int32, device=dev)
+    layers_fn = lambda: flush_layers(tails_k, tails_v, caches, one_slot, ids, fmt)  # noqa: E731
+    layers_ms = step_ms(layers_fn, 1, dev, iters)
+    layers_host_ms = time_ms(layers_fn, dev, iters, warmup=1)
     st = _paged_kvarn(fmt, batch, context, H, D, dtype, dev)
     q = torch.randn(batch, q_heads, D, device=dev, dtype=dtype)
     dec = time_ms(lambda: decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"],
@@ -525,7 +534,8 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
     extra = {**check_extra, "model": shape.name, "layers": L, "flush_ms_all_layers": flush_ms,
              "flush_host_ms_all_layers": one * L, "decode_step_attn_ms": attn_ms,
              "flush_frac_of_step": flush_ms / attn_ms, "batch_flush_ms_all_layers": allb_ms,
-             "amortized_frac": (batch / g) * flush_ms / attn_ms,
+             "amortized_frac": (batch / g) * flush_ms / attn_ms, "flush_layers_ms": layers_ms,
+             "flush_layers_host_ms": layers_host_ms, "flush_layers_frac_of_step": layers_ms / attn_ms,
              "variants": _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check)}
     return BenchResult("store", str(dev), dev.type == "cpu", fmt.name, batch, context, q_heads, kv_heads, D,
                        flush_ms, f"decode attention step x {L} layers", attn_ms, flush_ms / attn_ms, nbytes, gbps,

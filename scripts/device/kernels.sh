@@ -95,6 +95,9 @@ for name, r in rows.items():
     e = r["extra"]
     if r["kernel"] == "store":
         note = f"flush/step {e['flush_frac_of_step']:.2%} amortized {e['amortized_frac']:.3%}"
+        if "flush_layers_ms" in e:  # every layer's tile in one launch (flush_layers), GPU time and call time
+            note += (f" | one launch for all layers {e['flush_layers_ms']:.4f} ms = "
+                     f"{e['flush_layers_frac_of_step']:.2%} (call {e['flush_layers_host_ms']:.4f} ms)")
     elif r["kernel"] == "decode":
         note = f"B={r['batch']} ctx={r['context']} {r['q_heads']}/{r['kv_heads']} D={r['head_dim']} " \
                f"ideal {e.get('ideal_ratio_bytes', 0):.2f}x tuned={e.get('tuned')}"
