@@ -50,11 +50,13 @@ def paged_setup(fmt, D, Hk, seq_lens, dtype=torch.float16, device="cpu", gen=Non
                 tail_slots=slots.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device))
 
 
-def request_kv(setup, fmt, D, b, sink_len=None):
-    """fp32 K, V [Hk, seq_len, D] of request b exactly as the cache + tail hold them (dequantized)."""
+def request_kv(setup, fmt, D, b, sink_len=None, defer=False):
+    """fp32 K, V [Hk, seq_len, D] of request b exactly as the cache + tail hold them (dequantized). defer: a tile
+    completed at this step is still in the tail (rows [0, g)), its record not written yet."""
     g = fmt.group
     s = int(setup["seq_lens"][b])
-    nf, nt = s // g, s % g
+    nf = (s - 1) // g if defer and s else s // g
+    nt = s - nf * g
     cache = setup["cache"]
     Hk = cache.shape[1]
     ks, vs = [], []
@@ -80,13 +82,13 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def decode_reference(q, setup, fmt, D, scale):
+def decode_reference(q, setup, fmt, D, scale, defer=False):
     outs = []
     for b in range(q.shape[0]):
         if int(setup["seq_lens"][b]) == 0:
             outs.append(torch.zeros(q.shape[1], D, device=q.device))
             continue
-        K, V = request_kv(setup, fmt, D, b)
+        K, V = request_kv(setup, fmt, D, b, defer=defer)
         outs.append(reference_attention(q[b].float()[:, None], K, V, scale)[:, 0])
     return torch.stack(outs)
 
@@ -328,7 +330,8 @@ sig = {"qr_ptr": "*fp32", "cache_ptr": "*u8", "cache16_ptr": "*fp16", "bt_ptr": 
        "stride_btb": "i32", "stride_cb": "i32", "stride_ch": "i32", "HQ": "i32"}
 const = dict(GROUP=4, GP=4, BQ=bq, BM=bm, G=lay.g, D=128, KB=lay.kb, VB=lay.vb, OFF_PK=lay.pk, OFF_SK=lay.sk,
              OFF_ZK=lay.zk, OFF_RK=lay.rk, OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-             IS_PREFILL=True, MMA_BF16=True, UNPACK=2, KSPLIT=2, VSPLIT=1, STAGES=1, SINK=16)  # the shipped sink
+             IS_PREFILL=True, MMA_BF16=True, UNPACK=2, KSPLIT=2, VSPLIT=1, STAGES=1, SINK=16,  # the shipped sink
+             DEFER=0)
 sig.update({k: "constexpr" for k in const})
 k = triton.compile(ASTSource(kvarn_attention_kernel, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=warps, num_stages=1))

@@ -440,3 +440,31 @@ def test_gpu_flush_layers_equals_store_tiles_per_layer():
         kr, vr = dequantize_tiles(want, fmt, D)
         assert rel_err(kd, kr) < 1e-3 and rel_err(vd, vr) < 1e-3, layer
         assert torch.count_nonzero(caches[layer][[b for b in range(nb) if b not in (3, 17)]]) == 0
+
+
+@pytest.mark.parametrize("cfg_name", SINK_CFGS)
+def test_gpu_decode_defer_reads_the_completed_tile_from_the_tail(monkeypatch, cfg_name):
+    """decode_attention(defer=True), compiled: a tile completed at this step (its record not written: garbage here)
+    is read from the tail's g rows by the tensor-core tail kernel; the other rows read as without deferral."""
+    from kvarn.kernels import decode_attention
+    from kvarn.kernels.decode import DecodeConfig
+    from kvarn.method.reference import reference_attention
+    from tests.test_kernels import request_kv
+
+    monkeypatch.setenv("KVARN_AUTOTUNE", "0")
+    fmt = get_format("kvarn_k4v2_g128")
+    gen = torch.Generator().manual_seed(23)
+    lens = [0, 128, 1024, 300, 129, 2048]
+    st = paged_setup(fmt, 128, 8, lens, torch.bfloat16, device=DEV, gen=gen, sink=16)
+    for b, s in enumerate(lens):
+        if s and s % 128 == 0:
+            st["cache"][st["block_table"][b, s // 128 - 1].long()] = 0xAB
+    q = (torch.randn(len(lens), 32, 128, generator=gen) * 2).bfloat16().to(DEV)
+    cpu = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
+    ref = torch.stack([torch.zeros(32, 128) if s == 0 else
+                       reference_attention(q[b].float().cpu()[:, None], *request_kv(cpu, fmt, 128, b, defer=True),
+                                           128 ** -0.5)[:, 0] for b, s in enumerate(lens)])
+    out = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                           st["tail_slots"], fmt, 128 ** -0.5, out=torch.empty(q.shape, device=DEV),
+                           config=DecodeConfig.from_name(cfg_name) if cfg_name else None, defer=True)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-3

@@ -10,7 +10,7 @@ import torch
 from kvarn.formats import get_format
 from kvarn.method.reference import dequantize_tiles, quantize_tiles, reference_attention
 from kvarn.vllm_plugin import ops
-from kvarn.vllm_plugin.tails import SlotTable, StepSlots, TailBuffers, tail_bytes
+from kvarn.vllm_plugin.tails import PendingFlush, SlotTable, StepSlots, TailBuffers, tail_bytes
 
 FMT = get_format("kvarn_k4v2_g64")  # g = 64 keeps the CPU reference fast
 G, D, HK, HQ = FMT.group, 64, 2, 4
@@ -38,13 +38,18 @@ class Engine:
         self.tags = torch.full((slots + 1,), -1, dtype=torch.int32)  # the builder's sink ownership tags
         self.sink_buf = torch.zeros(32, dtype=torch.int32)
         self.table = SlotTable(slots)
+        self.tails.register_cache("l0", self.cache)  # as the backend's forward does (the deferred flush reads it)
+        self.pending = PendingFlush(32, "cpu")
         self.free = list(range(1, num_blocks))  # block 0 = vLLM's null block
         np.random.default_rng(seed).shuffle(self.free)
         self.slots = slots
 
-    def step(self, sched: list[tuple[Req, int]], pad_rows: int = 0, fast: bool = False):
+    def step(self, sched: list[tuple[Req, int]], pad_rows: int = 0, fast: bool = False, defer: bool = False):
         """sched: (request, number of new tokens), decodes first like vLLM's reorder. Returns per-token outputs.
-        fast: a decode-only step goes through ops.decode_step with the Triton kernels (interpreter on CPU)."""
+        fast: a decode-only step goes through ops.decode_step with the Triton kernels (interpreter on CPU).
+        defer: as the builder with KVARN_DEFER_FLUSH=1: the tiles the last step left pending are flushed first
+        (every layer, one launch), and a fast step leaves the tiles it completes in the tail."""
+        self.pending.flush(self.tails.layer_buffers(["l0"]), FMT)
         qsl, seq, qs, ks, vs, rows = [0], [], [], [], [], []
         for r, n in sched:
             need = -(-(r.done + n) // G)
@@ -69,6 +74,9 @@ class Engine:
         plan = ops.build_plan(np.array(qsl), np.array(seq), R, np.array(rows, dtype=np.int32), bt, G, "cpu",
                               decode_minimal=fast, sink=self.sink)
         ops.update_sink_lens(plan, self.tags, bt, self.sink_buf)
+        if defer and fast:
+            plan.defer = True
+            self.pending.note(np.array(seq), np.array(rows, dtype=np.int32), bt, G)
         out = torch.full_like(q, float("nan"))
         seq_t = torch.tensor(seq, dtype=torch.int32)
         if fast:
@@ -81,17 +89,18 @@ class Engine:
         starts = [r.done for r, _ in sched]
         for r, n in sched:
             r.done += n
-        self.check_state(sched, exact=not fast)
-        self.check_out(sched, starts, out, qsl, atol=2e-3 if fast else 2e-5)
+        self.check_state(sched, exact=not fast, deferred=plan.defer)
+        self.check_out(sched, starts, out, qsl, atol=2e-3 if fast else 2e-5, deferred=plan.defer)
         n_out = R if fast else qsl[-1]  # the decode kernel writes zeros for padded rows (graph padding)
         if fast:
             assert (out[qsl[-1]:n_out] == 0).all()
         assert torch.isnan(out[n_out:]).all(), "rows past the batch must stay untouched"
         return out
 
-    def check_state(self, sched, exact=True):
+    def check_state(self, sched, exact=True, deferred=False):
         for r, _ in sched:
-            full = r.done // G
+            # a tile a deferred step completed is still in the tail (its record comes with the next step's flush)
+            full = (r.done - 1) // G if deferred and r.done else r.done // G
             if full:
                 want = quantize_tiles(r.k[:full * G].view(full, G, HK, D).transpose(1, 2),
                                       r.v[:full * G].view(full, G, HK, D).transpose(1, 2), FMT)
@@ -102,7 +111,7 @@ class Engine:
                     (gk, gv), (wk, wv) = dequantize_tiles(got, FMT, D), dequantize_tiles(want, FMT, D)
                     for a_, b_ in ((gk, wk), (gv, wv)):
                         assert ((a_ - b_).norm() / b_.norm()).item() < 5e-3, f"{r.rid}: records differ"
-            rem = r.done % G
+            rem = r.done - full * G
             if rem:
                 s = self.table.slot(r.rid)
                 assert torch.equal(self.tk[s, :, :rem], r.k[full * G:r.done].transpose(0, 1))
@@ -113,13 +122,13 @@ class Engine:
                 assert torch.equal(self.tk[s, :, G:G + n], r.k[:n].transpose(0, 1))
                 assert torch.equal(self.tv[s, :, G:G + n], r.v[:n].transpose(0, 1))
 
-    def check_out(self, sched, starts, out, qsl, atol=2e-5):
+    def check_out(self, sched, starts, out, qsl, atol=2e-5, deferred=False):
         for i, ((r, n), c) in enumerate(zip(sched, starts)):
             s = c + n
             if c == 0:  # first chunk: raw attention
                 k, v = r.k[:s], r.v[:s]
             else:  # post-store state: dequantized full tiles + raw tail (dense paths: own chunk raw, below)
-                full = s // G
+                full = (s - 1) // G if deferred else s // G  # deferred: a tile completed now is read raw
                 kk, vv = [], []
                 if full:
                     dk, dv = dequantize_tiles(self.cache[torch.tensor(r.blocks[:full])], FMT, D)
@@ -190,6 +199,42 @@ def test_decode_fast_path_matches_general_path(monkeypatch, sink):
     eng.step([(a, 1), (b, 1), (c, 1)], pad_rows=2, fast=True)  # c: one-token prompt, no context
     eng.step([(a, 1), (b, 1), (c, 1)], fast=True)  # a completes tile 0 from 63 tail tokens + the new one
     eng.step([(a, 1), (b, 1), (c, 1)], pad_rows=1, fast=True)  # a: first token of tile 1
+
+
+@pytest.mark.parametrize("sink", [0, 16])
+def test_deferred_flush_decode_steps(monkeypatch, sink):
+    """KVARN_DEFER_FLUSH's decode steps: a tile completed at a step is read from the tail by that step's attention
+    (check_out: the reference reads it raw), its record is written by the next step's flush (flush_layers, before
+    that step's new token lands in tail row 0), a request that finished right after completing a tile is flushed
+    too, and once flushed the cache and tails are bit for bit those of the immediate path (store_decode)."""
+
+    def no_fallback(*a, **k):
+        raise AssertionError("decode_step fell back to the general path")
+
+    engines = {}
+    for defer in (False, True):
+        gen = torch.Generator().manual_seed(5)
+        eng = Engine(sink=sink)
+        a, b, c = Req("a", 140, gen), Req("b", 200, gen), Req("c", 70, gen)
+        eng.step([(a, G - 2)])
+        eng.step([(b, 2 * G - 1)])
+        eng.step([(c, G - 1)])
+        # records are compared between the two paths below (the kernel's rounding vs the reference's is
+        # test_decode_fast_path_matches_general_path's)
+        eng.check_state = lambda *x, **k: None
+        with monkeypatch.context() as m:
+            m.setattr(ops, "store", no_fallback)
+            m.setattr(ops, "attention", no_fallback)
+            eng.step([(a, 1), (b, 1), (c, 1)], pad_rows=1, fast=True, defer=defer)  # b and c complete a tile
+            if defer:
+                assert eng.pending.n == 2 and torch.count_nonzero(eng.cache[c.blocks[0]]) == 0  # not written yet
+            eng.step([(a, 1), (b, 1)], fast=True, defer=defer)  # c finished: its tile is flushed all the same
+            eng.step([(a, 1), (b, 1)], pad_rows=2, fast=True, defer=defer)  # a's tile 0 (done last step) flushed
+        engines[defer] = eng
+    assert engines[True].pending.n == 0
+    for x, y in ((engines[False].cache, engines[True].cache), (engines[False].tk, engines[True].tk),
+                 (engines[False].tv, engines[True].tv)):
+        assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("sink", [0, 16])

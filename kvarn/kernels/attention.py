@@ -206,6 +206,15 @@ def _sub_values(p, pv, sv_ptr, zv_ptr, acc, pz, J: tl.constexpr, BT: tl.constexp
 
 
 @triton.jit
+def _records_end(S, DEFER: tl.constexpr):
+    """The context length whose full tiles are in the records: S, or with DEFER (a decode step that leaves the tile
+    it completes in the 16-bit tail, flushed later) S - 1, so a tile that fills this step is read from the tail."""
+    if DEFER:
+        return tl.maximum(S - 1, 0)
+    return S
+
+
+@triton.jit
 def _split_tiles(S, L, G: tl.constexpr, split, num_splits):
     """Record tiles [t_begin, t_stop) of one context split: the L visible tokens' tiles dealt out in equal runs,
     only the S // G full ones read from records (the rest is the tail). Every record kernel partitions alike, so
@@ -279,7 +288,7 @@ def kvarn_attention_kernel(
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     IS_PREFILL: tl.constexpr, MMA_BF16: tl.constexpr,
     UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
-    SINK: tl.constexpr = 0,
+    SINK: tl.constexpr = 0, DEFER: tl.constexpr = 0,
 ):
     b = tl.program_id(0)
     qblk = tl.program_id(1)
@@ -314,7 +323,7 @@ def kvarn_attention_kernel(
     # rotated, scaled query, loaded directly as the key byte planes' column blocks [BM, DP], normalised
     qr0, qr1, qr2, qr3, qnorm = _query_planes(qr_ptr + row[:, None] * D + dp[None, :], row_ok[:, None], DP, PERK)
 
-    t_begin, t_stop = _split_tiles(S, Lmax, G, split, num_splits)
+    t_begin, t_stop = _split_tiles(_records_end(S, DEFER), Lmax, G, split, num_splits)
 
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
@@ -440,7 +449,7 @@ def tail_attention_kernel(
     stride_qn, stride_qh, stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg, HQ,
     GROUP: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     IS_PREFILL: tl.constexpr, TT: tl.constexpr, MMA_BF16: tl.constexpr, TAIL16: tl.constexpr,
-    Q_AS_TAIL: tl.constexpr, SINK: tl.constexpr = 0,
+    Q_AS_TAIL: tl.constexpr, SINK: tl.constexpr = 0, DEFER: tl.constexpr = 0,
 ):
     """Attention of the same rows over the 16-bit tail buffer (unrotated, TT tokens at a time): the unfinished
     tile's rows and, once the first tile is in the records, the sink rows [G, G + sink_lens[b]) (positions
@@ -473,8 +482,8 @@ def tail_attention_kernel(
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc_t = tl.zeros([BM, D], dtype=tl.float32)
-    n_full = S // G
-    n_tail = S - n_full * G
+    n_full = _records_end(S, DEFER) // G
+    n_tail = S - n_full * G  # up to G rows with DEFER (the tile completed this step, not flushed yet)
     n_sink = tl.where(n_full > 0, _sink_lo(sink_lens_ptr, b, SINK), 0)  # the sink rows once tile 0 is quantized
     if (qblk * BQ < qlen) & ((n_tail > 0) | (n_sink > 0)):
         q_off = (q0 + tok).to(tl.int64) * stride_qn + head * stride_qh

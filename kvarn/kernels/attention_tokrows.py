@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention import _partial_stats, _plane, _query_planes, _sink_lo, _split16, _split_tiles
+from .attention import _partial_stats, _plane, _query_planes, _records_end, _sink_lo, _split16, _split_tiles
 
 
 # ------------------------------------------------------------------------------------------------ token-row layout
@@ -63,7 +63,7 @@ def kvarn_attention_tok_kernel(
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
-    SINK: tl.constexpr = 0,
+    SINK: tl.constexpr = 0, DEFER: tl.constexpr = 0,
 ):
     """Decode-only attention over the records with the tiles transposed: tokens (keys) and channels (values) are
     the MMA M dimension and the unpacked codes its A operand; the BN >= 16 columns are the query heads of the GQA
@@ -97,7 +97,8 @@ def kvarn_attention_tok_kernel(
     # transposed query planes [DP, BN], normalised by max |q|
     q0, q1, q2, q3, qnorm = _query_planes(qr_ptr + row[None, :] * D + dp[:, None], col_ok[None, :], DP, PERK)
 
-    t_begin, t_stop = _split_tiles(S, S, G, split, num_splits)  # as kvarn_attention_kernel (decode: L = S)
+    # as kvarn_attention_kernel (decode: L = S)
+    t_begin, t_stop = _split_tiles(_records_end(S, DEFER), S, G, split, num_splits)
 
     m_i = tl.full([BN], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BN], dtype=tl.float32)
@@ -236,7 +237,7 @@ def kvarn_attention_pair_kernel(
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
-    SINK: tl.constexpr = 0,
+    SINK: tl.constexpr = 0, DEFER: tl.constexpr = 0,
 ):
     """kvarn_attention_tok_kernel with the packed bytes read as int16 pairs (DecodeConfig.layout = 2): the byte
     tiles are token-contiguous (keys) / channel-contiguous (values), but the MMA A operand wants pairs along its K
@@ -254,7 +255,7 @@ def kvarn_attention_pair_kernel(
         qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP, BN, G, D, KB, VB)
     sink_lo = _sink_lo(sink_lens_ptr, b, SINK)
 
-    t_begin, t_stop = _split_tiles(S, S, G, split, num_splits)
+    t_begin, t_stop = _split_tiles(_records_end(S, DEFER), S, G, split, num_splits)
 
     m_i = tl.full([BN], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BN], dtype=tl.float32)
@@ -408,7 +409,7 @@ def kvarn_attention_pair_pipe_kernel(
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
-    SINK: tl.constexpr = 0,
+    SINK: tl.constexpr = 0, DEFER: tl.constexpr = 0,
 ):
     """kvarn_attention_pair_kernel restructured for the pipeliner (DecodeConfig.pipe = 1; use with num_stages 2-3).
 
@@ -429,7 +430,7 @@ def kvarn_attention_pair_pipe_kernel(
         qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP, BN, G, D, KB, VB)
     sink_lo = _sink_lo(sink_lens_ptr, b, SINK)
 
-    t_begin, t_stop = _split_tiles(S, S, G, split, num_splits)
+    t_begin, t_stop = _split_tiles(_records_end(S, DEFER), S, G, split, num_splits)
 
     m_i = tl.full([BN], float("-inf"), dtype=tl.float32)
     l_part = tl.zeros([G2, BN], dtype=tl.float32)  # per token-pair row; summed over rows after the loop

@@ -19,6 +19,9 @@ Public API (stable; the vLLM backend calls exactly this):
         sink_lens   optional int32 [B]: sink rows row b may read (<= sink, larger values read as sink; 0 where
                     they hold another request's tokens); None: all of them, from a tensor made per call (a CUDA
                     graph captured that way keeps "all": pass a persistent buffer, as the backend does)
+        defer       True: a tile that fills at this step (seq_len % g == 0) is still in the tail (its record is
+                    written later, by store.flush_layers): (seq_len - 1) // g tiles from records, the rest (up to g
+                    rows) from the tail. False (default): seq_len // g from records.
 
 Launches (fixed from shapes, no host sync -> CUDA-graph capturable): query rotation (B*Hq/16 programs), attention
 over the records (B, 1, Hk * num_splits), over the 16-bit tail (B, 1, Hk), merge + rotation back (B*Hq/16).
@@ -210,7 +213,8 @@ def asm_unpack_ok(device: torch.device) -> bool:
 
 
 def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slots, out, lay, group, gp, scale,
-                  splits, cfg: DecodeConfig, *, prefill: bool, bq: int = 1, q_blocks: int = 1, sink_lens=None):
+                  splits, cfg: DecodeConfig, *, prefill: bool, bq: int = 1, q_blocks: int = 1, sink_lens=None,
+                  defer: bool = False):
     """The four launches shared by decode and prefill: rotate the query rows (fp32), the attention over the
     records (partials per split, rotated basis), the attention over the 16-bit tail (unrotated partial), the
     merge + rotate-back. Grids from shapes only; scratch from torch's caching allocator (graph-safe)."""
@@ -233,10 +237,10 @@ def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slo
     bm = max(16, bq * gp)
     if not prefill and cfg.layout in (1, 2):
         _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma,
-                    sink)
+                    sink, defer)
     else:
         _launch_rows(qr, cache, block_table, seq_lens, qsl, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq,
-                     qk, mma, prefill, bq, bm, q_blocks, sink)
+                     qk, mma, prefill, bq, bm, q_blocks, sink, defer)
     # tail on tensor cores (16-bit q.k, hi/lo p.v) when compiled and the tail buffers are 16-bit (both fp16/bf16)
     tail16 = all(t.dtype in (torch.float16, torch.bfloat16) for t in (tail_k, tail_v))
     tt = (64 if D <= 128 else 32) if mma and tail16 else 16
@@ -245,14 +249,14 @@ def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slo
         q.stride(0), q.stride(1), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
         tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), Hq,
         GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, IS_PREFILL=prefill, TT=tt, MMA_BF16=mma,
-        TAIL16=tail16, Q_AS_TAIL=q.dtype == tail_k.dtype, SINK=sink, num_warps=4)
+        TAIL16=tail16, Q_AS_TAIL=q.dtype == tail_k.dtype, SINK=sink, DEFER=int(defer), num_warps=4)
     finish_kernel[(triton.cdiv(R, 16),)](po_r, po_t, plse, out, R, splits, out.stride(0), out.stride(1), HQ=Hq, D=D,
                                          BR=16, MMA_BF16=mma, num_warps=4)
     return out
 
 
 def _launch_rows(qr, cache, block_table, seq_lens, qsl, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, qk,
-                 mma, prefill, bq, bm, q_blocks, sink=0):
+                 mma, prefill, bq, bm, q_blocks, sink=0, defer=False):
     """Layout 0 (decode and prefill): M rows = (query token, group head) pairs, codes as the B operand."""
     B, Hk, D = seq_lens.shape[0], cache.shape[1], lay.d
     kvarn_attention_kernel[(B, q_blocks, Hk * splits)](
@@ -262,7 +266,7 @@ def _launch_rows(qr, cache, block_table, seq_lens, qsl, sink_lens, po_r, plse, l
         OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
         OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
         IS_PREFILL=prefill, MMA_BF16=mma,
-        UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=sink,
+        UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=sink, DEFER=int(defer),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}),
     )
@@ -275,7 +279,7 @@ def tok_warps(lay, num_warps: int) -> int:
 
 
 def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma,
-                sink=0):
+                sink=0, defer=False):
     """Layouts 1 / 2 (decode only): M = tokens (keys) / channels (values), the group's query heads as N."""
     B, Hk = seq_lens.shape[0], cache.shape[1]
     bn = max(cfg.bn, gp) if cfg.bn else max(16, gp)
@@ -283,7 +287,8 @@ def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, gr
                   OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
                   OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
                   UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=sink,
-                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}))
+                  DEFER=int(defer), num_stages=cfg.num_stages,
+                  **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}))
     if cfg.layout == 2:  # int16 pairs: M = g/2 token pairs, d/2 channel pairs; offsets in 2-byte units
         # the pipe kernel reads the scale runs as int32: needs 4-byte aligned records (always, for torch-allocated
         # caches and the record sizes of docs/format.md; else the plain pair kernel)
@@ -302,9 +307,9 @@ def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, gr
 
 
 def _launch(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, out, lay, group, gp, scale, splits,
-            cfg: DecodeConfig, sink_lens=None):
+            cfg: DecodeConfig, sink_lens=None, defer=False):
     return run_attention(q, cache, block_table, seq_lens, seq_lens, tail_k, tail_v, tail_slots, out, lay, group, gp,
-                         scale, splits, cfg, prefill=False, sink_lens=sink_lens)
+                         scale, splits, cfg, prefill=False, sink_lens=sink_lens, defer=defer)
 
 
 def _tune_key(q, cache, block_table, lay, group):
@@ -370,7 +375,8 @@ def check_attention_args(q, cache, block_table, tail_k, tail_v, fmt, batch: int,
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor, fmt: KVFormat | str,
                      scale: float, num_splits: int | None = None, out: torch.Tensor | None = None, *,
-                     config: DecodeConfig | None = None, sink_lens: torch.Tensor | None = None) -> torch.Tensor:
+                     config: DecodeConfig | None = None, sink_lens: torch.Tensor | None = None,
+                     defer: bool = False) -> torch.Tensor:
     B = q.shape[0] if q.dim() == 3 else -1
     q, out, lay, Hk, group, gp = check_attention_args(q, cache, block_table, tail_k, tail_v, fmt, B, out, "B")
     if B == 0:
@@ -393,4 +399,4 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
         splits = int(max(1, min(64, max_blocks, round(base_splits * cfg.split_mult))))
     if num_splits is not None:
         splits = int(max(1, num_splits))
-    return _launch(*args, out, lay, group, gp, scale, splits, effective_config(cfg, q.device), sink_lens)
+    return _launch(*args, out, lay, group, gp, scale, splits, effective_config(cfg, q.device), sink_lens, defer)

@@ -437,7 +437,7 @@ def _flush_layers_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
-    MMA_BF16: tl.constexpr, RB: tl.constexpr, BAL: tl.constexpr, PACK8: tl.constexpr, TAIL_BF16: tl.constexpr,
+    MMA_BF16: tl.constexpr, RB: tl.constexpr, BAL: tl.constexpr, PACK8: tl.constexpr, TAIL_DT: tl.constexpr,
 ):
     # grid (L * n_tiles * H, 2): program (layer, tile, head) quantizes keys (axis 1 == 0) or values of one pending
     # tile of one layer; the layer's tail and cache addresses come from the tables (int64, one entry per layer).
@@ -452,9 +452,12 @@ def _flush_layers_kernel(
         ka = tl.load(ktab_ptr + layer)
         va = tl.load(vtab_ptr + layer)
         ca = tl.load(ctab_ptr + layer)
-        if TAIL_BF16:
+        if TAIL_DT == 1:
             kp = ka.to(tl.pointer_type(tl.bfloat16))
             vp = va.to(tl.pointer_type(tl.bfloat16))
+        elif TAIL_DT == 2:
+            kp = ka.to(tl.pointer_type(tl.float32))
+            vp = va.to(tl.pointer_type(tl.float32))
         else:
             kp = ka.to(tl.pointer_type(tl.float16))
             vp = va.to(tl.pointer_type(tl.float16))
@@ -479,8 +482,8 @@ class LayerTable:
                     raise KvarnError("flush_layers: every layer's tails and cache must have the same shape, strides, "
                                      f"dtype and device; got {tuple(a.shape)} {a.dtype} against {tuple(b.shape)} "
                                      f"{b.dtype}")
-        if tails_k[0].dtype not in (torch.float16, torch.bfloat16) or tails_v[0].dtype != tails_k[0].dtype:
-            raise KvarnError(f"flush_layers: tails must be fp16 or bf16, got {tails_k[0].dtype}")
+        if tails_k[0].dtype not in _TAIL_DTYPES or tails_v[0].dtype != tails_k[0].dtype:
+            raise KvarnError(f"flush_layers: tails must be fp16, bf16 or fp32, got {tails_k[0].dtype}")
         dev = caches[0].device
         self.key = tuple(t.data_ptr() for t in (*tails_k, *tails_v, *caches))
         self.k, self.v, self.c = (torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)
@@ -490,6 +493,7 @@ class LayerTable:
 
 
 _TABLES: dict = {}
+_TAIL_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # flush_layers' TAIL_DT
 
 
 def layer_table(tails_k, tails_v, caches) -> LayerTable:
@@ -535,7 +539,7 @@ def flush_layers(tails_k, tails_v, caches, slots: torch.Tensor, block_ids: torch
         OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
         OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
         MMA_BF16=mma_bf16(), RB=ROTATION_BLOCK[D] if rb is None else min(rb, D), BAL=bal, PACK8=pack8,
-        TAIL_BF16=tk.dtype == torch.bfloat16, num_warps=warps or (16 if D * g > 16384 else 8),
+        TAIL_DT=_TAIL_DTYPES[tk.dtype], num_warps=warps or (16 if D * g > 16384 else 8),
     )
 
 
@@ -703,12 +707,14 @@ def _decode_tail_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, slot_ptr, seq_lens_ptr,
 def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor,
                  fmt: KVFormat | str, iters: int | None = None, *, balance: str | None = None,
-                 grid: str | None = None) -> None:
+                 grid: str | None = None, defer: bool = False) -> None:
     """The KV write of a step where batch row b has exactly one new token k[b], v[b] ([B, H, D]) at position
     seq_lens[b] - 1 (seq_lens int32 [B]; 0 = padded row, skipped): the token goes to tail row tail_slots[b], and
     when it completes its tile (seq_len % g == 0) the tile is quantized from the tail into
     cache[block_table[b, seq_len // g - 1]]. Two launches of fixed grids, no host data: CUDA-graph capturable.
-    balance / grid: store variants (BALANCE_VARIANTS, DECODE_GRIDS; defaults STORE_BALANCE, STORE_DECODE_GRID)."""
+    balance / grid: store variants (BALANCE_VARIANTS, DECODE_GRIDS; defaults STORE_BALANCE, STORE_DECODE_GRID).
+    defer: the tail write only; a completed tile stays in the tail (decode_attention(defer=True) reads it there)
+    until flush_layers quantizes it."""
     fmt = as_format(fmt)
     iters = fmt.balance_iters if iters is None else iters  # the format's (KVARN_BALANCE_ITERS)
     if k.dim() != 3 or k.shape != v.shape:
@@ -730,8 +736,9 @@ def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ta
         tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_v.stride(0), tail_v.stride(1), tail_v.stride(2),
         H=H, G=lay.g, D=D, SINK=sink, num_warps=1,
     )
-    _launch_store(tail_k, tail_v, cache, lay, B, H, iters, src_rows=tail_slots, seq_lens=seq_lens,
-                  block_table=block_table, balance=balance, grid=grid)
+    if not defer:
+        _launch_store(tail_k, tail_v, cache, lay, B, H, iters, src_rows=tail_slots, seq_lens=seq_lens,
+                      block_table=block_table, balance=balance, grid=grid)
 
 
 __all__ = ["store_tiles", "store_tail_tokens", "store_decode", "flush_layers", "FP16_MAX"]

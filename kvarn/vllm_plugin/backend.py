@@ -28,7 +28,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ..formats import get_format
 from . import ops
-from .common import SUPPORTED_HEAD_SIZES, active_format, is_kvarn, kvarn_dtype_names
+from .common import SUPPORTED_HEAD_SIZES, active_format, defer_flush_enabled, is_kvarn, kvarn_dtype_names
 from .tails import STEP, TAILS
 
 logger = logging.getLogger("vllm.kvarn")
@@ -123,6 +123,11 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self._sink_tags = TAILS.sink_tags(layer_names, self.slots, device)
         self._sink_lens = torch.zeros(cap, dtype=torch.int32, device=device)
         self._decode_kernels = torch.device(device).type == "cuda" and ops.decode_kernels_available()
+        # the deferred flush (KVARN_DEFER_FLUSH=1) needs the decode kernels and exact host seq_lens (no drafts)
+        self._layer_names = list(layer_names)
+        self._defer = (defer_flush_enabled() and self._decode_kernels
+                       and getattr(vllm_config, "speculative_config", None) is None)
+        self._pending = TAILS.pending(layer_names, cap, device)
         if self._decode_kernels:
             from ..kernels import prepare
 
@@ -131,6 +136,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvarnMetadata:
         cm = common_attn_metadata
+        # tiles the last (deferred) decode step completed: every layer's records written now, enqueued before this
+        # step's forward, which may overwrite those tail rows
+        self._pending.flush(TAILS.layer_buffers(self._layer_names), self.fmt)
         R = cm.num_reqs
         seq_cpu = cm.seq_lens_cpu_upper_bound
         if seq_cpu is None:
@@ -150,6 +158,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         if R > self._sink_lens.shape[0]:  # as _tail_slots above
             self._sink_lens = torch.zeros(R + 1, dtype=torch.int32, device=self.device)
         ops.update_sink_lens(plan, self._sink_tags, cm.block_table_tensor, self._sink_lens)
+        if self._defer and plan.decode_only:
+            plan.defer = True
+            self._pending.note(np.asarray(seq_cpu)[:R], rows, cm.block_table_tensor, self.fmt.group)
         return KvarnMetadata(plan=plan, num_actual_tokens=cm.num_actual_tokens, block_table=cm.block_table_tensor,
                              seq_lens=cm.seq_lens, slot_mapping=cm.slot_mapping)
 
@@ -220,6 +231,8 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
             self._tails = TAILS.get(layer.layer_name if self.kv_sharing_target_layer_name is None
                                     else self.kv_sharing_target_layer_name)
         tail_k, tail_v = self._tails
+        if self.kv_sharing_target_layer_name is None:
+            TAILS.register_cache(layer.layer_name, kv_cache)  # for the deferred flush's one launch over every layer
         plan = attn_metadata.plan
         if plan.num_tokens == 0:
             return output

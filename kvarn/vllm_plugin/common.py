@@ -69,7 +69,14 @@ def fallback_reason(*, head_size: int, head_size_v: int | None, sliding_window, 
 # Results carry the non-default ones (provenance `kvarn_env`, and the bench configuration hash).
 BACKEND_KNOBS = {"KVARN_PREFILL": "dense", "KVARN_FULL_GRAPH": "1", "KVARN_AUTOTUNE": "0", "KVARN_DECODE_CONFIG": "",
                  "KVARN_STORE_BALANCE": "fused", "KVARN_STORE_DECODE_GRID": "rows", "KVARN_SINK": "16",
-                 "KVARN_BALANCE_ITERS": "8"}
+                 "KVARN_BALANCE_ITERS": "8", "KVARN_DEFER_FLUSH": "0"}
+
+
+def defer_flush_enabled() -> bool:
+    """KVARN_DEFER_FLUSH=1: decode steps leave the tile they complete in the 16-bit tail (read there) and the next
+    step's metadata build flushes every layer's completed tiles in one launch (kernels.store.flush_layers), instead
+    of one latency-bound flush per layer inside the step. Off by default until measured on the GPU."""
+    return os.environ.get("KVARN_DEFER_FLUSH", "0").strip() == "1"
 
 
 def backend_env(environ=None) -> str:

@@ -91,6 +91,8 @@ class StepPlan:
     decode_only: bool = False
     # decode_only with only the host fields (build_plan's decode_minimal): the decode kernels must run it
     minimal: bool = False
+    # decode_only with the deferred flush (common.defer_flush_enabled): a completed tile stays in the tail this step
+    defer: bool = False
     # the attention sink (the first `sink` positions, 16-bit for good in tail rows g + pos): new tokens below it
     sink: int = 0
     sink_tok: torch.Tensor | None = None  # int64 [n4]
@@ -433,6 +435,8 @@ def decode_step(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, 
     store_fn = _kernel("store", "store_decode") if use_kernels else None
     attn_fn = _kernel("decode", "decode_attention") if use_kernels else None
     if store_fn is None or attn_fn is None:
+        if plan.defer:
+            raise RuntimeError("kvarn: a deferred-flush decode plan needs the decode kernels")
         if plan.minimal:
             raise RuntimeError("kvarn: a minimal decode plan needs the decode kernels (store_decode, decode_attention)")
         if write_kv and k is not None:
@@ -441,10 +445,11 @@ def decode_step(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, 
                   raw_varlen=raw_varlen)
         return
     bt, sl, ts = block_table[:B], seq_lens_dev[:B], tail_slots_dev[:B]
+    extra = {"defer": True} if plan.defer else {}  # (the kernels' signatures stay as they were without it)
     if write_kv and k is not None:
-        store_fn(k[:B], v[:B], cache, bt, sl, tail_k, tail_v, ts, fmt)
+        store_fn(k[:B], v[:B], cache, bt, sl, tail_k, tail_v, ts, fmt, **extra)
     attn_fn(q[:B], cache, bt, sl, tail_k, tail_v, ts, fmt, scale, out=out[:B], config=_decode_config(),
-            sink_lens=None if plan.sink_lens is None else plan.sink_lens[:B])
+            sink_lens=None if plan.sink_lens is None else plan.sink_lens[:B], **extra)
 
 
 # ---------------------------------------------------------------------------------------------------------------

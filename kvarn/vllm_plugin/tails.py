@@ -101,6 +101,8 @@ class TailBuffers:
     def __init__(self):
         self._bufs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._tags: dict[tuple, torch.Tensor] = {}
+        self._caches: dict[str, torch.Tensor] = {}  # layer -> its paged cache (register_cache)
+        self._pending: dict[tuple, PendingFlush] = {}
         self.slots = 0  # S (without the scratch row)
 
     def allocate(self, layer_names, slots: int, num_kv_heads: int, group: int, head_dim: int,
@@ -131,10 +133,74 @@ class TailBuffers:
     def __contains__(self, name: str) -> bool:
         return name in self._bufs
 
+    def pending(self, layer_names, capacity: int, device) -> "PendingFlush":
+        """The deferred-flush state of these layers, shared by every metadata builder of them (the builder of the
+        next step flushes what the last one left pending)."""
+        key = tuple(sorted(layer_names))
+        pf = self._pending.get(key)
+        if pf is None or pf.slots.shape[0] < capacity:
+            pf = self._pending[key] = PendingFlush(capacity, device)
+        return pf
+
+    def register_cache(self, layer_name: str, cache: torch.Tensor) -> None:
+        """The layer's paged cache, as its forward sees it (the deferred flush reaches every layer from one launch)."""
+        if self._caches.get(layer_name) is not cache:
+            self._caches[layer_name] = cache
+
+    def layer_buffers(self, layer_names):
+        """(tails_k, tails_v, caches) of those of these layers whose forward has run (a layer that shares another's
+        cache never registers: its records are the other's); None before any has."""
+        names = [n for n in layer_names if n in self._caches and n in self._bufs]
+        if not names:
+            return None
+        return [self._bufs[n][0] for n in names], [self._bufs[n][1] for n in names], [self._caches[n] for n in names]
+
     def clear(self) -> None:
         self._bufs.clear()
         self._tags.clear()
+        self._caches.clear()
+        self._pending.clear()
         self.slots = 0
+
+
+class PendingFlush:
+    """Tiles that deferred decode steps completed and left in the 16-bit tail (ops.decode_step with plan.defer:
+    the step's attention reads them there). The next step's metadata build quantizes them, every layer in one
+    kernels.store.flush_layers launch, enqueued before that step's forward (same stream), so the tail rows are read
+    before a new token overwrites row 0. A request that finished or was preempted in between is flushed too: its
+    blocks may stay in the prefix cache. Host row indexes, device slots / block ids."""
+
+    def __init__(self, capacity: int, device):
+        self.slots = torch.zeros(capacity, dtype=torch.int32, device=device)
+        self.blocks = torch.full((capacity,), -1, dtype=torch.int32, device=device)
+        self.n = 0
+
+    def note(self, seq_lens: np.ndarray, rows: np.ndarray, block_table: torch.Tensor, group: int) -> None:
+        """After building a deferred decode step: the rows whose token completes a tile (exact host seq_lens)."""
+        seq = np.asarray(seq_lens, dtype=np.int64)
+        done = np.nonzero((seq > 0) & (seq % group == 0))[0]
+        self.n = n = len(done)
+        if n == 0:
+            return
+        if n > self.slots.shape[0]:
+            raise KvarnError(f"kvarn: {n} tiles to flush, the pending buffer holds {self.slots.shape[0]}")
+        dev = self.slots.device
+        idx = torch.from_numpy(done).to(dev)
+        cols = torch.from_numpy(seq[done] // group - 1).to(dev)
+        self.blocks[:n] = block_table[idx, cols].to(torch.int32)
+        self.slots[:n] = torch.from_numpy(np.asarray(rows, dtype=np.int32)[done]).to(dev)
+
+    def flush(self, buffers, fmt) -> int:
+        """Quantize the pending tiles into every layer's cache; returns how many tiles (0: nothing pending)."""
+        n, self.n = self.n, 0
+        if n == 0:
+            return 0
+        if buffers is None:
+            raise KvarnError("kvarn: tiles are pending a flush but a layer's cache was never seen by its forward")
+        from ..kernels.store import flush_layers
+
+        flush_layers(*buffers, self.slots[:n], self.blocks[:n], fmt)
+        return n
 
 
 TAILS = TailBuffers()
