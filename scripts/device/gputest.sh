@@ -4,5 +4,5 @@
 set -uo pipefail
 # no pipe: a part cut by its time limit still leaves every finished test's line in the log (-v, one per test)
 python3 -m pytest -v -m gpu tests/test_kernels_gpu.py -p no:cacheprovider -rf --tb=short --durations=8 \
-  -k "${KVARN_GPUTEST_K:-cuda_graph or store_matches or store_decode or dequantize or dense or (decode_matches and 128-32-8) or (prefill and dtype1-kvarn_k4v2_g128)}" \
+  -k "${KVARN_GPUTEST_K:-cuda_graph or store_matches or store_decode or dequantize or dense or flush_layers or defer or (decode_matches and 128-32-8) or (prefill and dtype1-kvarn_k4v2_g128)}" \
   2>&1
