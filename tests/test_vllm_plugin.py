@@ -477,6 +477,18 @@ def test_runner_hooks_map_rows_to_tail_slots(fake_vllm):
     assert STEP.rows.tolist() == [2, 0]
     assert r._dummy_run(3) == [4, 4]  # dummy runs use the scratch slot ...
     assert STEP.rows.tolist() == [2, 0]  # ... and restore the step's rows
+    # "fresh" steps (a new or resumed request: no deferred flush); unknown scheduler output fields count as fresh
+    assert STEP.fresh
+    cached = lambda resumed: types.SimpleNamespace(resumed_req_ids=set(resumed))  # noqa: E731
+    for new, resumed, fresh in (([], [], False), (["e"], [], True), ([], ["c"], True)):
+        out = so(["c", "d"])
+        out.scheduled_new_reqs, out.scheduled_cached_reqs = new, cached(resumed)
+        r._update_states(out)
+        assert STEP.fresh is fresh, (new, resumed)
+    r._update_states(types.SimpleNamespace(**vars(so(["c", "d"])), scheduled_new_reqs=[],
+                                           scheduled_cached_reqs=cached([])))
+    r._dummy_run(3)
+    assert STEP.fresh is False  # restored with the rows
 
     class MRv2:
         def prepare_attn(self, input_batch):
@@ -487,7 +499,13 @@ def test_runner_hooks_map_rows_to_tail_slots(fake_vllm):
 
     assert patches.hook_runner_class(MRv2) == "mrv2"
     ib = types.SimpleNamespace(idx_mapping_np=np.array([7, 3, 5], dtype=np.int32), num_reqs=2)
-    assert MRv2().prepare_attn(ib) == [7, 3]
+    assert MRv2().prepare_attn(ib) == [7, 3] and STEP.fresh  # no prefill flags: fresh
+    ib.is_prefilling_np = np.array([False, False, True])  # the third row is past num_reqs
+    MRv2().prepare_attn(ib)
+    assert STEP.fresh is False
+    ib.is_prefilling_np = np.array([False, True, False])  # a new or resumed request prefills
+    MRv2().prepare_attn(ib)
+    assert STEP.fresh is True
     assert MRv2().prepare_dummy_attn(ib) is None
 
     # a runner with neither hook: a KVarN engine stops at start (every request would share the scratch tail slot);

@@ -400,3 +400,33 @@ def test_sink_tags_follow_recycled_blocks():
     # two claims in one step, a mismatched row beside them
     assert step([0, 1, 2], [2, 3, 0], [7, 8, 5], [0, 3, 200], [5, 2, 1]) == [16, 16, 0]
     assert tags.tolist() == [-1, 5, 7, 8]
+
+
+def test_pending_flush_bookkeeping():
+    """PendingFlush notes the rows whose token completes a tile (not padding / dummy rows on the scratch slot), keeps
+    them when it grows, refuses more than it holds without losing what it had; the layer registry lists every
+    layer's own cache, skips layers that share another's, and says None while a layer never ran its forward."""
+    from kvarn.errors import KvarnError
+
+    tails = TailBuffers()
+    tails.allocate(["l0", "l1", "l2"], 4, HK, G, D, torch.float32, "cpu")
+    caches = {n: torch.zeros(8, HK, FMT.record_bytes(D), dtype=torch.uint8) for n in ("l0", "l2")}
+    tails.register_cache("l0", caches["l0"])
+    tails.register_cache("l1", None)  # shares l0's cache
+    assert tails.layer_buffers(["l0", "l1", "l2"]) is None  # l2 never ran: nothing may be flushed for it
+    tails.register_cache("l2", caches["l2"])
+    tk, tv, cs = tails.layer_buffers(["l0", "l1", "l2"])
+    assert len(tk) == len(tv) == 2 and cs[0] is caches["l0"] and cs[1] is caches["l2"]
+
+    pf = tails.pending(["l0", "l1", "l2"], 3, "cpu")
+    assert tails.pending(["l2", "l1", "l0"], 3, "cpu") is pf  # one per layer set, whatever the order
+    bt = torch.arange(20, dtype=torch.int32).reshape(5, 4)
+    seq = np.array([G, 5, 2 * G, G, 0])
+    rows = np.array([2, 0, 1, 4, 4], dtype=np.int32)  # row 3: a dummy row on the scratch slot 4
+    pf.note(seq, rows, bt, G, scratch=4)
+    assert pf.n == 2 and pf.slots[:2].tolist() == [2, 1] and pf.blocks[:2].tolist() == [0, 9]
+    assert tails.pending(["l0", "l1", "l2"], 6, "cpu") is pf and pf.slots.shape[0] == 6  # grown in place
+    assert pf.slots[:2].tolist() == [2, 1] and pf.blocks[:2].tolist() == [0, 9]
+    with pytest.raises(KvarnError, match="pending buffer holds 6"):
+        pf.note(np.full(7, G), np.arange(7, dtype=np.int32), torch.zeros(7, 2, dtype=torch.int32), G)
+    assert pf.n == 2  # the tiles it had are still there

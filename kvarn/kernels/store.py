@@ -497,10 +497,12 @@ _TAIL_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # flush_
 
 
 def layer_table(tails_k, tails_v, caches) -> LayerTable:
+    """The table of this set of buffers, built once (a set per KV-cache group; the oldest of more than 8 goes)."""
     key = tuple(t.data_ptr() for t in (*tails_k, *tails_v, *caches))
     tab = _TABLES.get(key)
     if tab is None:
-        _TABLES.clear()  # one live set per process (the engine's); a test's old set goes
+        if len(_TABLES) >= 8:
+            _TABLES.pop(next(iter(_TABLES)))
         tab = _TABLES[key] = LayerTable(tails_k, tails_v, caches)
     return tab
 

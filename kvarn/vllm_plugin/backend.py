@@ -158,9 +158,12 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         if R > self._sink_lens.shape[0]:  # as _tail_slots above
             self._sink_lens = torch.zeros(R + 1, dtype=torch.int32, device=self.device)
         ops.update_sink_lens(plan, self._sink_tags, cm.block_table_tensor, self._sink_lens)
-        if self._defer and plan.decode_only:
+        # not in a step that schedules a new or resumed request: its prefix hit may read a block another row
+        # completes in this very step (vLLM caches blocks as it schedules them)
+        if self._defer and plan.decode_only and not STEP.fresh:
             plan.defer = True
-            self._pending.note(np.asarray(seq_cpu)[:R], rows, cm.block_table_tensor, self.fmt.group)
+            self._pending.note(np.asarray(seq_cpu)[:R], rows, cm.block_table_tensor, self.fmt.group,
+                               scratch=self.slots)
         return KvarnMetadata(plan=plan, num_actual_tokens=cm.num_actual_tokens, block_table=cm.block_table_tensor,
                              seq_lens=cm.seq_lens, slot_mapping=cm.slot_mapping)
 
@@ -231,8 +234,8 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
             self._tails = TAILS.get(layer.layer_name if self.kv_sharing_target_layer_name is None
                                     else self.kv_sharing_target_layer_name)
         tail_k, tail_v = self._tails
-        if self.kv_sharing_target_layer_name is None:
-            TAILS.register_cache(layer.layer_name, kv_cache)  # for the deferred flush's one launch over every layer
+        # for the deferred flush's one launch over every layer (a layer sharing another's cache: None)
+        TAILS.register_cache(layer.layer_name, kv_cache if self.kv_sharing_target_layer_name is None else None)
         plan = attn_metadata.plan
         if plan.num_tokens == 0:
             return output

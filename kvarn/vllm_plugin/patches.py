@@ -23,6 +23,8 @@ import inspect
 import logging
 import typing
 
+import numpy as np
+
 from ..capacity import DEFAULT_KVARN_SEQS
 from ..errors import KvarnError
 from ..formats import get_format
@@ -417,7 +419,10 @@ def _mrv2_prepare_attn(orig):
     @functools.wraps(orig)
     def prepare_attn(self, input_batch):
         # the request's persistent RequestState index: stable for its life, < max_num_reqs = max_num_seqs
-        STEP.set_rows(input_batch.idx_mapping_np[: input_batch.num_reqs], "mrv2")
+        # a prefilling row (new, or resumed: MRv2 re-prefills every token) makes the step "fresh" (no deferred flush)
+        n = input_batch.num_reqs
+        pre = getattr(input_batch, "is_prefilling_np", None)
+        STEP.set_rows(input_batch.idx_mapping_np[:n], "mrv2", fresh=pre is None or bool(np.asarray(pre[:n]).any()))
         return orig(self, input_batch)
 
     return _mark(prepare_attn)
@@ -426,7 +431,7 @@ def _mrv2_prepare_attn(orig):
 def _dummy_wrapper(orig, restore: bool = False):
     @functools.wraps(orig)
     def wrapper(self, *args, **kwargs):
-        saved = (STEP.rows, STEP.source)
+        saved = (STEP.rows, STEP.source, STEP.fresh)
         STEP.set_dummy()
         try:
             return orig(self, *args, **kwargs)
@@ -450,7 +455,11 @@ def _mrv1_update_states(orig):
         ids = list(batch.req_ids[: batch.num_reqs])
         # keep the slots of every request the runner still holds (scheduled or not): their tails must survive
         table.retain_only(list(getattr(self, "requests", {}).keys()) + ids)
-        STEP.set_rows(table.rows(ids), "mrv1")
+        # new or resumed requests this step: no deferred flush (a prefix hit may read a block completed this step)
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        resumed = getattr(cached, "resumed_req_ids", None) if cached is not None else None
+        fresh = bool(getattr(scheduler_output, "scheduled_new_reqs", True)) or resumed is None or bool(resumed)
+        STEP.set_rows(table.rows(ids), "mrv1", fresh=fresh)
         return r
 
     return _mark(_update_states)

@@ -73,11 +73,15 @@ class StepSlots:
         self.rows: np.ndarray | None = None  # int32 [num_reqs] for the current step; None: dummy step
         self.table: SlotTable | None = None  # MRv1 only
         self.source = "none"
+        # the step schedules a new or resumed request (a prefix hit may read a block another row completes in
+        # this very step): such a step must not defer its flush. True unless a runner hook says otherwise.
+        self.fresh = True
 
-    def set_rows(self, rows, source: str) -> None:
+    def set_rows(self, rows, source: str, fresh: bool = True) -> None:
         with self._lock:
             self.rows = None if rows is None else np.asarray(rows, dtype=np.int32)
             self.source = source
+            self.fresh = fresh
 
     def set_dummy(self) -> None:
         self.set_rows(None, "dummy")
@@ -138,21 +142,23 @@ class TailBuffers:
         next step flushes what the last one left pending)."""
         key = tuple(sorted(layer_names))
         pf = self._pending.get(key)
-        if pf is None or pf.slots.shape[0] < capacity:
+        if pf is None:
             pf = self._pending[key] = PendingFlush(capacity, device)
+        pf.grow(capacity)
         return pf
 
-    def register_cache(self, layer_name: str, cache: torch.Tensor) -> None:
-        """The layer's paged cache, as its forward sees it (the deferred flush reaches every layer from one launch)."""
-        if self._caches.get(layer_name) is not cache:
+    def register_cache(self, layer_name: str, cache: torch.Tensor | None) -> None:
+        """The layer's paged cache, as its forward sees it (the deferred flush reaches every layer from one launch);
+        None for a layer that shares another's cache (its records are the other's)."""
+        if layer_name not in self._caches or self._caches[layer_name] is not cache:
             self._caches[layer_name] = cache
 
     def layer_buffers(self, layer_names):
-        """(tails_k, tails_v, caches) of those of these layers whose forward has run (a layer that shares another's
-        cache never registers: its records are the other's); None before any has."""
-        names = [n for n in layer_names if n in self._caches and n in self._bufs]
-        if not names:
+        """(tails_k, tails_v, caches) of these layers' own caches, or None if one of them never ran its forward
+        (then nothing can be flushed for it: the caller must not lose tiles silently)."""
+        if any(n not in self._caches for n in layer_names):
             return None
+        names = [n for n in layer_names if self._caches[n] is not None]
         return [self._bufs[n][0] for n in names], [self._bufs[n][1] for n in names], [self._caches[n] for n in names]
 
     def clear(self) -> None:
@@ -175,20 +181,36 @@ class PendingFlush:
         self.blocks = torch.full((capacity,), -1, dtype=torch.int32, device=device)
         self.n = 0
 
-    def note(self, seq_lens: np.ndarray, rows: np.ndarray, block_table: torch.Tensor, group: int) -> None:
-        """After building a deferred decode step: the rows whose token completes a tile (exact host seq_lens)."""
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` tiles, in place (every builder of the layer set holds this object)."""
+        if capacity > self.slots.shape[0]:
+            slots = torch.zeros(capacity, dtype=torch.int32, device=self.slots.device)
+            blocks = torch.full((capacity,), -1, dtype=torch.int32, device=self.slots.device)
+            slots[:self.n], blocks[:self.n] = self.slots[:self.n], self.blocks[:self.n]
+            self.slots, self.blocks = slots, blocks
+
+    def note(self, seq_lens: np.ndarray, rows: np.ndarray, block_table: torch.Tensor, group: int,
+             scratch: int | None = None) -> None:
+        """After building a deferred decode step: the rows whose token completes a tile (exact host seq_lens; rows
+        on the scratch slot are padding / dummy runs). No host sync: the index copies are staged pageable copies
+        (as the builder's tail-slot copy), the block ids a device gather."""
         seq = np.asarray(seq_lens, dtype=np.int64)
-        done = np.nonzero((seq > 0) & (seq % group == 0))[0]
-        self.n = n = len(done)
-        if n == 0:
-            return
+        rows = np.asarray(rows, dtype=np.int32)
+        keep = (seq > 0) & (seq % group == 0)
+        if scratch is not None:
+            keep &= rows != scratch
+        done = np.nonzero(keep)[0]
+        n = len(done)
         if n > self.slots.shape[0]:
             raise KvarnError(f"kvarn: {n} tiles to flush, the pending buffer holds {self.slots.shape[0]}")
+        self.n = n
+        if n == 0:
+            return
         dev = self.slots.device
-        idx = torch.from_numpy(done).to(dev)
-        cols = torch.from_numpy(seq[done] // group - 1).to(dev)
+        idx = torch.from_numpy(done).to(dev, non_blocking=True)
+        cols = torch.from_numpy(seq[done] // group - 1).to(dev, non_blocking=True)
         self.blocks[:n] = block_table[idx, cols].to(torch.int32)
-        self.slots[:n] = torch.from_numpy(np.asarray(rows, dtype=np.int32)[done]).to(dev)
+        self.slots[:n].copy_(torch.from_numpy(rows[done]), non_blocking=True)
 
     def flush(self, buffers, fmt) -> int:
         """Quantize the pending tiles into every layer's cache; returns how many tiles (0: nothing pending)."""
