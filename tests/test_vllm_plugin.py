@@ -589,3 +589,58 @@ def test_backend_env_lists_only_non_default_knobs():
     plain, dense = BenchConfig(**base), BenchConfig(**base, backend_env="KVARN_PREFILL=kernel")
     assert "backend_env" not in plain.hash_fields()  # default runs keep the hashes they always had
     assert plain.hash != dense.hash  # a knob makes its own cell (resume never mixes them)
+
+
+def test_builder_defers_the_flush_and_flushes_at_the_next_build(fake_vllm, monkeypatch):
+    """KVARN_DEFER_FLUSH through the builder and impl (kernels through the interpreter): a decode step completing a
+    tile leaves its record unwritten and the next build writes it, as the immediate path would; a "fresh" step (a
+    new or resumed request) does not defer."""
+    import functools
+
+    patches.apply()
+    from kvarn.vllm_plugin import backend as be
+    from kvarn.vllm_plugin import ops
+
+    monkeypatch.setattr(ops, "decode_step", functools.partial(ops.decode_step, use_kernels=True))
+    fmt = get_format("kvarn_k4v2_g64")
+    common.set_active_format(fmt.name)
+    spec = be.KvarnAttentionSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=torch.uint8,
+                                 kvarn_format=fmt.name, kvarn_group=64, kvarn_record_bytes=fmt.record_bytes(64))
+    vc = _vllm_config({}, max_num_seqs=4, dtype=torch.float32)
+    vc.cache_config.cache_dtype = fmt.name
+    layer = types.SimpleNamespace(layer_name="ld")
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(130, h, 64, generator=g) for h in (4, 2, 2))
+    caches = {}
+    for defer in (False, True):
+        TAILS.clear()
+        b = be.KvarnMetadataBuilder(spec, ["ld"], vc, torch.device("cpu"))
+        b._decode_kernels, b._defer = True, defer  # as on a GPU with KVARN_DEFER_FLUSH=1 (or not)
+        impl = be.KvarnAttentionImpl(4, 64, 0.125, 2, None, None, fmt.name)  # (it keeps its layer's tails)
+        cache = torch.zeros(8, 2, fmt.record_bytes(64), dtype=torch.uint8)
+        STEP.set_rows(np.array([1], dtype=np.int32), "mrv2", fresh=True)
+        cm = types.SimpleNamespace(num_reqs=1, num_actual_tokens=127, query_start_loc_cpu=torch.tensor([0, 127]),
+                                   seq_lens=torch.tensor([127], dtype=torch.int32),
+                                   seq_lens_cpu_upper_bound=torch.tensor([127]),
+                                   block_table_tensor=torch.tensor([[5, 6, 7]], dtype=torch.int32),
+                                   slot_mapping=torch.arange(127))
+        impl.forward(layer, q[:127], k[:127], v[:127], cache, b.build(0, cm), output=torch.zeros(127, 256))
+        assert cache[5].any() and not cache[6].any()
+        dec = lambda s: types.SimpleNamespace(  # noqa: E731 - one decode token at position s - 1
+            num_reqs=1, num_actual_tokens=1, query_start_loc_cpu=torch.tensor([0, 1]),
+            seq_lens=torch.tensor([s], dtype=torch.int32), seq_lens_cpu_upper_bound=torch.tensor([s]),
+            block_table_tensor=torch.tensor([[5, 6, 7]], dtype=torch.int32), slot_mapping=torch.tensor([s - 1]))
+        STEP.set_rows(np.array([1], dtype=np.int32), "mrv2", fresh=False)
+        md = b.build(0, dec(128))  # this token completes tile 1
+        assert md.plan.defer is defer
+        out = torch.zeros(1, 256)
+        impl.forward(layer, q[127:128], k[127:128], v[127:128], cache, md, output=out)
+        assert out.isfinite().all() and out.abs().sum() > 0
+        assert bool(cache[6].any()) is not defer  # deferred: the record is not written yet
+        STEP.set_rows(np.array([1], dtype=np.int32), "mrv2", fresh=True)
+        md = b.build(0, dec(129))  # the next build flushes; a fresh step does not defer
+        assert cache[6].any() and md.plan.defer is False
+        impl.forward(layer, q[128:129], k[128:129], v[128:129], cache, md, output=torch.zeros(1, 256))
+        caches[defer] = cache
+    assert torch.equal(caches[False], caches[True])
+    TAILS.clear()
