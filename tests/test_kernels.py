@@ -326,7 +326,7 @@ from kvarn.kernels.common import layout
 bq, bm, warps = (int(x) for x in sys.argv[1:4])
 lay = layout(get_format("kvarn_k4v2_g128"), 128)
 sig = {"qr_ptr": "*fp32", "cache_ptr": "*u8", "cache16_ptr": "*fp16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
-       "qsl_ptr": "*i32", "sink_lens_ptr": "*i32", "po_r_ptr": "*fp32", "plse_ptr": "*fp32", "qk_scale": "fp32", "num_splits": "i32",
+       "qsl_ptr": "*i32", "sink_lens_ptr": "*i32", "defer_ptr": "*i32", "po_r_ptr": "*fp32", "plse_ptr": "*fp32", "qk_scale": "fp32", "num_splits": "i32",
        "stride_btb": "i32", "stride_cb": "i32", "stride_ch": "i32", "HQ": "i32"}
 const = dict(GROUP=4, GP=4, BQ=bq, BM=bm, G=lay.g, D=128, KB=lay.kb, VB=lay.vb, OFF_PK=lay.pk, OFF_SK=lay.sk,
              OFF_ZK=lay.zk, OFF_RK=lay.rk, OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,

@@ -79,3 +79,36 @@ def test_store_decode_defer_then_flush_layers_equals_the_immediate_store():
     ids = torch.tensor([int(bt[b, seq[b] // g - 1]) for b in done], dtype=torch.int32)
     store_tiles(tail_k[slots[done].long(), :, :g], tail_v[slots[done].long(), :, :g], again, ids, fmt)
     assert torch.equal(again, ref)
+
+
+def test_defer_flag_tensor_decides_at_run_time():
+    """The backend passes an int32 device flag (one captured graph serves deferred and immediate steps): at 1 the
+    kernels behave as defer=True, at 0 as without deferral, for the attention and for store_decode."""
+    fmt = get_format("kvarn_k4v2_g64")
+    g = fmt.group
+    gen = torch.Generator().manual_seed(13)
+    st = paged_setup(fmt, 64, 2, LENS, torch.float16, gen=gen, sink=SINK)
+    q = (torch.randn(len(LENS), 4, 64, generator=gen) * 2).to(torch.float16)
+    args = (q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"], st["tail_slots"], fmt,
+            0.125)
+    flag = torch.zeros(1, dtype=torch.int32)
+    run = lambda d: decode_attention(*args, num_splits=2, out=torch.empty(q.shape, dtype=torch.float32),  # noqa
+                                     defer=d)
+    assert torch.equal(run(flag), run(False))
+    flag.fill_(1)
+    assert torch.equal(run(flag), run(True))
+    assert not torch.equal(run(True), run(False))
+
+    H, D = 2, 64
+    seq = torch.tensor([g, 2 * g, 5], dtype=torch.int32)
+    tk = torch.randn(4, H, g + SINK, D, generator=gen).to(torch.float16)
+    tv = torch.randn(4, H, g + SINK, D, generator=gen).to(torch.float16)
+    k = torch.randn(3, H, D, generator=gen).to(torch.float16)
+    v = torch.randn(3, H, D, generator=gen).to(torch.float16)
+    slots = torch.tensor([0, 2, 1], dtype=torch.int32)
+    bt = torch.arange(9, dtype=torch.int32).reshape(3, 3)
+    for value, written in ((1, False), (0, True)):
+        flag.fill_(value)
+        cache = torch.zeros(9, H, fmt.record_bytes(D), dtype=torch.uint8)
+        store_decode(k, v, cache, bt, seq, tk.clone(), tv.clone(), slots, fmt, defer=flag)
+        assert bool(cache[0].any()) is written and bool(cache[4].any()) is written and not cache[2].any()

@@ -468,3 +468,58 @@ def test_gpu_decode_defer_reads_the_completed_tile_from_the_tail(monkeypatch, cf
                            st["tail_slots"], fmt, 128 ** -0.5, out=torch.empty(q.shape, device=DEV),
                            config=DecodeConfig.from_name(cfg_name) if cfg_name else None, defer=True)
     assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-3
+
+
+def test_gpu_defer_flag_in_a_captured_graph(monkeypatch):
+    """One captured decode step (store_decode + decode_attention reading the device flag, as the backend captures it)
+    replayed with the flag at 1 leaves the completed tile in the tail and reads it there; at 0 it stores it at once."""
+    from kvarn.kernels import decode_attention, store_decode
+
+    monkeypatch.setenv("KVARN_AUTOTUNE", "0")
+    fmt = get_format("kvarn_k4v2_g128")
+    gen = torch.Generator().manual_seed(29)
+    lens = [128, 300, 0, 1024]
+    st = paged_setup(fmt, 128, 8, lens, torch.bfloat16, device=DEV, gen=gen, sink=16)
+    B = len(lens)
+    q = (torch.randn(B, 32, 128, generator=gen) * 2).bfloat16().to(DEV)
+    k = torch.randn(B, 8, 128, generator=gen).bfloat16().to(DEV)
+    v = torch.randn(B, 8, 128, generator=gen).bfloat16().to(DEV)
+    flag = torch.zeros(1, dtype=torch.int32, device=DEV)
+    out = torch.empty(q.shape, device=DEV)
+    state0 = {n: st[n].clone() for n in ("cache", "tail_k", "tail_v")}
+
+    def step():
+        store_decode(k, v, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                     st["tail_slots"], fmt, defer=flag)
+        decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                         st["tail_slots"], fmt, 128 ** -0.5, out=out, defer=flag)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    done = [int(st["block_table"][b, s // 128 - 1]) for b, s in enumerate(lens) if s and s % 128 == 0]
+    results = {}
+    for value in (1, 0):
+        for n, t in state0.items():
+            st[n].copy_(t)
+        for blk in done:
+            st["cache"][blk] = 0
+        flag.fill_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(bool(st["cache"][blk].any()) is (value == 0) for blk in done), value
+        results[value] = out.clone()
+    # eager twins: deferred (the tail read) and immediate
+    for value in (1, 0):
+        for n, t in state0.items():
+            st[n].copy_(t)
+        for blk in done:
+            st["cache"][blk] = 0
+        store_decode(k, v, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                     st["tail_slots"], fmt, defer=bool(value))
+        want = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                                st["tail_slots"], fmt, 128 ** -0.5, out=torch.empty(q.shape, device=DEV),
+                                defer=bool(value))
+        assert rel_err(results[value], want) < 1e-5, value

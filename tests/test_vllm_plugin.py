@@ -632,14 +632,14 @@ def test_builder_defers_the_flush_and_flushes_at_the_next_build(fake_vllm, monke
             block_table_tensor=torch.tensor([[5, 6, 7]], dtype=torch.int32), slot_mapping=torch.tensor([s - 1]))
         STEP.set_rows(np.array([1], dtype=np.int32), "mrv2", fresh=False)
         md = b.build(0, dec(128))  # this token completes tile 1
-        assert md.plan.defer is defer
+        assert (md.plan.defer is not False) is defer and (not defer or md.plan.defer.item() == 1)
         out = torch.zeros(1, 256)
         impl.forward(layer, q[127:128], k[127:128], v[127:128], cache, md, output=out)
         assert out.isfinite().all() and out.abs().sum() > 0
         assert bool(cache[6].any()) is not defer  # deferred: the record is not written yet
         STEP.set_rows(np.array([1], dtype=np.int32), "mrv2", fresh=True)
-        md = b.build(0, dec(129))  # the next build flushes; a fresh step does not defer
-        assert cache[6].any() and md.plan.defer is False
+        md = b.build(0, dec(129))  # the next build flushes; a fresh step does not defer (flag 0 on the device)
+        assert cache[6].any() and (md.plan.defer is False or md.plan.defer.item() == 0)
         impl.forward(layer, q[128:129], k[128:129], v[128:129], cache, md, output=torch.zeros(1, 256))
         caches[defer] = cache
     assert torch.equal(caches[False], caches[True])

@@ -206,11 +206,12 @@ def _sub_values(p, pv, sv_ptr, zv_ptr, acc, pz, J: tl.constexpr, BT: tl.constexp
 
 
 @triton.jit
-def _records_end(S, DEFER: tl.constexpr):
-    """The context length whose full tiles are in the records: S, or with DEFER (a decode step that leaves the tile
-    it completes in the 16-bit tail, flushed later) S - 1, so a tile that fills this step is read from the tail."""
+def _records_end(S, DEFER: tl.constexpr, defer_ptr):
+    """The context length whose full tiles are in the records: S, or, with DEFER and the step's flag defer_ptr[0]
+    set (a decode step that leaves the tile it completes in the 16-bit tail, flushed later), S - 1, so a tile that
+    fills this step is read from the tail. The flag is device data: one captured graph serves both."""
     if DEFER:
-        return tl.maximum(S - 1, 0)
+        return tl.maximum(S - tl.load(defer_ptr), 0)
     return S
 
 
@@ -277,7 +278,7 @@ def finish_kernel(po_r_ptr, po_t_ptr, plse_ptr, out_ptr, R, num_splits, stride_o
 
 @triton.jit
 def kvarn_attention_kernel(
-    qr_ptr, cache_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, sink_lens_ptr,
+    qr_ptr, cache_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, sink_lens_ptr, defer_ptr,
     po_r_ptr, plse_ptr,  # (the tail is tail_attention_kernel's)
     qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain (already in qr)
     num_splits,  # context splits per (request, KV head): a run-time value (no recompile per split count)
@@ -323,7 +324,7 @@ def kvarn_attention_kernel(
     # rotated, scaled query, loaded directly as the key byte planes' column blocks [BM, DP], normalised
     qr0, qr1, qr2, qr3, qnorm = _query_planes(qr_ptr + row[:, None] * D + dp[None, :], row_ok[:, None], DP, PERK)
 
-    t_begin, t_stop = _split_tiles(_records_end(S, DEFER), Lmax, G, split, num_splits)
+    t_begin, t_stop = _split_tiles(_records_end(S, DEFER, defer_ptr), Lmax, G, split, num_splits)
 
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
@@ -444,7 +445,8 @@ def _tail_run(qa, qb, tk_base, tv_base, stride_tkg, stride_tvg, n, pos0, L, m_i,
 
 @triton.jit
 def tail_attention_kernel(
-    q_ptr, seq_lens_ptr, qsl_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, sink_lens_ptr, po_t_ptr, plse_ptr,
+    q_ptr, seq_lens_ptr, qsl_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, sink_lens_ptr, defer_ptr, po_t_ptr,
+    plse_ptr,
     qk_scale, num_splits,
     stride_qn, stride_qh, stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg, HQ,
     GROUP: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
@@ -482,7 +484,7 @@ def tail_attention_kernel(
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc_t = tl.zeros([BM, D], dtype=tl.float32)
-    n_full = _records_end(S, DEFER) // G
+    n_full = _records_end(S, DEFER, defer_ptr) // G
     n_tail = S - n_full * G  # up to G rows with DEFER (the tile completed this step, not flushed yet)
     n_sink = tl.where(n_full > 0, _sink_lo(sink_lens_ptr, b, SINK), 0)  # the sink rows once tile 0 is quantized
     if (qblk * BQ < qlen) & ((n_tail > 0) | (n_sink > 0)):

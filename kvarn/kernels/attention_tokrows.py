@@ -55,7 +55,7 @@ def _value_plane_t(pvT, ps, acc, J: tl.constexpr, VB: tl.constexpr, UNPACK: tl.c
 
 @triton.jit
 def kvarn_attention_tok_kernel(
-    qr_ptr, cache_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr,
+    qr_ptr, cache_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, defer_ptr,
     po_r_ptr, plse_ptr,
     num_splits, stride_btb, stride_cb, stride_ch, HQ,
     GROUP: tl.constexpr, BN: tl.constexpr,
@@ -98,7 +98,7 @@ def kvarn_attention_tok_kernel(
     q0, q1, q2, q3, qnorm = _query_planes(qr_ptr + row[None, :] * D + dp[:, None], col_ok[None, :], DP, PERK)
 
     # as kvarn_attention_kernel (decode: L = S)
-    t_begin, t_stop = _split_tiles(_records_end(S, DEFER), S, G, split, num_splits)
+    t_begin, t_stop = _split_tiles(_records_end(S, DEFER, defer_ptr), S, G, split, num_splits)
 
     m_i = tl.full([BN], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BN], dtype=tl.float32)
@@ -229,7 +229,7 @@ def _pair_program(qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP: tl.constexpr, BN:
 
 @triton.jit
 def kvarn_attention_pair_kernel(
-    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr,
+    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, defer_ptr,
     po_r_ptr, plse_ptr,
     num_splits, stride_btb, stride_cb16, stride_ch16, HQ,
     GROUP: tl.constexpr, BN: tl.constexpr,
@@ -255,7 +255,7 @@ def kvarn_attention_pair_kernel(
         qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP, BN, G, D, KB, VB)
     sink_lo = _sink_lo(sink_lens_ptr, b, SINK)
 
-    t_begin, t_stop = _split_tiles(_records_end(S, DEFER), S, G, split, num_splits)
+    t_begin, t_stop = _split_tiles(_records_end(S, DEFER, defer_ptr), S, G, split, num_splits)
 
     m_i = tl.full([BN], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BN], dtype=tl.float32)
@@ -401,7 +401,7 @@ def _key_plane_p(qT, sk, zk, KSPLIT: tl.constexpr):
 
 @triton.jit
 def kvarn_attention_pair_pipe_kernel(
-    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr,
+    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, defer_ptr,
     po_r_ptr, plse_ptr,
     num_splits, stride_btb, stride_cb16, stride_ch16, HQ,
     GROUP: tl.constexpr, BN: tl.constexpr,
@@ -430,7 +430,7 @@ def kvarn_attention_pair_pipe_kernel(
         qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP, BN, G, D, KB, VB)
     sink_lo = _sink_lo(sink_lens_ptr, b, SINK)
 
-    t_begin, t_stop = _split_tiles(_records_end(S, DEFER), S, G, split, num_splits)
+    t_begin, t_stop = _split_tiles(_records_end(S, DEFER, defer_ptr), S, G, split, num_splits)
 
     m_i = tl.full([BN], float("-inf"), dtype=tl.float32)
     l_part = tl.zeros([G2, BN], dtype=tl.float32)  # per token-pair row; summed over rows after the loop

@@ -21,7 +21,8 @@ Public API (stable; the vLLM backend calls exactly this):
                     graph captured that way keeps "all": pass a persistent buffer, as the backend does)
         defer       True: a tile that fills at this step (seq_len % g == 0) is still in the tail (its record is
                     written later, by store.flush_layers): (seq_len - 1) // g tiles from records, the rest (up to g
-                    rows) from the tail. False (default): seq_len // g from records.
+                    rows) from the tail. False (default): seq_len // g from records. An int32 [1] tensor: the same,
+                    decided by its value on the device at run time (what a captured decode graph needs).
 
 Launches (fixed from shapes, no host sync -> CUDA-graph capturable): query rotation (B*Hq/16 programs), attention
 over the records (B, 1, Hk * num_splits), over the 16-bit tail (B, 1, Hk), merge + rotation back (B*Hq/16).
@@ -212,9 +213,21 @@ def asm_unpack_ok(device: torch.device) -> bool:
     return ok
 
 
+def _defer_flag(defer, device):
+    """decode_attention's `defer` as the kernels take it: None (no deferral) or an int32 flag tensor on the device
+    (a bool True makes a per-call one; the backend passes its persistent buffer, which a captured graph reads)."""
+    if defer is None or defer is False:
+        return None
+    if defer is True:
+        return torch.ones(1, dtype=torch.int32, device=device)
+    if not torch.is_tensor(defer) or defer.dtype != torch.int32 or defer.numel() < 1 or defer.device != device:
+        raise KvarnError("defer must be a bool or an int32 flag tensor on the query's device")
+    return defer
+
+
 def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slots, out, lay, group, gp, scale,
                   splits, cfg: DecodeConfig, *, prefill: bool, bq: int = 1, q_blocks: int = 1, sink_lens=None,
-                  defer: bool = False):
+                  defer=False):
     """The four launches shared by decode and prefill: rotate the query rows (fp32), the attention over the
     records (partials per split, rotated basis), the attention over the 16-bit tail (unrotated partial), the
     merge + rotate-back. Grids from shapes only; scratch from torch's caching allocator (graph-safe)."""
@@ -225,6 +238,7 @@ def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slo
     sink = tail_k.shape[2] - lay.g  # the tail buffer's rows past the tile hold the first `sink` tokens (check_tail)
     if sink_lens is None:  # every row's sink rows hold its own first tokens
         sink_lens = torch.full((B,), sink, dtype=torch.int32, device=q.device) if sink else seq_lens
+    dflag = _defer_flag(defer, q.device)  # None: no deferral (DEFER 0, the flag pointer unused)
     dev = q.device
     qk = float(scale) * LOG2E
     mma = mma_bf16()
@@ -237,36 +251,39 @@ def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slo
     bm = max(16, bq * gp)
     if not prefill and cfg.layout in (1, 2):
         _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma,
-                    sink, defer)
+                    sink, dflag)
     else:
         _launch_rows(qr, cache, block_table, seq_lens, qsl, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq,
-                     qk, mma, prefill, bq, bm, q_blocks, sink, defer)
+                     qk, mma, prefill, bq, bm, q_blocks, sink, dflag)
     # tail on tensor cores (16-bit q.k, hi/lo p.v) when compiled and the tail buffers are 16-bit (both fp16/bf16)
     tail16 = all(t.dtype in (torch.float16, torch.bfloat16) for t in (tail_k, tail_v))
     tt = (64 if D <= 128 else 32) if mma and tail16 else 16
     tail_attention_kernel[(B, q_blocks, Hk)](
-        q, seq_lens, qsl, tail_k, tail_v, tail_slots, sink_lens, po_t, plse, qk, splits,
+        q, seq_lens, qsl, tail_k, tail_v, tail_slots, sink_lens, seq_lens if dflag is None else dflag, po_t, plse, qk,
+        splits,
         q.stride(0), q.stride(1), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
         tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), Hq,
         GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, IS_PREFILL=prefill, TT=tt, MMA_BF16=mma,
-        TAIL16=tail16, Q_AS_TAIL=q.dtype == tail_k.dtype, SINK=sink, DEFER=int(defer), num_warps=4)
+        TAIL16=tail16, Q_AS_TAIL=q.dtype == tail_k.dtype, SINK=sink, DEFER=int(dflag is not None), num_warps=4)
     finish_kernel[(triton.cdiv(R, 16),)](po_r, po_t, plse, out, R, splits, out.stride(0), out.stride(1), HQ=Hq, D=D,
                                          BR=16, MMA_BF16=mma, num_warps=4)
     return out
 
 
 def _launch_rows(qr, cache, block_table, seq_lens, qsl, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, qk,
-                 mma, prefill, bq, bm, q_blocks, sink=0, defer=False):
+                 mma, prefill, bq, bm, q_blocks, sink=0, dflag=None):
     """Layout 0 (decode and prefill): M rows = (query token, group head) pairs, codes as the B operand."""
     B, Hk, D = seq_lens.shape[0], cache.shape[1], lay.d
     kvarn_attention_kernel[(B, q_blocks, Hk * splits)](
-        qr, cache, f16_view(cache), block_table, seq_lens, qsl, sink_lens, po_r, plse, qk, splits,
+        qr, cache, f16_view(cache), block_table, seq_lens, qsl, sink_lens, seq_lens if dflag is None else dflag,
+        po_r, plse, qk, splits,
         block_table.stride(0), cache.stride(0), cache.stride(1), Hq,
         GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, KB=lay.kb, VB=lay.vb,
         OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
         OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
         IS_PREFILL=prefill, MMA_BF16=mma,
-        UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=sink, DEFER=int(defer),
+        UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=sink,
+        DEFER=int(dflag is not None),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}),
     )
@@ -279,7 +296,7 @@ def tok_warps(lay, num_warps: int) -> int:
 
 
 def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma,
-                sink=0, defer=False):
+                sink=0, dflag=None):
     """Layouts 1 / 2 (decode only): M = tokens (keys) / channels (values), the group's query heads as N."""
     B, Hk = seq_lens.shape[0], cache.shape[1]
     bn = max(cfg.bn, gp) if cfg.bn else max(16, gp)
@@ -287,7 +304,7 @@ def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, gr
                   OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
                   OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
                   UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=sink,
-                  DEFER=int(defer), num_stages=cfg.num_stages,
+                  DEFER=int(dflag is not None), num_stages=cfg.num_stages,
                   **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}))
     if cfg.layout == 2:  # int16 pairs: M = g/2 token pairs, d/2 channel pairs; offsets in 2-byte units
         # the pipe kernel reads the scale runs as int32: needs 4-byte aligned records (always, for torch-allocated
@@ -296,12 +313,14 @@ def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, gr
                 and all(o % 4 == 0 for o in (lay.rk, lay.sv, lay.zv, lay.cv)))
         kern = kvarn_attention_pair_pipe_kernel if pipe else kvarn_attention_pair_kernel
         kern[(B, 1, Hk * splits)](
-            qr, f16_view(cache), block_table, seq_lens, sink_lens, po_r, plse, splits,
+            qr, f16_view(cache), block_table, seq_lens, sink_lens, seq_lens if dflag is None else dflag, po_r, plse,
+            splits,
             block_table.stride(0), cache.stride(0) // 2, cache.stride(1) // 2, Hq,
             num_warps=min(cfg.num_warps, max(4, min(lay.g, lay.d) // 32)), **common)
     else:
         kvarn_attention_tok_kernel[(B, 1, Hk * splits)](
-            qr, cache, f16_view(cache), block_table, seq_lens, sink_lens, po_r, plse, splits,
+            qr, cache, f16_view(cache), block_table, seq_lens, sink_lens, seq_lens if dflag is None else dflag, po_r,
+            plse, splits,
             block_table.stride(0), cache.stride(0), cache.stride(1), Hq,
             num_warps=tok_warps(lay, cfg.num_warps), **common)
 
@@ -376,7 +395,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
                      tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor, fmt: KVFormat | str,
                      scale: float, num_splits: int | None = None, out: torch.Tensor | None = None, *,
                      config: DecodeConfig | None = None, sink_lens: torch.Tensor | None = None,
-                     defer: bool = False) -> torch.Tensor:
+                     defer=False) -> torch.Tensor:
     B = q.shape[0] if q.dim() == 3 else -1
     q, out, lay, Hk, group, gp = check_attention_args(q, cache, block_table, tail_k, tail_v, fmt, B, out, "B")
     if B == 0:

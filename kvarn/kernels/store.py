@@ -373,14 +373,14 @@ def _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, 
 
 @triton.jit
 def _store_tiles_kernel(
-    k_ptr, v_ptr, cache_ptr, cache16_ptr, block_ids_ptr, src_rows_ptr, seq_lens_ptr, bt_ptr,
+    k_ptr, v_ptr, cache_ptr, cache16_ptr, block_ids_ptr, src_rows_ptr, seq_lens_ptr, bt_ptr, defer_ptr,
     stride_kt, stride_kh, stride_kg, stride_vt, stride_vh, stride_vg,
     stride_cb, stride_ch, stride_bt, n_rows,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     MMA_BF16: tl.constexpr, DECODE: tl.constexpr, RB: tl.constexpr, BAL: tl.constexpr = 0,
-    COMPACT: tl.constexpr = 0, BP: tl.constexpr = 1, PACK8: tl.constexpr = 0,
+    COMPACT: tl.constexpr = 0, BP: tl.constexpr = 1, PACK8: tl.constexpr = 0, DEFER: tl.constexpr = 0,
 ):
     # grid (tiles * H, 2): axis 1 picks keys or values, so the two balancing chains (the kernel's latency) run
     # on different SMs. DECODE: tile = batch row b of a one-token-per-row step; its tile is complete iff
@@ -394,13 +394,18 @@ def _store_tiles_kernel(
     # j, j + COMPACT, ... among the n_rows batch rows (BP = n_rows rounded up to a power of two). A step where no
     # tile completes then launches H * COMPACT * 2 programs instead of n_rows * H * 2 (each one holds a whole SM:
     # 160 KiB of shared memory, 255 registers x 256 threads), and a burst of completions still spreads over them.
+    # DEFER (decode only): the step's flag defer_ptr[0] set means the completed tiles stay in the tail (the next
+    # step's flush_layers writes them); device data, so one captured graph serves steps with and without it
     pid = tl.program_id(0)
     if COMPACT > 0:
         head = pid % H
         j = pid // H
         bi = tl.arange(0, BP)
         sl = tl.load(seq_lens_ptr + bi, mask=bi < n_rows, other=0)
-        full = ((sl > 0) & (sl % G == 0)).to(tl.int32)
+        full = (sl > 0) & (sl % G == 0)
+        if DEFER:
+            full = full & (tl.load(defer_ptr) == 0)
+        full = full.to(tl.int32)
         rank = tl.cumsum(full, axis=0) - full
         for r in range(j, tl.sum(full, axis=0), COMPACT):
             tile = tl.sum(tl.where((full > 0) & (rank == r), bi, 0), axis=0)
@@ -418,6 +423,8 @@ def _store_tiles_kernel(
         if DECODE:
             s = tl.load(seq_lens_ptr + tile)
             full = (s > 0) & (s % G == 0)
+            if DEFER:
+                full = full & (tl.load(defer_ptr) == 0)
             blk = tl.load(bt_ptr + tile.to(tl.int64) * stride_bt + tl.maximum(s // G - 1, 0), mask=full,
                           other=-1)
             src = tl.load(src_rows_ptr + tile, mask=full, other=0).to(tl.int64)
@@ -592,7 +599,7 @@ def _variant(balance, grid):
 
 
 def _launch_store(k, v, cache, lay, n_tiles, H, iters, *, block_ids=None, src_rows=None, seq_lens=None,
-                  block_table=None, balance=None, grid=None):
+                  block_table=None, balance=None, grid=None, defer_flag=None):
     """k, v: tile sources [*, H, g, D] (strided). Plain mode: block_ids [n_tiles]; decode mode: src_rows, seq_lens,
     block_table [n_tiles, *] (the block ids are derived in the kernel)."""
     decode = block_ids is None
@@ -602,7 +609,7 @@ def _launch_store(k, v, cache, lay, n_tiles, H, iters, *, block_ids=None, src_ro
     g, D = lay.g, k.shape[-1]
     _store_tiles_kernel[(H * compact if compact else n_tiles * H, 2)](
         k, v, cache, f16_view(cache), dummy if decode else block_ids, src_rows if decode else dummy,
-        seq_lens if decode else dummy, block_table if decode else dummy,
+        seq_lens if decode else dummy, block_table if decode else dummy, dummy if defer_flag is None else defer_flag,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         cache.stride(0), cache.stride(1), block_table.stride(0) if decode else 0, n_tiles,
         H=H, G=g, D=D, KB=lay.kb, VB=lay.vb, ITERS=int(iters),
@@ -610,6 +617,7 @@ def _launch_store(k, v, cache, lay, n_tiles, H, iters, *, block_ids=None, src_ro
         OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
         MMA_BF16=mma_bf16(), DECODE=decode, RB=ROTATION_BLOCK[D] if rb is None else min(rb, D), BAL=bal,
         COMPACT=compact, BP=triton.next_power_of_2(n_tiles) if compact else 1, PACK8=pack8,
+        DEFER=int(defer_flag is not None),
         num_warps=warps or (16 if D * g > 16384 else 8),
     )
 
@@ -709,14 +717,15 @@ def _decode_tail_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, slot_ptr, seq_lens_ptr,
 def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor,
                  fmt: KVFormat | str, iters: int | None = None, *, balance: str | None = None,
-                 grid: str | None = None, defer: bool = False) -> None:
+                 grid: str | None = None, defer=False) -> None:
     """The KV write of a step where batch row b has exactly one new token k[b], v[b] ([B, H, D]) at position
     seq_lens[b] - 1 (seq_lens int32 [B]; 0 = padded row, skipped): the token goes to tail row tail_slots[b], and
     when it completes its tile (seq_len % g == 0) the tile is quantized from the tail into
     cache[block_table[b, seq_len // g - 1]]. Two launches of fixed grids, no host data: CUDA-graph capturable.
     balance / grid: store variants (BALANCE_VARIANTS, DECODE_GRIDS; defaults STORE_BALANCE, STORE_DECODE_GRID).
-    defer: the tail write only; a completed tile stays in the tail (decode_attention(defer=True) reads it there)
-    until flush_layers quantizes it."""
+    defer: True: the tail write only; a completed tile stays in the tail (decode_attention(defer=True) reads it
+    there) until flush_layers quantizes it. An int32 [1] tensor: the same when its value is 1 at run time, the
+    immediate flush when 0 (a captured graph serves both)."""
     fmt = as_format(fmt)
     iters = fmt.balance_iters if iters is None else iters  # the format's (KVARN_BALANCE_ITERS)
     if k.dim() != 3 or k.shape != v.shape:
@@ -738,9 +747,13 @@ def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ta
         tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_v.stride(0), tail_v.stride(1), tail_v.stride(2),
         H=H, G=lay.g, D=D, SINK=sink, num_warps=1,
     )
-    if not defer:
-        _launch_store(tail_k, tail_v, cache, lay, B, H, iters, src_rows=tail_slots, seq_lens=seq_lens,
-                      block_table=block_table, balance=balance, grid=grid)
+    if defer is True:
+        return
+    flag = defer if torch.is_tensor(defer) else None
+    if flag is not None and (flag.dtype != torch.int32 or flag.device != cache.device):
+        raise KvarnError("defer must be a bool or an int32 flag tensor on the cache's device")
+    _launch_store(tail_k, tail_v, cache, lay, B, H, iters, src_rows=tail_slots, seq_lens=seq_lens,
+                  block_table=block_table, balance=balance, grid=grid, defer_flag=flag)
 
 
 __all__ = ["store_tiles", "store_tail_tokens", "store_decode", "flush_layers", "FP16_MAX"]

@@ -158,12 +158,15 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         if R > self._sink_lens.shape[0]:  # as _tail_slots above
             self._sink_lens = torch.zeros(R + 1, dtype=torch.int32, device=self.device)
         ops.update_sink_lens(plan, self._sink_tags, cm.block_table_tensor, self._sink_lens)
-        # not in a step that schedules a new or resumed request: its prefix hit may read a block another row
-        # completes in this very step (vLLM caches blocks as it schedules them)
-        if self._defer and plan.decode_only and not STEP.fresh:
-            plan.defer = True
-            self._pending.note(np.asarray(seq_cpu)[:R], rows, cm.block_table_tensor, self.fmt.group,
-                               scratch=self.slots)
+        if self._defer and plan.decode_only:
+            # not in a step that schedules a new or resumed request: its prefix hit may read a block another row
+            # completes in this very step (vLLM caches blocks as it schedules them). The flag is device data, so
+            # the decode graph (captured with it, in a dummy "fresh" step) defers exactly when it is 1.
+            want = 0 if STEP.fresh else 1
+            plan.defer = self._pending.set_flag(want)
+            if want:
+                self._pending.note(np.asarray(seq_cpu)[:R], rows, cm.block_table_tensor, self.fmt.group,
+                                   scratch=self.slots)
         return KvarnMetadata(plan=plan, num_actual_tokens=cm.num_actual_tokens, block_table=cm.block_table_tensor,
                              seq_lens=cm.seq_lens, slot_mapping=cm.slot_mapping)
 

@@ -91,8 +91,10 @@ class StepPlan:
     decode_only: bool = False
     # decode_only with only the host fields (build_plan's decode_minimal): the decode kernels must run it
     minimal: bool = False
-    # decode_only with the deferred flush (common.defer_flush_enabled): a completed tile stays in the tail this step
-    defer: bool = False
+    # decode_only under the deferred flush (common.defer_flush_enabled): the builder's int32 [1] device flag (1: a
+    # tile completed this step stays in the tail; 0: stored at once), read by the kernels at run time so that one
+    # captured decode graph serves both; False: not deferred (the kernels' default variants)
+    defer: bool | torch.Tensor = False
     # the attention sink (the first `sink` positions, 16-bit for good in tail rows g + pos): new tokens below it
     sink: int = 0
     sink_tok: torch.Tensor | None = None  # int64 [n4]
@@ -435,7 +437,7 @@ def decode_step(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, 
     store_fn = _kernel("store", "store_decode") if use_kernels else None
     attn_fn = _kernel("decode", "decode_attention") if use_kernels else None
     if store_fn is None or attn_fn is None:
-        if plan.defer:
+        if plan.defer is not False:
             raise RuntimeError("kvarn: a deferred-flush decode plan needs the decode kernels")
         if plan.minimal:
             raise RuntimeError("kvarn: a minimal decode plan needs the decode kernels (store_decode, decode_attention)")
@@ -445,7 +447,7 @@ def decode_step(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, 
                   raw_varlen=raw_varlen)
         return
     bt, sl, ts = block_table[:B], seq_lens_dev[:B], tail_slots_dev[:B]
-    extra = {"defer": True} if plan.defer else {}  # (the kernels' signatures stay as they were without it)
+    extra = {} if plan.defer is False else {"defer": plan.defer}  # (no bool() of a device flag: no sync)
     if write_kv and k is not None:
         store_fn(k[:B], v[:B], cache, bt, sl, tail_k, tail_v, ts, fmt, **extra)
     attn_fn(q[:B], cache, bt, sl, tail_k, tail_v, ts, fmt, scale, out=out[:B], config=_decode_config(),

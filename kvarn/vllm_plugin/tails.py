@@ -180,6 +180,17 @@ class PendingFlush:
         self.slots = torch.zeros(capacity, dtype=torch.int32, device=device)
         self.blocks = torch.full((capacity,), -1, dtype=torch.int32, device=device)
         self.n = 0
+        # the step's deferral flag on the device (a captured decode graph reads it: shared by every builder of the
+        # layer set, like the pending tiles) and its host mirror
+        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self._flag_now = 0
+
+    def set_flag(self, value: int) -> torch.Tensor:
+        """This step's deferral (1) or not (0), written to the device flag only when it changes."""
+        if value != self._flag_now:
+            self.flag.fill_(value)
+            self._flag_now = value
+        return self.flag
 
     def grow(self, capacity: int) -> None:
         """Room for `capacity` tiles, in place (every builder of the layer set holds this object)."""
