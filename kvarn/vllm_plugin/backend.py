@@ -138,7 +138,8 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         cm = common_attn_metadata
         # tiles the last (deferred) decode step completed: every layer's records written now, enqueued before this
         # step's forward, which may overwrite those tail rows
-        self._pending.flush(TAILS.layer_buffers(self._layer_names), self.fmt)
+        if self._pending.n:
+            self._pending.flush(TAILS.layer_buffers(self._layer_names), self.fmt)
         R = cm.num_reqs
         seq_cpu = cm.seq_lens_cpu_upper_bound
         if seq_cpu is None:
