@@ -110,6 +110,18 @@ def check_tail(tail_k: torch.Tensor, tail_v: torch.Tensor, hk: int, g: int, d: i
     return tail_k.shape[2] - g
 
 
+def defer_flag(defer, device, what: str):
+    """The kernels' `defer` argument checked: None (not deferred), True (always), or an int32 flag tensor on `device`
+    whose value the kernels read at run time (what a captured decode graph needs)."""
+    if defer is None or defer is False:
+        return None
+    if defer is True:
+        return True
+    if not torch.is_tensor(defer) or defer.dtype != torch.int32 or defer.numel() < 1 or defer.device != device:
+        raise KvarnError(f"defer must be a bool or an int32 flag tensor on the {what}'s device")
+    return defer
+
+
 def f16_view(cache: torch.Tensor) -> torch.Tensor:
     """The same memory seen as fp16 words (records and every field offset are even), for the vector fields."""
     return cache.view(torch.float16)

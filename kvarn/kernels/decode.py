@@ -50,7 +50,7 @@ from ..formats import KVFormat
 from .attention import LOG2E, finish_kernel, kvarn_attention_kernel, mma_bf16, rotate_rows_kernel, tail_attention_kernel
 from .attention_tokrows import (kvarn_attention_pair_kernel, kvarn_attention_pair_pipe_kernel,
                                 kvarn_attention_tok_kernel)
-from .common import as_format, check_cache, check_tail, f16_view, layout
+from .common import as_format, check_cache, check_tail, defer_flag, f16_view, layout
 
 
 _NAME = re.compile(r"u([012])k([12])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:n(\d+))?(?:L([012]))?(?:p([01]))?")
@@ -213,18 +213,6 @@ def asm_unpack_ok(device: torch.device) -> bool:
     return ok
 
 
-def _defer_flag(defer, device):
-    """decode_attention's `defer` as the kernels take it: None (no deferral) or an int32 flag tensor on the device
-    (a bool True makes a per-call one; the backend passes its persistent buffer, which a captured graph reads)."""
-    if defer is None or defer is False:
-        return None
-    if defer is True:
-        return torch.ones(1, dtype=torch.int32, device=device)
-    if not torch.is_tensor(defer) or defer.dtype != torch.int32 or defer.numel() < 1 or defer.device != device:
-        raise KvarnError("defer must be a bool or an int32 flag tensor on the query's device")
-    return defer
-
-
 def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slots, out, lay, group, gp, scale,
                   splits, cfg: DecodeConfig, *, prefill: bool, bq: int = 1, q_blocks: int = 1, sink_lens=None,
                   defer=False):
@@ -238,7 +226,9 @@ def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slo
     sink = tail_k.shape[2] - lay.g  # the tail buffer's rows past the tile hold the first `sink` tokens (check_tail)
     if sink_lens is None:  # every row's sink rows hold its own first tokens
         sink_lens = torch.full((B,), sink, dtype=torch.int32, device=q.device) if sink else seq_lens
-    dflag = _defer_flag(defer, q.device)  # None: no deferral (DEFER 0, the flag pointer unused)
+    dflag = defer_flag(defer, q.device, "query")  # None: no deferral (DEFER 0, the flag pointer unused)
+    if dflag is True:  # deferred on every call: a per-call flag (the backend passes its persistent one)
+        dflag = torch.ones(1, dtype=torch.int32, device=q.device)
     dev = q.device
     qk = float(scale) * LOG2E
     mma = mma_bf16()

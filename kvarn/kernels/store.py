@@ -45,7 +45,7 @@ from .rotate import (h_times_x, h_times_x_acc, hadamard_pm1_block, rot_scale, x_
 from ..errors import KvarnError
 from ..formats import KVFormat
 from .attention import mma_bf16
-from .common import FP16_MAX, as_format, check_cache, check_tail, f16_view, layout
+from .common import FP16_MAX, as_format, check_cache, check_tail, defer_flag, f16_view, layout
 
 STD_MIN, STD_MAX = 1e-3, 1e3  # clamp of the measured std per balancing step (kvarn-method.md)
 LOG_MIN, LOG_MAX = -0.3, 10.0  # clip of the accumulated log-scales
@@ -492,7 +492,6 @@ class LayerTable:
         if tails_k[0].dtype not in _TAIL_DTYPES or tails_v[0].dtype != tails_k[0].dtype:
             raise KvarnError(f"flush_layers: tails must be fp16, bf16 or fp32, got {tails_k[0].dtype}")
         dev = caches[0].device
-        self.key = tuple(t.data_ptr() for t in (*tails_k, *tails_v, *caches))
         self.k, self.v, self.c = (torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)
                                   for ts in (tails_k, tails_v, caches))
         self.tail, self.cache, self.layers = tails_k[0], caches[0], len(caches)
@@ -515,12 +514,12 @@ def layer_table(tails_k, tails_v, caches) -> LayerTable:
 
 
 def flush_layers(tails_k, tails_v, caches, slots: torch.Tensor, block_ids: torch.Tensor, fmt: KVFormat | str,
-                 iters: int | None = None, *, balance: str | None = None, table: LayerTable | None = None) -> None:
+                 iters: int | None = None, *, balance: str | None = None) -> None:
     """Quantize tail rows [0, g) of slots[i] of every layer's tail into that layer's cache[block_ids[i]], all layers
     and tiles in one launch (see the module docstring). slots / block_ids int32 [n] on the caches' device."""
     fmt = as_format(fmt)
     iters = fmt.balance_iters if iters is None else iters
-    tab = table or layer_table(tails_k, tails_v, caches)
+    tab = layer_table(tails_k, tails_v, caches)
     tk, cache = tab.tail, tab.cache
     if tk.dim() != 4:
         raise KvarnError(f"tail buffers must be [S, H, g + sink, D], got {tuple(tk.shape)}")
@@ -747,11 +746,9 @@ def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ta
         tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_v.stride(0), tail_v.stride(1), tail_v.stride(2),
         H=H, G=lay.g, D=D, SINK=sink, num_warps=1,
     )
-    if defer is True:
+    flag = defer_flag(defer, cache.device, "cache")
+    if flag is True:  # always deferred: no flush launch at all
         return
-    flag = defer if torch.is_tensor(defer) else None
-    if flag is not None and (flag.dtype != torch.int32 or flag.device != cache.device):
-        raise KvarnError("defer must be a bool or an int32 flag tensor on the cache's device")
     _launch_store(tail_k, tail_v, cache, lay, B, H, iters, src_rows=tail_slots, seq_lens=seq_lens,
                   block_table=block_table, balance=balance, grid=grid, defer_flag=flag)
 
