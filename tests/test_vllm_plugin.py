@@ -523,16 +523,22 @@ def test_runner_hooks_map_rows_to_tail_slots(fake_vllm):
     init(Worker("auto"))
 
 
-def test_builder_and_impl_run_a_step_on_cpu(fake_vllm):
-    patches.apply()
-    from kvarn.vllm_plugin import backend as be
-
+def _g64_backend(be):
+    """The g64 preset made active, its layer spec (2 KV heads, head_dim 64) and a 4-sequence fp32 vLLM config."""
     fmt = get_format("kvarn_k4v2_g64")
     common.set_active_format(fmt.name)
     spec = be.KvarnAttentionSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=torch.uint8,
                                  kvarn_format=fmt.name, kvarn_group=64, kvarn_record_bytes=fmt.record_bytes(64))
     vc = _vllm_config({}, max_num_seqs=4, dtype=torch.float32)
     vc.cache_config.cache_dtype = fmt.name
+    return fmt, spec, vc
+
+
+def test_builder_and_impl_run_a_step_on_cpu(fake_vllm):
+    patches.apply()
+    from kvarn.vllm_plugin import backend as be
+
+    fmt, spec, vc = _g64_backend(be)
     b = be.KvarnMetadataBuilder(spec, ["l0"], vc, torch.device("cpu"))
     b2 = be.KvarnMetadataBuilder(spec, ["l0"], vc, torch.device("cpu"))  # a second builder shares the buffers
     assert b2.slots == 4 and TAILS.get("l0")[0].shape == (5, 2, 64 + 16, 64)
@@ -602,12 +608,7 @@ def test_builder_defers_the_flush_and_flushes_at_the_next_build(fake_vllm, monke
     from kvarn.vllm_plugin import ops
 
     monkeypatch.setattr(ops, "decode_step", functools.partial(ops.decode_step, use_kernels=True))
-    fmt = get_format("kvarn_k4v2_g64")
-    common.set_active_format(fmt.name)
-    spec = be.KvarnAttentionSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=torch.uint8,
-                                 kvarn_format=fmt.name, kvarn_group=64, kvarn_record_bytes=fmt.record_bytes(64))
-    vc = _vllm_config({}, max_num_seqs=4, dtype=torch.float32)
-    vc.cache_config.cache_dtype = fmt.name
+    fmt, spec, vc = _g64_backend(be)
     layer = types.SimpleNamespace(layer_name="ld")
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(130, h, 64, generator=g) for h in (4, 2, 2))
