@@ -430,6 +430,10 @@ def test_microbench_store_on_cpu_runs_the_default_variant():
     assert ex["flush_ms_all_layers"] > 0 and ex["flush_host_ms_all_layers"] > 0 and row["rel_err"] < 0.06
     # and every layer's tile in one launch (flush_layers), timed beside it
     assert ex["flush_layers_ms"] > 0 and ex["flush_layers_host_ms"] > 0 and ex["flush_layers_frac_of_step"] > 0
+    # the headline numbers also go to stderr before the variant table, so a run cut by a time limit keeps them
+    main = [json.loads(ln[len("store-main "):]) for ln in r.stderr.splitlines() if ln.startswith("store-main ")]
+    assert len(main) == 1 and main[0]["flush_layers_ms"] == ex["flush_layers_ms"]
+    assert main[0]["flush_ms"] == ex["flush_ms_all_layers"] and main[0]["decode_step_attn_ms"] == ex["decode_step_attn_ms"]
 
 
 def test_microbench_store_iteration_counts_side_by_side():

@@ -212,7 +212,7 @@ def test_gpu_dense_prefill_matches_reference(dtype, rotated):
     ref = prefill_reference(q, torch.from_numpy(qsl_h), st, fmt, D, scale)
     rows = np.arange(len(seq))
     plan = types.SimpleNamespace(cont_rows=rows, seq_lens=np.array(seq), qsl=qsl_h,
-                                 tail_slots_np=st["tail_slots"].cpu().numpy())
+                                 tail_slots_np=st["tail_slots"].cpu().numpy(), sink_lens=None)
     varlen = None
     try:
         from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version

@@ -54,9 +54,10 @@ fi
 
 # 5. the compact table, last
 python - "$OUT" <<'PY'
-import json, pathlib, sys
+import json, pathlib, re, sys
 out = pathlib.Path(sys.argv[1])
-print((out / "status.txt").read_text().strip())
+status = (out / "status.txt").read_text()
+print(status.strip())
 p = out / "pytest_gpu.log"
 tail = p.read_text().strip().splitlines() if p.exists() else []
 print("pytest smoke:", tail[-1] if tail else "(not run)")
@@ -65,7 +66,19 @@ for p in sorted(out.glob("mb_*.json")):
     try:
         rows[p.stem[3:]] = json.loads(p.read_text().strip().splitlines()[-1])
     except Exception:
-        print(f"{p.stem[3:]:<11} FAILED: " + (out / (p.stem + ".err")).read_text().strip()[-300:].replace("\n", " | "))
+        err = (out / (p.stem + ".err")).read_text().strip()
+        # rows a step printed as it went (sweep-row / store-row / store-main) are shown below; the rest is its error
+        err = "\n".join(l for l in err.splitlines() if not l.startswith(("sweep-row ", "store-row ", "store-main ")))
+        cut = re.search(rf"^{p.stem} rc=124 ", status, re.M)
+        print(f"{p.stem[3:]:<11} " + ("cut by its time limit (rc=124) " if cut else "FAILED: ")
+              + err[-300:].replace("\n", " | "))
+main = [json.loads(l[len("store-main "):]) for l in ((out / "mb_store.err").read_text().splitlines()
+        if (out / "mb_store.err").exists() and "store" not in rows else []) if l.startswith("store-main ")]
+if main:  # a store step cut in its variant table: the headline numbers it printed first
+    m = main[-1]
+    print(f"store (cut) flush {m['flush_ms']:.4f} ms per step of {m['decode_step_attn_ms']:.3f} ms "
+          f"({m['flush_ms'] / m['decode_step_attn_ms']:.2%}); one launch for all layers {m['flush_layers_ms']:.4f} ms "
+          f"({m['flush_layers_ms'] / m['decode_step_attn_ms']:.2%}, call {m['flush_layers_host_ms']:.4f} ms)")
 for name, title in (("sweep", "B=64"), ("sweep_b96", "B=96")):
   sw = rows.get(name, {}).get("extra", {}).get("sweep") or []
   if not sw and (out / f"mb_{name}.err").exists():  # cut by its time limit: the rows it printed as it went
@@ -78,7 +91,7 @@ for name, title in (("sweep", "B=64"), ("sweep_b96", "B=96")):
       gb = f"{r['gbps']:6.0f}" if "gbps" in r else "     -"
       er = f"{r['rel_err']:8.1e}" if "rel_err" in r else "       -"
       fc = f"{r['first_call_s']:6.1f}" if "first_call_s" in r else "     -"
-      print(f"{'':44}{r['config']:<18} {str(r.get('splits') or 'auto'):>6} {ms} {gb} {er} {fc} {r.get('error', '')}")
+      print(f"{'':44}{r['config']:<18} {str(r.get('splits') or 'auto') + ('*' if r.get('again') else ''):>6} {ms} {gb} {er} {fc} {r.get('error', '')}")
 var = rows.get("store", {}).get("extra", {}).get("variants") or []
 if not var and (out / "mb_store.err").exists():  # cut by its time limit: the rows it printed as it went
     var = [json.loads(l[len("store-row "):]) for l in (out / "mb_store.err").read_text().splitlines()
