@@ -65,11 +65,11 @@ def test_balance_iterations_are_a_format_property(monkeypatch):
     from kvarn.method.reference import quantize_tiles
 
     fmt = get_format("kvarn_k4v2_g64")
-    assert fmt.balance_iters == 8 and get_format("fp8").balance_iters == 8
+    assert fmt.balance_iters == 3 and get_format("fp8").balance_iters == 3
     k = torch.randn(2, 2, 64, 64)
     k[..., 3] *= 30.0
     v = torch.randn(2, 2, 64, 64)
-    three = dataclasses.replace(fmt, balance_iters=3)
-    assert torch.equal(quantize_tiles(k, v, three), quantize_tiles(k, v, fmt, iters=3))
-    assert torch.equal(quantize_tiles(k, v, fmt), quantize_tiles(k, v, fmt, iters=8))
-    assert not torch.equal(quantize_tiles(k, v, three), quantize_tiles(k, v, fmt))
+    eight = dataclasses.replace(fmt, balance_iters=8)
+    assert torch.equal(quantize_tiles(k, v, eight), quantize_tiles(k, v, fmt, iters=8))
+    assert torch.equal(quantize_tiles(k, v, fmt), quantize_tiles(k, v, fmt, iters=3))
+    assert not torch.equal(quantize_tiles(k, v, eight), quantize_tiles(k, v, fmt))

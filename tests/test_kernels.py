@@ -438,19 +438,19 @@ def test_microbench_store_on_cpu_runs_the_default_variant():
 
 
 def test_microbench_store_iteration_counts_side_by_side():
-    """KVARN_STORE_ITERS="8,2" times the store at both balancing iteration counts in one run (labelled "log/i2");
+    """KVARN_STORE_ITERS="3,2" times the store at both balancing iteration counts in one run (labelled "log/i2");
     a bad list is one line, exit 2."""
     import json
     import os
 
     from tests.helpers import run_cli
 
-    env = {**os.environ, "KVARN_STORE_ITERS": "8,2"}
+    env = {**os.environ, "KVARN_STORE_ITERS": "3,2"}
     r = run_cli("microbench", "store", "--device", "cpu", "--check", "--json", "--iters", "1", "--model",
                 "smollm2-135m", env=env)
     assert r.returncode == 0, r.stderr
     var = json.loads(r.stdout.strip().splitlines()[-1])["extra"]["variants"]
-    assert [(v["balance"], v["balance_iters"]) for v in var] == [("log", 8)] * 2 + [("log/i2", 2)] * 2
+    assert [(v["balance"], v["balance_iters"]) for v in var] == [("log", 3)] * 2 + [("log/i2", 2)] * 2
     assert all(v["rel_err"] < 0.08 for v in var if "rel_err" in v)
     bad = run_cli("microbench", "store", "--device", "cpu", "--iters", "1", env={**os.environ, "KVARN_STORE_ITERS": "8,x"})
     assert bad.returncode == 2 and "KVARN_STORE_ITERS" in bad.stderr and "Traceback" not in bad.stderr

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from ..formats import DEFAULT_KVARN, KVFormat, get_format, kvarn_formats
+from ..formats import DEFAULT_BALANCE_ITERS, DEFAULT_KVARN, KVFormat, get_format, kvarn_formats
 
 PREFIX = "kvarn_"
 # head dims the plugin serves (every kernel the backend calls passed tests/test_kernels_gpu.py at each of them on the
@@ -69,7 +69,7 @@ def fallback_reason(*, head_size: int, head_size_v: int | None, sliding_window, 
 # Results carry the non-default ones (provenance `kvarn_env`, and the bench configuration hash).
 BACKEND_KNOBS = {"KVARN_PREFILL": "dense", "KVARN_FULL_GRAPH": "1", "KVARN_AUTOTUNE": "0", "KVARN_DECODE_CONFIG": "",
                  "KVARN_STORE_BALANCE": "fused", "KVARN_STORE_DECODE_GRID": "rows", "KVARN_SINK": "16",
-                 "KVARN_BALANCE_ITERS": "8", "KVARN_DEFER_FLUSH": "0"}
+                 "KVARN_BALANCE_ITERS": str(DEFAULT_BALANCE_ITERS), "KVARN_DEFER_FLUSH": "0"}
 
 
 def defer_flush_enabled() -> bool:
