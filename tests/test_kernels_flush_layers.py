@@ -47,3 +47,24 @@ def test_flush_layers_rejects_mismatched_layers_and_bad_ids():
         flush_layers(tk, tk, caches[:1], ids, ids, fmt)
     with pytest.raises(KvarnError, match="int32"):
         flush_layers(tk[:1], tk[:1], caches[:1], ids.long(), ids, fmt)
+
+
+def test_compile_flush_layers_launches_once_on_scratch_and_keeps_no_table():
+    """The backend's engine-start compile of flush_layers (KVARN_DEFER_FLUSH=1): one launch on scratch buffers of
+    the serving shapes, so the first deferred flush of a run does not JIT-compile; no address table is kept for
+    the scratch set, and a real flush afterwards still matches store_tiles."""
+    from kvarn.kernels import store as S
+
+    fmt = get_format("kvarn_k4v2_g64")
+    g, D, H = fmt.group, 64, 2
+    before = dict(S._TABLES)
+    S.compile_flush_layers(H, D, g + fmt.sink_tokens, torch.bfloat16, fmt, "cpu")
+    assert S._TABLES == before
+    tk = [torch.randn(2, H, g + fmt.sink_tokens, D).to(torch.bfloat16)]
+    tv = [torch.randn_like(tk[0])]
+    cache = [torch.zeros(3, H, fmt.record_bytes(D), dtype=torch.uint8)]
+    one = torch.ones(1, dtype=torch.int32)
+    flush_layers(tk, tv, cache, one, one, fmt)
+    ref = torch.zeros_like(cache[0])
+    store_tiles(tk[0][1:2, :, :g], tv[0][1:2, :, :g], ref, one, fmt)
+    assert torch.equal(cache[0], ref)

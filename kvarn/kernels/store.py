@@ -2,7 +2,7 @@
 
 Public API (the vLLM backend codes against these; signatures are stable):
 
-    store_tiles(k, v, cache, block_ids, fmt, iters=None) -> None   (iters None: fmt.balance_iters, 8)
+    store_tiles(k, v, cache, block_ids, fmt, iters=None) -> None   (iters None: fmt.balance_iters, 3)
         k, v       [T, H, g, D] fp16/bf16/fp32: T complete tiles per KV head, token rows, NOT rotated
         cache      uint8 [num_blocks, H, record_bytes(D)] (records contiguous)
         block_ids  int32 [T]: the block (record row) each tile goes to; entries < 0 are skipped (padding)
@@ -437,7 +437,9 @@ def _store_tiles_kernel(
                        OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, MMA_BF16, RB, BAL, 0, PACK8)
 
 
-@triton.jit
+# n_tiles changes every step: not specialised (Triton would compile separate variants for 1, multiples of 16 and
+# the rest, each at its first use in a serving run, each a stall of seconds for every running request)
+@triton.jit(do_not_specialize=["n_tiles"])
 def _flush_layers_kernel(
     ktab_ptr, vtab_ptr, ctab_ptr, slots_ptr, blk_ptr, n_tiles,
     stride_kt, stride_kh, stride_kg, stride_vt, stride_vh, stride_vg, stride_cb, stride_ch,
@@ -549,6 +551,20 @@ def flush_layers(tails_k, tails_v, caches, slots: torch.Tensor, block_ids: torch
         MMA_BF16=mma_bf16(), RB=ROTATION_BLOCK[D] if rb is None else min(rb, D), BAL=bal, PACK8=pack8,
         TAIL_DT=_TAIL_DTYPES[tk.dtype], num_warps=warps or (16 if D * g > 16384 else 8),
     )
+
+
+def compile_flush_layers(num_kv_heads: int, head_dim: int, tail_rows: int, dtype: torch.dtype, fmt: KVFormat | str,
+                         device) -> None:
+    """Compile flush_layers for buffers of these shapes now, by one launch on scratch tensors of the same shapes and
+    strides (what the launch specialises on). The backend calls it at engine start with the deferred flush on: else
+    the compile (seconds) would happen at the first deferred flush of a serving run, stalling every request."""
+    fmt = as_format(fmt)
+    tk = torch.zeros(1, num_kv_heads, tail_rows, head_dim, dtype=dtype, device=device)
+    tv = torch.zeros_like(tk)
+    cache = torch.zeros(1, num_kv_heads, fmt.record_bytes(head_dim), dtype=torch.uint8, device=device)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    flush_layers([tk], [tv], [cache], zero, zero, fmt)
+    _TABLES.pop(tuple(t.data_ptr() for t in (tk, tv, cache)), None)  # scratch: not a set of buffers to keep
 
 
 # Channel block of the blocked rotation per head dim (0 = whole-tile rotation). D=256 needs it on sm_90 (the

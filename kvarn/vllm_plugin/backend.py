@@ -132,6 +132,11 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
             from ..kernels import prepare
 
             prepare(kv_cache_spec.head_size, device)  # device checks that sync: before any graph capture
+            if self._defer:  # its first flush would otherwise compile mid-run (BENCHMARKS.md, session 10)
+                from ..kernels.store import compile_flush_layers
+
+                compile_flush_layers(kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
+                                     self.fmt.group + self.fmt.sink_tokens, dtype, self.fmt, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvarnMetadata:
