@@ -176,6 +176,16 @@ def test_vllm_engine_checks_visible_gpus_and_fp8_dtype(tmp_path, capsys, monkeyp
     assert main([*common, "--tp", "8", "--engine-arg", "pipeline_parallel_size=2",
                  "--distributed-executor-backend", "ray"]) == 0
     assert "dry run: nothing was run" in capsys.readouterr().out
+    # serve mode: the modules `vllm serve` imports are checked before anything starts (one line, exit 2)
+    real_find = vllm_engine.importlib.util.find_spec
+    monkeypatch.setattr(vllm_engine.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "uvicorn" else real_find(name, *a))
+    monkeypatch.setattr(vllm_engine, "SERVE_MODULES", ("uvicorn",))
+    assert main([*common, "--mode", "serve"]) == 2
+    err = capsys.readouterr().err
+    assert "--mode serve runs `vllm serve`, whose API server imports uvicorn, not installed here" in err
+    assert "pip install uvicorn" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setattr(vllm_engine.importlib.util, "find_spec", real_find)
     monkeypatch.setattr(vllm_engine, "visible_gpus", lambda: [])
     assert main([*common]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
 

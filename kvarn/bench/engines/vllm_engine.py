@@ -63,6 +63,11 @@ def last_error_line(log_text: str) -> str:
     return lines[-1][:500] if lines else "worker exited without output"
 
 
+# what vLLM 0.26's OpenAI server imports beyond the offline engine's needs (its `vllm[...]`-less install, e.g. the
+# device bundle, can lack them): checked before any serve cell starts
+SERVE_MODULES = ("uvicorn", "fastapi", "model_hosting_container_standards")
+
+
 @register_engine("vllm")
 class VllmEngine(Engine):
     name = "vllm"
@@ -79,6 +84,12 @@ class VllmEngine(Engine):
         gpus = visible_gpus()
         if not gpus:
             raise KvarnError("--engine vllm needs a CUDA GPU and none is visible; use --engine hf on this machine")
+        if any(c.mode == "serve" for c in configs):
+            missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
+            if missing:  # else every serve cell would start an engine only to fail at the server's imports
+                raise KvarnError(f"--mode serve runs `vllm serve`, whose API server imports {', '.join(missing)}, "
+                                 f"not installed here: pip install {' '.join(m.replace('_', '-') for m in missing)}; "
+                                 "or --mode offline")
         for c in configs:
             extra = c.engine_arg_dict()
             pp = int(extra.get("pipeline_parallel_size", 1) or 1)
