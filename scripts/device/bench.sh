@@ -30,11 +30,12 @@ else
   if python3 -c "import kvarn.vllm_plugin" >/dev/null 2>&1; then kv="$kv,kvarn_k4v2_g128"; else
     echo "kvarn vLLM plugin does not import: kvarn_k4v2_g128 left out"; fi
   kv="${KVARN_BENCH_KV:-$kv,turboquant_k3v4_nc,turboquant_4bit_nc}"
-  # KVARN_BENCH_SHAPE: e.g. "--burst 16640 --prompt-len 16384 --requests 64" (issue 5's burst)
+  # KVARN_BENCH_SHAPE: e.g. "--burst 16640 --prompt-len 16384 --requests 64" (issue 5's burst); KVARN_BENCH_MODEL: a
+  # bundled shape, e.g. qwen3-32b with KVARN_BENCH_SHAPE="... --max-num-seqs 96" (the tail reserve must fit the burst)
   read -r -a shape <<< "${KVARN_BENCH_SHAPE:---burst 1536 --prompt-len 1024 --requests 64}"
-  $KVARN bench --engine vllm --model qwen3-8b --kv-dtype "$kv" "${shape[@]}" \
+  $KVARN bench --engine vllm --model "${KVARN_BENCH_MODEL:-qwen3-8b}" --kv-dtype "$kv" "${shape[@]}" \
     --dummy-weights --timeout "${KVARN_BENCH_TIMEOUT:-300}" --out "$RES" --dry-run 2>&1 | tail -n 15
-  timeout -k 20 "$BUDGET" $KVARN bench --engine vllm --model qwen3-8b --kv-dtype "$kv" "${shape[@]}" \
+  timeout -k 20 "$BUDGET" $KVARN bench --engine vllm --model "${KVARN_BENCH_MODEL:-qwen3-8b}" --kv-dtype "$kv" "${shape[@]}" \
     --dummy-weights --timeout "${KVARN_BENCH_TIMEOUT:-300}" --out "$RES" > "$OUT/bench_cli.log" 2>&1
   echo "kvarn bench rc=$? (124 = budget spent; unfinished cells resume on the next run)"
   grep -E "^(ok|failed|timeout|oom|skipped) " "$OUT/bench_cli.log" | tail -n 10
