@@ -62,6 +62,7 @@ def test_metrics_match_vllm_bench_definitions():
     assert m["tpot_ms_p50"] == pytest.approx(200.0)  # (1.6 - 1.0) / 3, only requests with > 1 token
     assert m["ttft_ms_p50"] == pytest.approx(750.0)  # numpy-style linear interpolation
     assert m["itl_ms_p99"] == pytest.approx(percentile([0.1, 0.2, 0.3], 99) * 1000)
+    assert m["itl_ms_max"] == pytest.approx(300.0)
     assert m["e2el_ms_p90"] == pytest.approx((0.5 + 0.9 * 1.1) * 1000)
     # goodput: a fails ttft (1000 > 800); b passes (its TPOT counts as 0)
     assert m["goodput_req_s"] == pytest.approx(0.5)

@@ -40,7 +40,7 @@ BENCH_METRICS = (
     "goodput_req_s", "output_tok_s_ratio_vs_fp16", "completed", "num_requests",
     # added with `kvarn bench` (schema stays version 1: columns are only ever added)
     "failed_requests", "total_input_tokens", "total_output_tokens", "kv_blocks", "kv_cache_gib", "kv_usage_peak",
-    "peak_waiting", "ttft_ms_mean", "tpot_ms_mean", "itl_ms_mean", "e2el_ms_mean", "wall_s",
+    "peak_waiting", "ttft_ms_mean", "tpot_ms_mean", "itl_ms_mean", "e2el_ms_mean", "wall_s", "itl_ms_max",
 )
 # Configuration columns of bench rows besides the core ones (docs/results.md).
 BENCH_CONFIG_COLUMNS = ("mode", "burst", "prompt_len", "output_len", "requests", "gpu_memory_utilization",
