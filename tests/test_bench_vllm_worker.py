@@ -131,4 +131,16 @@ def test_warmup_overflows_one_step_and_preemptions_exclude_it():
     assert warmup_requests(64, 1024, 8192) == 9  # 9 x 1024 > 8192: the 9th is split across steps
     assert warmup_requests(4, 1024, 8192) == 4 and warmup_requests(64, 1024, None) == 2
     assert preemption_count({"vllm:num_preemptions_total": 3.0}) == 3.0
+    # the last warm-up prompt is cut so that a decode step completes a tile (its store path compiles untimed too)
+    from kvarn.bench.engines.vllm_worker import WARMUP_TILE, warmup_burst
+
+    for plen in (14336, 1024, 1000, 300):
+        prompts, out = warmup_burst({"requests": 64, "prompt_len": plen, "output_len": 2048, "seed": 0}, 1000, 8192)
+        assert out == 8 and all(len(p) == plen for p in prompts[:-1])
+        last = len(prompts[-1])
+        assert plen - WARMUP_TILE < last <= plen
+        assert any((last + j) % WARMUP_TILE == 0 for j in range(1, out))  # decode steps 1..out-1
+        assert prompts[-1] != prompts[0][:last]  # its own random ids: no prefix-cache hit
+    one, _ = warmup_burst({"requests": 1, "prompt_len": 1000, "output_len": 8, "seed": 0}, 1000, 8192)
+    assert [len(p) for p in one] == [1000]  # a single prompt keeps the burst's length
     assert preemption_count({}) != preemption_count({})  # nan when vLLM reports none

@@ -198,12 +198,23 @@ def preemption_count(vals: dict) -> float:
     return float("nan")
 
 
+WARMUP_TILE = 128  # the largest KVarN tile (g64 presets divide it)
+
+
 def warmup_burst(spec: dict, vocab: int, max_batched_tokens: int | None) -> tuple[list[list[int]], int]:
     """(prompts, output tokens) of the untimed warm-up: warmup_requests() prompts of the burst's length from other
-    random ids (no prefix-cache hits carry over), WARMUP_OUTPUT tokens each (fewer if the burst asks fewer)."""
+    random ids (no prefix-cache hits carry over), WARMUP_OUTPUT tokens each (fewer if the burst asks fewer). The last
+    prompt is shortened (by < WARMUP_TILE tokens) so that its decode steps complete a tile: a tile completed by a
+    decode step is stored by its own code path (KVarN's in-step flush, or the deferred flush's next-step launch)."""
     n = warmup_requests(int(spec["requests"]), int(spec["prompt_len"]), max_batched_tokens)
-    prompts = random_prompts(n, int(spec["prompt_len"]), vocab, int(spec["seed"]) + 7919)
-    return prompts, max(1, min(WARMUP_OUTPUT, int(spec["output_len"])))
+    prompt_len, out = int(spec["prompt_len"]), max(1, min(WARMUP_OUTPUT, int(spec["output_len"])))
+    prompts = random_prompts(n, prompt_len, vocab, int(spec["seed"]) + 7919)
+    # decode step j (1 <= j < out) stores the token at position len + j - 1, completing a tile when len + j is a
+    # multiple of the tile: len = cross completes one at j = out // 2
+    cross = prompt_len - (prompt_len + out // 2) % WARMUP_TILE
+    if n >= 2 and out >= 2 and cross >= 1:
+        prompts[-1] = prompts[-1][:cross]
+    return prompts, out
 
 
 def _warm_up(llm, spec: dict, vocab: int) -> float:
