@@ -586,9 +586,15 @@ def test_backend_env_lists_only_non_default_knobs():
     from kvarn.bench.config import BenchConfig
     from kvarn.vllm_plugin.common import backend_env
 
-    assert backend_env({}) == "" and backend_env({"KVARN_PREFILL": "dense", "KVARN_FULL_GRAPH": "1"}) == ""
-    assert backend_env({"KVARN_PREFILL": "kernel", "KVARN_FULL_GRAPH": "0", "OTHER": "x"}) == \
+    # the balancing iterations' default moved from 8 to 3: listed unless 8, so rows measured at 8 (hashed without
+    # it) are never resumed as runs at 3
+    old = {"KVARN_BALANCE_ITERS": "8"}
+    assert backend_env({}) == "KVARN_BALANCE_ITERS=3"
+    assert backend_env({**old, "KVARN_PREFILL": "dense", "KVARN_FULL_GRAPH": "1"}) == ""
+    assert backend_env({**old, "KVARN_PREFILL": "kernel", "KVARN_FULL_GRAPH": "0", "OTHER": "x"}) == \
         "KVARN_FULL_GRAPH=0;KVARN_PREFILL=kernel"
+    assert backend_env({"KVARN_BALANCE_ITERS": "2", "KVARN_SINK": "0", "KVARN_PREFILL": "kernel"},
+                       method_only=True) == "KVARN_BALANCE_ITERS=2;KVARN_SINK=0"  # the hf engine's knobs
     base = dict(model="m", kv_dtype="kvarn_k4v2_g128", tp=1, engine="vllm", mode="offline", burst=2048,
                 prompt_len=1024, output_len=1024, requests=4, gpu_memory_utilization=0.9, max_num_seqs=None,
                 dummy_weights=True, seed=0)

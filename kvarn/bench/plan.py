@@ -222,7 +222,8 @@ def build_plan(o: BenchOptions) -> Plan:
 
     explicit_dtype = o.dtype or extra.get("dtype")
     configs: list[BenchConfig] = []
-    knobs = backend_env() if engine_name == "vllm" else ""  # only the KVarN vLLM backend reads them
+    # the backend's knobs on vLLM; the method's (balancing iterations, sink) on the hf engine's reference cache too
+    knobs = backend_env(method_only=engine_name != "vllm")
     if os.environ.get("KVARN_DECODE_CONFIG", "").strip() and engine_name == "vllm":  # fail here, not in the engine
         from ..kernels.decode import DecodeConfig
 

@@ -247,9 +247,13 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
     per_format: dict[str, dict] = {}
     summaries: list[dict] = []
     label = model_label(o.model)  # the rows' model column, as bench writes it (the hash keeps --model: resume)
+    from ..vllm_plugin.common import backend_env
+
+    knobs = backend_env(method_only=p.engine != "vllm")  # as bench's: a knob (or a moved default) is its own cell
     for fmt in p.formats:
         cfg = {"task": spec.name, "model": o.model, "weights": o.weights, "kv_dtype": fmt.name, "engine": p.engine,
-               "tp": o.tp, "seed": o.seed, **p.protocol, "data": data_sig}
+               "tp": o.tp, "seed": o.seed, **p.protocol, "data": data_sig,
+               **({"backend_env": knobs} if knobs and fmt.family == "kvarn" else {})}
         chash = config_hash(cfg)
         base_row = {"run_id": run_id, "config_hash": chash, "model": label, "kv_dtype": fmt.name,
                     "engine": p.engine, "tp": o.tp, "task": spec.name, "seed": o.seed}

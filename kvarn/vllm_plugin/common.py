@@ -79,12 +79,28 @@ def defer_flush_enabled() -> bool:
     return os.environ.get("KVARN_DEFER_FLUSH", "0").strip() == "1"
 
 
-def backend_env(environ=None) -> str:
-    """'KEY=value;...' of the backend knobs set to a non-default value, sorted; '' when all are defaults."""
+# Knobs of the method itself (the PyTorch reference and the hf engine read them too, not only the vLLM backend).
+METHOD_KNOBS = ("KVARN_BALANCE_ITERS", "KVARN_SINK")
+# Knobs whose default changed after results were stored, with the value the older rows were hashed at: the effective
+# value is listed whenever it differs from that one, set or not, so a rerun at the new default never resumes from
+# (or merges with) rows measured at the old one. KVARN_BALANCE_ITERS: 8 until session 10, 3 since.
+HASHED_AT = {"KVARN_BALANCE_ITERS": "8"}
+
+
+def backend_env(environ=None, method_only: bool = False) -> str:
+    """'KEY=value;...' of the backend knobs set to a non-default value (HASHED_AT's: whose effective value is not
+    the one older rows were hashed at), sorted; '' when there are none. method_only: METHOD_KNOBS only."""
     env = os.environ if environ is None else environ
     out = []
     for k, default in sorted(BACKEND_KNOBS.items()):
+        if method_only and k not in METHOD_KNOBS:
+            continue
         v = env.get(k)
-        if v is not None and v.strip().lower() != default:
-            out.append(f"{k}={v.strip()}")
+        v = None if v is None else v.strip()
+        if k in HASHED_AT:
+            eff = v or default
+            if eff.lower() != HASHED_AT[k]:
+                out.append(f"{k}={eff}")
+        elif v is not None and v.lower() != default:
+            out.append(f"{k}={v}")
     return ";".join(out)
