@@ -15,6 +15,15 @@ from .errors import KvarnError, choices
 FP16_NAMES = ("auto", "float16", "bfloat16")
 
 
+# Balancing iterations per tile: 3, where kvarn-method.md ships 8 (16 in the paper; "accuracy identical"). They are
+# the store's latency chain: one tile flush x 36 layers on the H200 took 2.58 ms at 8, 1.54 at 3, 1.35 at 2 (session
+# 10, BENCHMARKS.md). Accuracy (CPU reference, BENCHMARKS.md "Method fidelity"): SmolLM2 and heavy-tailed synthetic
+# K/V give the same value / attention errors at 8, 4, 3 and 2 to the third digit, perplexity within noise; 1 is 3%
+# worse. 3 keeps one iteration of margin above that knee. KVARN_BALANCE_ITERS=<n> (read at import) changes the
+# method for the store kernels and the reference alike.
+DEFAULT_BALANCE_ITERS = 3
+
+
 @dataclass(frozen=True)
 class KVFormat:
     name: str  # as vLLM spells it (--kv-cache-dtype)
@@ -27,7 +36,7 @@ class KVFormat:
     boundary_layers: int = 0  # first and last N decoder layers kept 16-bit (dense models)
     tail_tokens: int = 0  # 16-bit tokens per request per layer for the unfinished tile
     sink_tokens: int = 0  # 16-bit tokens per request per layer kept for good (attention sinks)
-    balance_iters: int = 3  # KVarN: Sinkhorn-like balancing iterations per tile (the best iterate is kept)
+    balance_iters: int = DEFAULT_BALANCE_ITERS  # KVarN: Sinkhorn-like balancing iterations per tile (best kept)
     description: str = ""
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
@@ -99,13 +108,7 @@ def kvarn_record_bytes(head_dim: int, group: int, key_bits: int, value_bits: int
 KVARN_SINK = int(os.environ.get("KVARN_SINK", "16"))
 
 
-# Balancing iterations per tile: 3, where kvarn-method.md ships 8 (16 in the paper; "accuracy identical"). They are
-# the store's latency chain: one tile flush x 36 layers on the H200 took 2.58 ms at 8, 1.54 at 3, 1.35 at 2 (session
-# 10, BENCHMARKS.md). Accuracy (CPU reference, BENCHMARKS.md "Method fidelity"): SmolLM2 and heavy-tailed synthetic
-# K/V give the same value / attention errors at 8, 4, 3 and 2 to the third digit, perplexity within noise; 1 is 3%
-# worse. 3 keeps one iteration of margin above that knee. KVARN_BALANCE_ITERS=<n> (read at import) changes the
-# method for the store kernels and the reference alike.
-DEFAULT_BALANCE_ITERS = 3
+# this process's count (DEFAULT_BALANCE_ITERS unless KVARN_BALANCE_ITERS is set)
 KVARN_BALANCE_ITERS = int(os.environ.get("KVARN_BALANCE_ITERS", str(DEFAULT_BALANCE_ITERS)))
 
 

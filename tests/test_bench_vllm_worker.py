@@ -141,6 +141,10 @@ def test_warmup_overflows_one_step_and_preemptions_exclude_it():
         assert plen - WARMUP_TILE < last <= plen
         assert any((last + j) % WARMUP_TILE == 0 for j in range(1, out))  # decode steps 1..out-1
         assert prompts[-1] != prompts[0][:last]  # its own random ids: no prefix-cache hit
+    # the cut must not undo the overflow of one step's budget (continuation chunks): then one prompt more
+    for plen in (2740, 4100):
+        prompts, _ = warmup_burst({"requests": 64, "prompt_len": plen, "output_len": 8, "seed": 0}, 1000, 8192)
+        assert sum(map(len, prompts)) > 8192 and len(prompts[-1]) < plen
     one, _ = warmup_burst({"requests": 1, "prompt_len": 1000, "output_len": 8, "seed": 0}, 1000, 8192)
     assert [len(p) for p in one] == [1000]  # a single prompt keeps the burst's length
     assert preemption_count({}) != preemption_count({})  # nan when vLLM reports none

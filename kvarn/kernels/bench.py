@@ -630,7 +630,7 @@ def _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check) -> list:
 
 def _store_iter_counts(fmt) -> list[int]:
     """KVARN_STORE_ITERS="8,3": balancing iteration counts the store table times side by side (default: the
-    format's own, KVARN_BALANCE_ITERS / 8)."""
+    format's own, KVARN_BALANCE_ITERS / 3)."""
     spec = os.environ.get("KVARN_STORE_ITERS", "").strip()
     if not spec:
         return [fmt.balance_iters]

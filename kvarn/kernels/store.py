@@ -519,9 +519,12 @@ def flush_layers(tails_k, tails_v, caches, slots: torch.Tensor, block_ids: torch
                  iters: int | None = None, *, balance: str | None = None) -> None:
     """Quantize tail rows [0, g) of slots[i] of every layer's tail into that layer's cache[block_ids[i]], all layers
     and tiles in one launch (see the module docstring). slots / block_ids int32 [n] on the caches' device."""
+    _flush_table(layer_table(tails_k, tails_v, caches), slots, block_ids, fmt, iters, balance)
+
+
+def _flush_table(tab: LayerTable, slots, block_ids, fmt, iters=None, balance=None) -> None:
     fmt = as_format(fmt)
     iters = fmt.balance_iters if iters is None else iters
-    tab = layer_table(tails_k, tails_v, caches)
     tk, cache = tab.tail, tab.cache
     if tk.dim() != 4:
         raise KvarnError(f"tail buffers must be [S, H, g + sink, D], got {tuple(tk.shape)}")
@@ -563,8 +566,7 @@ def compile_flush_layers(num_kv_heads: int, head_dim: int, tail_rows: int, dtype
     tv = torch.zeros_like(tk)
     cache = torch.zeros(1, num_kv_heads, fmt.record_bytes(head_dim), dtype=torch.uint8, device=device)
     zero = torch.zeros(1, dtype=torch.int32, device=device)
-    flush_layers([tk], [tv], [cache], zero, zero, fmt)
-    _TABLES.pop(tuple(t.data_ptr() for t in (tk, tv, cache)), None)  # scratch: not a set of buffers to keep
+    _flush_table(LayerTable([tk], [tv], [cache]), zero, zero, fmt)  # not through _TABLES: the real sets stay cached
 
 
 # Channel block of the blocked rotation per head dim (0 = whole-tile rotation). D=256 needs it on sm_90 (the

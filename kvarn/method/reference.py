@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..errors import KvarnError
-from ..formats import KVFormat
+from ..formats import DEFAULT_BALANCE_ITERS, KVFormat
 from .hadamard import hadamard
 
 FP16_MAX = 65504.0
@@ -121,7 +121,7 @@ def _std(x: torch.Tensor, dim: int) -> torch.Tensor:
     return c.square().mean(dim).sqrt().clamp(STD_MIN, STD_MAX)
 
 
-def balance(x: torch.Tensor, iters: int = 8, keep_best: bool = True):
+def balance(x: torch.Tensor, iters: int = DEFAULT_BALANCE_ITERS, keep_best: bool = True):
     """Sinkhorn-like variance balancing of x [..., R, C] (fp32). Returns log-scales (lr [..., R], lc [..., C])
     such that x / exp(lc) / exp(lr) has rows and columns of similar std."""
     lr = x.new_zeros(x.shape[:-1])

@@ -85,7 +85,8 @@ def _print(r) -> None:
         for c in ("config", "splits", "ms", "GB/s", "rel err", "first call s", "error"):
             s.add_column(c, justify="left" if c in ("config", "error") else "right")
         for row in r.extra["sweep"]:
-            s.add_row(row["config"], str(row.get("splits") or "auto"), f"{row['ms']:.4f}" if "ms" in row else "-",
+            splits = str(row.get("splits") or "auto") + ("*" if row.get("again") else "")  # *: re-timed last
+            s.add_row(row["config"], splits, f"{row['ms']:.4f}" if "ms" in row else "-",
                       f"{row['gbps']:.0f}" if "gbps" in row else "-",
                       f"{row['rel_err']:.1e}" if "rel_err" in row else "-",
                       f"{row['first_call_s']:.1f}" if "first_call_s" in row else "-", row.get("error", ""))

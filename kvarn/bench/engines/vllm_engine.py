@@ -65,7 +65,7 @@ def last_error_line(log_text: str) -> str:
 
 # what vLLM 0.26's OpenAI server imports beyond the offline engine's needs (its `vllm[...]`-less install, e.g. the
 # device bundle, can lack them): checked before any serve cell starts
-SERVE_MODULES = ("uvicorn", "fastapi", "model_hosting_container_standards")
+SERVE_MODULES = ("uvicorn", "fastapi", "model_hosting_container_standards", "jmespath")
 
 
 @register_engine("vllm")

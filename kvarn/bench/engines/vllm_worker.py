@@ -206,14 +206,18 @@ def warmup_burst(spec: dict, vocab: int, max_batched_tokens: int | None) -> tupl
     random ids (no prefix-cache hits carry over), WARMUP_OUTPUT tokens each (fewer if the burst asks fewer). The last
     prompt is shortened (by < WARMUP_TILE tokens) so that its decode steps complete a tile: a tile completed by a
     decode step is stored by its own code path (KVarN's in-step flush, or the deferred flush's next-step launch)."""
-    n = warmup_requests(int(spec["requests"]), int(spec["prompt_len"]), max_batched_tokens)
-    prompt_len, out = int(spec["prompt_len"]), max(1, min(WARMUP_OUTPUT, int(spec["output_len"])))
-    prompts = random_prompts(n, prompt_len, vocab, int(spec["seed"]) + 7919)
+    requests, prompt_len = int(spec["requests"]), int(spec["prompt_len"])
+    n = warmup_requests(requests, prompt_len, max_batched_tokens)
+    out = max(1, min(WARMUP_OUTPUT, int(spec["output_len"])))
+    prompts = random_prompts(n + 1, prompt_len, vocab, int(spec["seed"]) + 7919)  # one spare
+    spare, prompts = prompts[-1], prompts[:-1]
     # decode step j (1 <= j < out) stores the token at position len + j - 1, completing a tile when len + j is a
     # multiple of the tile: len = cross completes one at j = out // 2
     cross = prompt_len - (prompt_len + out // 2) % WARMUP_TILE
     if n >= 2 and out >= 2 and cross >= 1:
         prompts[-1] = prompts[-1][:cross]
+        if max_batched_tokens and sum(map(len, prompts)) <= max_batched_tokens < n * prompt_len and n < requests:
+            prompts.insert(0, spare)  # the cut undid the overflow of one step's token budget: one prompt more
     return prompts, out
 
 
