@@ -86,6 +86,24 @@ def _median(vals):
     return statistics.median(vals) if vals else float("nan")
 
 
+STALL_S = 3.0  # an inter-token gap this long (and 20x the median) is no step of a normal schedule
+
+
+def stall_notes(rows: list[dict]) -> list[str]:
+    """One line per ok row whose longest inter-token gap (itl_ms_max) looks like a stall that every running request
+    shared (a kernel compiling mid-run, ...): the row's throughput understates the configuration."""
+    notes = []
+    for r in rows:
+        mx, p50 = r.get("itl_ms_max"), r.get("itl_ms_p50")
+        if r.get("status") != "ok" or mx is None or p50 is None or math.isnan(float(mx)) or math.isnan(float(p50)):
+            continue
+        if float(mx) >= STALL_S * 1000 and float(mx) >= 20 * float(p50):
+            notes.append(f"note: {r['kv_dtype']} (repeat {int(r.get('repeat', 0))}): one inter-token gap took "
+                         f"{float(mx) / 1000:.1f} s against an ITL p50 of {float(p50):.1f} ms, a stall all running "
+                         "requests shared (a kernel compiling mid-run?): its throughput is understated")
+    return notes
+
+
 def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians over ok repeats)",
                   width: int | None = None) -> Table:
     """One line per configuration: status counts, medians, ratios vs the FP16 row of the same group."""

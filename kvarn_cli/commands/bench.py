@@ -91,7 +91,7 @@ def register(app: typer.Typer) -> None:
 
     def _run(plan) -> None:
         from kvarn.bench.runner import run_plan
-        from kvarn.bench.view import LiveView, summary_table
+        from kvarn.bench.view import LiveView, stall_notes, summary_table
         from kvarn.results import ResultsStore
 
         if not plan.todo:
@@ -114,6 +114,8 @@ def register(app: typer.Typer) -> None:
         order = {(c.hash, c.repeat): i for i, c in enumerate(plan.cells)}
         final = sorted(latest.values(), key=lambda r: order[(r["config_hash"], int(r["repeat"]))])
         out.print(summary_table(final, width=out.width))
+        for note in stall_notes(final):
+            out.print(note, markup=False)
         bad = [r for r in final if r["status"] != "ok"]
         out.print(f"{len(final) - len(bad)} ok, {len(bad)} not ok; rows in {plan.out}/parts, "
                   f"engine logs in {plan.out}/logs; `kvarn results {plan.out}` lists them")

@@ -63,7 +63,7 @@ rm -rf "$RES/logs"
 python3 - "$RES" <<'PY'
 import sys
 from rich.console import Console
-from kvarn.bench.view import summary_table
+from kvarn.bench.view import stall_notes, summary_table
 from kvarn.results import ResultsStore
 df = ResultsStore(sys.argv[1]).read("bench")
 if df.empty:
@@ -71,4 +71,5 @@ if df.empty:
 for r in df[df.status != "ok"].to_dict("records"):
     print(f"{r['kv_dtype']}: {r['status']}: {r['error']}")
 Console(width=220).print(summary_table(df.to_dict("records"), title="kvarn bench on the H200"))
+print("\n".join(stall_notes(df.to_dict("records"))))
 PY
