@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU-marked kernel tests that guard the vLLM decode path (compiled Triton, CUDA-graph capture), failures shown
-# in full. Part of scripts/device/run.sh:  KVARN_PART_TIMEOUT=90 bash scripts/device/run.sh gputest
+# in full. Part of scripts/device/run.sh: bash scripts/device/run.sh gputest:300 (the default selection, 42 tests,
+# ran past 180 s on a fresh machine in session 10: its first calls compile every kernel variant)
 set -uo pipefail
 # no pipe: a part cut by its time limit still leaves every finished test's line in the log (-v, one per test)
 python3 -m pytest -v -m gpu tests/test_kernels_gpu.py -p no:cacheprovider -rf --tb=short --durations=8 \
