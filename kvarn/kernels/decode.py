@@ -229,6 +229,8 @@ def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slo
     dflag = defer_flag(defer, q.device, "query")  # None: no deferral (DEFER 0, the flag pointer unused)
     if dflag is True:  # deferred on every call: a per-call flag (the backend passes its persistent one)
         dflag = torch.ones(1, dtype=torch.int32, device=q.device)
+    # every attention launch's (defer_ptr, DEFER): without deferral the pointer is any int32 tensor, never read
+    dargs = (seq_lens, 0) if dflag is None else (dflag, 1)
     dev = q.device
     qk = float(scale) * LOG2E
     mma = mma_bf16()
@@ -241,39 +243,36 @@ def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slo
     bm = max(16, bq * gp)
     if not prefill and cfg.layout in (1, 2):
         _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma,
-                    sink, dflag)
+                    sink, dargs)
     else:
         _launch_rows(qr, cache, block_table, seq_lens, qsl, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq,
-                     qk, mma, prefill, bq, bm, q_blocks, sink, dflag)
+                     qk, mma, prefill, bq, bm, q_blocks, sink, dargs)
     # tail on tensor cores (16-bit q.k, hi/lo p.v) when compiled and the tail buffers are 16-bit (both fp16/bf16)
     tail16 = all(t.dtype in (torch.float16, torch.bfloat16) for t in (tail_k, tail_v))
     tt = (64 if D <= 128 else 32) if mma and tail16 else 16
     tail_attention_kernel[(B, q_blocks, Hk)](
-        q, seq_lens, qsl, tail_k, tail_v, tail_slots, sink_lens, seq_lens if dflag is None else dflag, po_t, plse, qk,
-        splits,
+        q, seq_lens, qsl, tail_k, tail_v, tail_slots, sink_lens, dargs[0], po_t, plse, qk, splits,
         q.stride(0), q.stride(1), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
         tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), Hq,
         GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, IS_PREFILL=prefill, TT=tt, MMA_BF16=mma,
-        TAIL16=tail16, Q_AS_TAIL=q.dtype == tail_k.dtype, SINK=sink, DEFER=int(dflag is not None), num_warps=4)
+        TAIL16=tail16, Q_AS_TAIL=q.dtype == tail_k.dtype, SINK=sink, DEFER=dargs[1], num_warps=4)
     finish_kernel[(triton.cdiv(R, 16),)](po_r, po_t, plse, out, R, splits, out.stride(0), out.stride(1), HQ=Hq, D=D,
                                          BR=16, MMA_BF16=mma, num_warps=4)
     return out
 
 
 def _launch_rows(qr, cache, block_table, seq_lens, qsl, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, qk,
-                 mma, prefill, bq, bm, q_blocks, sink=0, dflag=None):
+                 mma, prefill, bq, bm, q_blocks, sink, dargs):
     """Layout 0 (decode and prefill): M rows = (query token, group head) pairs, codes as the B operand."""
     B, Hk, D = seq_lens.shape[0], cache.shape[1], lay.d
     kvarn_attention_kernel[(B, q_blocks, Hk * splits)](
-        qr, cache, f16_view(cache), block_table, seq_lens, qsl, sink_lens, seq_lens if dflag is None else dflag,
-        po_r, plse, qk, splits,
+        qr, cache, f16_view(cache), block_table, seq_lens, qsl, sink_lens, dargs[0], po_r, plse, qk, splits,
         block_table.stride(0), cache.stride(0), cache.stride(1), Hq,
         GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, KB=lay.kb, VB=lay.vb,
         OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
         OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
         IS_PREFILL=prefill, MMA_BF16=mma,
-        UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=sink,
-        DEFER=int(dflag is not None),
+        UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=sink, DEFER=dargs[1],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}),
     )
@@ -286,7 +285,7 @@ def tok_warps(lay, num_warps: int) -> int:
 
 
 def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma,
-                sink=0, dflag=None):
+                sink, dargs):
     """Layouts 1 / 2 (decode only): M = tokens (keys) / channels (values), the group's query heads as N."""
     B, Hk = seq_lens.shape[0], cache.shape[1]
     bn = max(cfg.bn, gp) if cfg.bn else max(16, gp)
@@ -294,7 +293,7 @@ def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, gr
                   OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
                   OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
                   UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=sink,
-                  DEFER=int(dflag is not None), num_stages=cfg.num_stages,
+                  DEFER=dargs[1], num_stages=cfg.num_stages,
                   **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}))
     if cfg.layout == 2:  # int16 pairs: M = g/2 token pairs, d/2 channel pairs; offsets in 2-byte units
         # the pipe kernel reads the scale runs as int32: needs 4-byte aligned records (always, for torch-allocated
@@ -303,14 +302,12 @@ def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, gr
                 and all(o % 4 == 0 for o in (lay.rk, lay.sv, lay.zv, lay.cv)))
         kern = kvarn_attention_pair_pipe_kernel if pipe else kvarn_attention_pair_kernel
         kern[(B, 1, Hk * splits)](
-            qr, f16_view(cache), block_table, seq_lens, sink_lens, seq_lens if dflag is None else dflag, po_r, plse,
-            splits,
+            qr, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,
             block_table.stride(0), cache.stride(0) // 2, cache.stride(1) // 2, Hq,
             num_warps=min(cfg.num_warps, max(4, min(lay.g, lay.d) // 32)), **common)
     else:
         kvarn_attention_tok_kernel[(B, 1, Hk * splits)](
-            qr, cache, f16_view(cache), block_table, seq_lens, sink_lens, seq_lens if dflag is None else dflag, po_r,
-            plse, splits,
+            qr, cache, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,
             block_table.stride(0), cache.stride(0), cache.stride(1), Hq,
             num_warps=tok_warps(lay, cfg.num_warps), **common)
 

@@ -542,17 +542,12 @@ def _flush_table(tab: LayerTable, slots, block_ids, fmt, iters=None, balance=Non
         return
     if tk.stride(-1) != 1:
         raise KvarnError("tail buffers must be contiguous along the head dim")
-    (bal, rb, pack8, warps), _ = _variant(balance, None)
-    g = lay.g
+    variant, _ = _variant(balance, None)
     _flush_layers_kernel[(tab.layers * n * H, 2)](
         tab.k, tab.v, tab.c, slots, block_ids, n,
         tk.stride(0), tk.stride(1), tk.stride(2), tk.stride(0), tk.stride(1), tk.stride(2),
         cache.stride(0), cache.stride(1),
-        H=H, G=g, D=D, KB=lay.kb, VB=lay.vb, ITERS=int(iters),
-        OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
-        OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-        MMA_BF16=mma_bf16(), RB=ROTATION_BLOCK[D] if rb is None else min(rb, D), BAL=bal, PACK8=pack8,
-        TAIL_DT=_TAIL_DTYPES[tk.dtype], num_warps=warps or (16 if D * g > 16384 else 8),
+        **_tile_constexprs(lay, H, D, iters, variant), TAIL_DT=_TAIL_DTYPES[tk.dtype],
     )
 
 
@@ -620,23 +615,28 @@ def _launch_store(k, v, cache, lay, n_tiles, H, iters, *, block_ids=None, src_ro
     """k, v: tile sources [*, H, g, D] (strided). Plain mode: block_ids [n_tiles]; decode mode: src_rows, seq_lens,
     block_table [n_tiles, *] (the block ids are derived in the kernel)."""
     decode = block_ids is None
-    (bal, rb, pack8, warps), grid = _variant(balance, grid)
+    variant, grid = _variant(balance, grid)
     compact = _compact_splits(k.device, H) if decode and grid == "compact" else 0
     dummy = seq_lens if decode else block_ids  # unused pointer arguments of the other mode
-    g, D = lay.g, k.shape[-1]
     _store_tiles_kernel[(H * compact if compact else n_tiles * H, 2)](
         k, v, cache, f16_view(cache), dummy if decode else block_ids, src_rows if decode else dummy,
         seq_lens if decode else dummy, block_table if decode else dummy, dummy if defer_flag is None else defer_flag,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         cache.stride(0), cache.stride(1), block_table.stride(0) if decode else 0, n_tiles,
-        H=H, G=g, D=D, KB=lay.kb, VB=lay.vb, ITERS=int(iters),
-        OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
-        OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-        MMA_BF16=mma_bf16(), DECODE=decode, RB=ROTATION_BLOCK[D] if rb is None else min(rb, D), BAL=bal,
-        COMPACT=compact, BP=triton.next_power_of_2(n_tiles) if compact else 1, PACK8=pack8,
-        DEFER=int(defer_flag is not None),
-        num_warps=warps or (16 if D * g > 16384 else 8),
+        **_tile_constexprs(lay, H, k.shape[-1], iters, variant), DECODE=decode,
+        COMPACT=compact, BP=triton.next_power_of_2(n_tiles) if compact else 1, DEFER=int(defer_flag is not None),
     )
+
+
+def _tile_constexprs(lay, H: int, D: int, iters, variant) -> dict:
+    """What every launch of _store_one's tile quantizer passes alike (store_tiles / store_decode, flush_layers): the
+    record layout, the balancing iterations and the BALANCE_VARIANTS entry (bal, rotation block, pack8, warps)."""
+    bal, rb, pack8, warps = variant
+    return dict(H=H, G=lay.g, D=D, KB=lay.kb, VB=lay.vb, ITERS=int(iters),
+                OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
+                OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
+                MMA_BF16=mma_bf16(), RB=ROTATION_BLOCK[D] if rb is None else min(rb, D), BAL=bal, PACK8=pack8,
+                num_warps=warps or (16 if D * lay.g > 16384 else 8))
 
 
 def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,

@@ -150,8 +150,7 @@ class TailBuffers:
     def register_cache(self, layer_name: str, cache: torch.Tensor | None) -> None:
         """The layer's paged cache, as its forward sees it (the deferred flush reaches every layer from one launch);
         None for a layer that shares another's cache (its records are the other's)."""
-        if layer_name not in self._caches or self._caches[layer_name] is not cache:
-            self._caches[layer_name] = cache
+        self._caches[layer_name] = cache
 
     def layer_buffers(self, layer_names):
         """(tails_k, tails_v, caches) of these layers' own caches, or None if one of them never ran its forward
