@@ -36,9 +36,9 @@ else
   $KVARN bench --engine vllm --model "${KVARN_BENCH_MODEL:-qwen3-8b}" --kv-dtype "$kv" "${shape[@]}" \
     --dummy-weights --timeout "${KVARN_BENCH_TIMEOUT:-300}" --out "$RES" --dry-run 2>&1 | tail -n 15
   timeout -k 20 "$BUDGET" $KVARN bench --engine vllm --model "${KVARN_BENCH_MODEL:-qwen3-8b}" --kv-dtype "$kv" "${shape[@]}" \
-    --dummy-weights --timeout "${KVARN_BENCH_TIMEOUT:-300}" --out "$RES" > "$OUT/bench_cli.log" 2>&1
+    --dummy-weights --timeout "${KVARN_BENCH_TIMEOUT:-300}" --out "$RES" > "$OUT/${KVARN_PART:-bench}_cli.log" 2>&1
   echo "kvarn bench rc=$? (124 = budget spent; unfinished cells resume on the next run)"
-  grep -E "^(ok|failed|timeout|oom|skipped) " "$OUT/bench_cli.log" | tail -n 10
+  grep -E "^(ok|failed|timeout|oom|skipped) " "$OUT/${KVARN_PART:-bench}_cli.log" | tail -n 10
 fi
 # leftover engines of an interrupted cell keep GPU memory
 bash "$(dirname "$0")/free_gpu.sh"

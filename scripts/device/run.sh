@@ -112,7 +112,7 @@ summary=()
 for spec in "$@"; do
   part=${spec%%:*}; secs=${KVARN_PART_TIMEOUT:-240}; [ "$spec" != "$part" ] && secs=${spec#*:}
   start=$(date +%s)
-  KVARN_PART_SECS=$secs timeout -k 10 "$secs" bash "${KVARN_SCRIPTS_DIR:-scripts/device}/$part.sh" > "$OUT/$part.log" 2>&1
+  KVARN_PART=$part KVARN_PART_SECS=$secs timeout -k 10 "$secs" bash "${KVARN_SCRIPTS_DIR:-scripts/device}/$part.sh" > "$OUT/$part.log" 2>&1
   rc=$?
   # leftover engines keep GPU memory: end them before the next part
   bash "${KVARN_SCRIPTS_DIR:-scripts/device}/free_gpu.sh"
