@@ -82,7 +82,8 @@ def fake_serve(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_serve_mode_metrics_capacity_warmup_and_goodput(fake_serve):
+def test_serve_mode_metrics_capacity_warmup_and_goodput(fake_serve, monkeypatch):
+    monkeypatch.setenv("KVARN_PROGRESS_S", "0")  # progress.json written at every update
     shape = Path(__file__).resolve().parents[1] / "suites" / "models" / "qwen3-8b.json"
     cfg = BenchConfig(model="Qwen/Qwen3-8B", kv_dtype="kvarn_k4v2_g128", tp=1, engine="vllm", mode="serve",
                       burst=4000, prompt_len=512, output_len=6, requests=4, gpu_memory_utilization=0.9,
@@ -105,6 +106,12 @@ def test_serve_mode_metrics_capacity_warmup_and_goodput(fake_serve):
     assert argv[argv.index("--kv-cache-dtype") + 1] == "kvarn_k4v2_g128" and "--skip-tokenizer-init" in argv
     assert argv[argv.index("--block-size") + 1] == "128" and argv[argv.index("--load-format") + 1] == "dummy"
     assert "GPU KV cache size" in Path(cell.log_path).read_text()
+    # what a timeout would have reported: the burst's requests as they ended (progress.json of the cell's work dir)
+    from kvarn.bench.progress import read_progress
+
+    prog = read_progress(Path(cell.log_path).with_suffix(".work"))
+    assert prog["phase"] == "burst" and prog["num_requests"] == 4 and prog["kv_tokens"] == 3_597_696
+    assert prog["completed"] == 4 and prog["total_output_tokens"] == 24 and prog["engine_start_s"] > 0
 
 
 def test_serve_start_oom_is_an_oom_row(fake_serve, monkeypatch):

@@ -35,12 +35,17 @@ class _Engine:
         self.delta = params.output_kind == "delta"
         assert all(0 <= t < 50 for t in prompt["prompt_token_ids"])
         # like vLLM 0.26: an internal id with a random suffix is returned, outputs carry the caller's id
-        self.reqs[rid] = [0, params.max_tokens]
+        # FAKE_VLLM_HANG: request 0 ends after one token, then the engine hangs (a burst cut by the timeout)
+        self.reqs[rid] = [0, 1 if os.environ.get("FAKE_VLLM_HANG") and rid == "0" else params.max_tokens]
+        self.steps = 0
         return rid + "-1a2b3c4d"
     def has_unfinished_requests(self):
         return any(n < m for n, m in self.reqs.values())
     def step(self):
         time.sleep(0.002)
+        self.steps += 1
+        if os.environ.get("FAKE_VLLM_HANG") and self.steps > 3:
+            time.sleep(600)
         outs = []
         for rid, st in self.reqs.items():
             if st[0] < st[1]:
@@ -117,6 +122,42 @@ def test_worker_oom_becomes_an_oom_row(fake_vllm, monkeypatch):
     monkeypatch.setenv("FAKE_VLLM_OOM", "1")
     res = VllmEngine().run(_cell(fake_vllm, "auto"), timeout_s=60)
     assert res.status == "oom" and "CUDA out of memory" in res.error
+
+
+def test_timeout_row_says_how_far_the_burst_got(fake_vllm, monkeypatch):
+    """A cell killed by its timeout still carries vLLM's capacity and the partial counts (progress.json), and its
+    error says them: the burst ran longer than that, a bound on the configuration's throughput."""
+    monkeypatch.setenv("FAKE_VLLM_HANG", "1")
+    monkeypatch.setenv("KVARN_PROGRESS_S", "0")
+    res = VllmEngine().run(_cell(fake_vllm), timeout_s=8)
+    assert res.status == "timeout", res.error
+    assert res.error.startswith("no result after 8 s; process group killed")
+    assert "s into the burst, 1 of 3 requests done, 7 output tokens, engine start" in res.error, res.error
+    m = res.metrics
+    assert m["kv_tokens"] == 128000 and m["completed"] == 1 and m["num_requests"] == 3
+    assert m["total_output_tokens"] == 7 and m["engine_start_s"] >= 0 and m["wall_s"] >= 8
+    assert "output_tok_s" not in m  # a partial burst gives no throughput figure
+
+
+def test_progress_describes_each_phase(tmp_path):
+    from kvarn.bench.progress import ProgressFile, describe, read_progress, row_metrics
+
+    assert read_progress(tmp_path) == {} and describe({}) == ""
+    p = ProgressFile(tmp_path, every_s=3600)
+    p.update(force=True, phase="engine start")
+    assert describe(read_progress(tmp_path)) == "reached: the engine start (not finished)"
+    p.update(force=True, phase="warm-up", engine_start_s=152.1, kv_tokens=1129216.0)
+    assert describe(read_progress(tmp_path)) == "reached: the warm-up (engine start 152.1 s)"
+    p.update(phase="burst", completed=79, num_requests=96, total_output_tokens=171520, burst_s=548.2)
+    assert read_progress(tmp_path)["phase"] == "warm-up"  # not yet written: at most every every_s seconds
+    p.update(force=True)
+    assert describe(read_progress(tmp_path)) == ("reached: 548 s into the burst, 79 of 96 requests done, "
+                                                 "171,520 output tokens, engine start 152.1 s")
+    assert row_metrics(read_progress(tmp_path)) == {"engine_start_s": 152.1, "kv_tokens": 1129216.0,
+                                                    "completed": 79.0, "num_requests": 96.0,
+                                                    "total_output_tokens": 171520.0}
+    (tmp_path / "progress.json").write_text("{half")
+    assert read_progress(tmp_path) == {}
 
 
 def test_last_error_line():

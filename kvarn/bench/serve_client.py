@@ -159,9 +159,10 @@ class MetricsSampler(threading.Thread):
 
 def run_load(host: str, port: int, model: str, prompts: list[list[int]], output_len: int, *,
              request_rate: float | None = None, burstiness: float = 1.0, max_concurrency: int | None = None,
-             seed: int = 0, request_timeout_s: float = 3600.0, extra_body: dict | None = None
-             ) -> tuple[list[RequestRecord], float]:
-    """Send every prompt on schedule; return the records (prompt order) and the benchmark duration (s)."""
+             seed: int = 0, request_timeout_s: float = 3600.0, extra_body: dict | None = None,
+             on_done=None) -> tuple[list[RequestRecord], float]:
+    """Send every prompt on schedule; return the records (prompt order) and the benchmark duration (s).
+    on_done(record), if given, is called as each request ends (from its sending thread)."""
     delays = arrival_delays(len(prompts), request_rate, burstiness, seed)
     gate = threading.Semaphore(max_concurrency) if max_concurrency else None
     records: list[RequestRecord | None] = [None] * len(prompts)
@@ -175,6 +176,8 @@ def run_load(host: str, port: int, model: str, prompts: list[list[int]], output_
                 records[i] = stream_completion(host, port, payload, request_timeout_s)
         else:
             records[i] = stream_completion(host, port, payload, request_timeout_s, start=due)
+        if on_done is not None:
+            on_done(records[i])
 
     start = time.perf_counter()
     # one thread per request in flight (vLLM's client has no connection cap); past the cap a request waits for a

@@ -20,6 +20,7 @@ from ...formats import get_format
 from ...shapes import resolve_model
 from ..config import BenchConfig, Cell
 from ..process import GroupRunner
+from ..progress import describe, read_progress, row_metrics
 from .base import Engine, EngineResult, register_engine
 from .vllm_args import resolved_dtype
 from .vllm_worker import classify_error
@@ -119,15 +120,19 @@ class VllmEngine(Engine):
         spec_path, result_path = work / "spec.json", work / "result.json"
         spec_path.write_text(json.dumps(spec, indent=1, default=str))
         result_path.unlink(missing_ok=True)
+        (work / "progress.json").unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "kvarn.bench.engines.vllm_worker", str(spec_path), str(result_path)]
         env = dict(os.environ)
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         env.setdefault("PYTHONUNBUFFERED", "1")
         res = self.runner.run(cmd, log, timeout_s, env=env)
         try:
-            if res.timed_out:
+            if res.timed_out:  # what the worker reached (capacity, requests done) still goes into the row
+                prog = read_progress(work)
+                where = describe(prog)
                 return EngineResult("timeout", f"no result after {timeout_s:.0f} s; process group killed "
-                                               f"({len(res.killed_pids)} processes)", {"wall_s": res.elapsed_s})
+                                               f"({len(res.killed_pids)} processes)" + (f"; {where}" if where else ""),
+                                    {**row_metrics(prog), "wall_s": res.elapsed_s})
             if result_path.is_file():
                 data = json.loads(result_path.read_text())
                 return EngineResult(data["status"], data.get("error", ""), data.get("metrics", {}), data.get("info", {}))

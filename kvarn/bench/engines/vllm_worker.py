@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 
 from ..metrics import RequestRecord, max_concurrency_at, summarize
+from ..progress import ProgressFile
 from ..prompts import random_prompts
 from .vllm_args import llm_kwargs, model_dir_for, serve_argv
 
@@ -102,6 +103,8 @@ def _capacity(cc, burst: int) -> dict:
 def run_offline(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
+    progress = ProgressFile(spec.get("workdir"))
+    progress.update(force=True, phase="engine start")
     model_dir = model_dir_for(spec["model_path"], spec["workdir"])
     kwargs = llm_kwargs(spec, model_dir)
     print(f"[kvarn] LLM({kwargs})", flush=True)
@@ -110,6 +113,7 @@ def run_offline(spec: dict) -> dict:
     start_s = time.perf_counter() - t0
     metrics, info = _capacity(llm.llm_engine.vllm_config.cache_config, spec["burst"])
     metrics["engine_start_s"] = start_s
+    progress.update(force=True, phase="warm-up", **metrics)
     vocab = int(llm.llm_engine.vllm_config.model_config.get_vocab_size())
     prompts = random_prompts(spec["requests"], spec["prompt_len"], vocab, spec["seed"])
     params = SamplingParams(ignore_eos=True, max_tokens=spec["output_len"], detokenize=False,
@@ -127,6 +131,9 @@ def run_offline(spec: dict) -> dict:
     preempt0 = preemption_count(_metric_values(llm.get_metrics()))  # counters are cumulative: the warm-up's out
     recs: dict[str, RequestRecord] = {}
     peak_running = peak_waiting = kv_usage = 0.0
+    n_done = n_out = 0
+    progress.update(force=True, phase="burst", engine_start_s=metrics["engine_start_s"], num_requests=len(prompts),
+                    completed=0, total_output_tokens=0, burst_s=0.0)
     start = time.perf_counter()
     try:
         for i, p in enumerate(prompts):  # the whole burst at once, as LLM.generate would submit it
@@ -155,15 +162,21 @@ def run_offline(spec: dict) -> dict:
                 else:
                     r.itl.append(now - r.start - r.latency)
                 r.latency = now - r.start
+                n_out += n - r.output_tokens
                 r.output_tokens = n
-            if o.finished:
+            if o.finished and not r.success:
                 r.success = True
+                n_done += 1
         if now - last_sample > 0.25:
             last_sample = now
             vals = _metric_values(llm.get_metrics())
             peak_running = max(peak_running, vals.get("vllm:num_requests_running", 0.0))
             peak_waiting = max(peak_waiting, vals.get("vllm:num_requests_waiting", 0.0))
             kv_usage = max(kv_usage, vals.get("vllm:kv_cache_usage_perc", 0.0))
+            progress.data.update(peak_running=peak_running, peak_waiting=peak_waiting, kv_usage_peak=kv_usage,
+                                 preemptions=preemption_count(vals) - (0.0 if math.isnan(preempt0) else preempt0))
+        # every step (the file itself is rewritten at most every few seconds)
+        progress.update(completed=n_done, total_output_tokens=n_out, burst_s=now - start)
     duration = time.perf_counter() - start
     vals = _metric_values(llm.get_metrics())
     metrics.update(summarize(list(recs.values()), duration))
@@ -259,6 +272,8 @@ def free_port() -> int:
 def run_serve(spec: dict) -> dict:
     from ..serve_client import MetricsSampler, run_load, wait_healthy
 
+    progress = ProgressFile(spec.get("workdir"))
+    progress.update(force=True, phase="engine start")
     model_dir = model_dir_for(spec["model_path"], spec["workdir"])
     kwargs = llm_kwargs(spec, model_dir)
     host, port = "127.0.0.1", free_port()
@@ -277,6 +292,8 @@ def run_serve(spec: dict) -> dict:
         log_text = Path(spec["log_path"]).read_text(errors="replace") if spec.get("log_path") else ""
         kv = [int(m.replace(",", "")) for m in KV_LOG.findall(log_text)]
         kv_tokens = float(kv[-1]) if kv else float("nan")
+        progress.update(force=True, phase="warm-up", engine_start_s=start_s, kv_tokens=kv_tokens,
+                        max_concurrency=kv_tokens / spec["burst"] if kv else float("nan"))
         vocab = int(spec.get("vocab_size", 32000))
         prompts = random_prompts(spec["requests"], spec["prompt_len"], vocab, spec["seed"])
         # the same untimed warm-up as offline mode (first-use Triton compiles), counted in engine_start_s
@@ -289,9 +306,19 @@ def run_serve(spec: dict) -> dict:
         sampler.sample()
         preempt0 = preemption_count(sampler.last)  # cumulative counter: the warm-up's preemptions out
         sampler.start()
+        progress.update(force=True, phase="burst", engine_start_s=start_s, num_requests=len(prompts), completed=0,
+                        total_output_tokens=0, burst_s=0.0)
+        lock, t_burst = threading.Lock(), time.perf_counter()
+
+        def done(rec) -> None:  # from the load's sending threads
+            with lock:
+                d = progress.data
+                progress.update(completed=d["completed"] + bool(rec.success), burst_s=time.perf_counter() - t_burst,
+                                total_output_tokens=d["total_output_tokens"] + rec.output_tokens)
+
         records, duration = run_load(host, port, model_dir, prompts, spec["output_len"],
                                      request_rate=spec.get("request_rate"), burstiness=spec.get("burstiness", 1.0),
-                                     max_concurrency=spec.get("concurrency_limit"), seed=spec["seed"])
+                                     max_concurrency=spec.get("concurrency_limit"), seed=spec["seed"], on_done=done)
         server_stats = sampler.stop()
         goodput = json.loads(spec.get("goodput") or "{}")
         metrics = summarize(records, duration, goodput)

@@ -1,0 +1,87 @@
+"""How far a worker got, in WORKDIR/progress.json, so a cell killed by its timeout still says what it reached.
+
+The worker (engines/vllm_worker.py) rewrites the file atomically at each phase and every few seconds of the burst;
+the orchestrator reads it only when it had to kill the worker. A timed-out row then carries the capacity vLLM
+reported and the partial counts (requests done, tokens generated, seconds into the burst), and its error says
+them: enough to bound the configuration's throughput (the burst took longer than that) instead of knowing nothing.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+FILE = "progress.json"
+# progress fields that are result columns too (kvarn.results.schema.BENCH_METRICS), copied into a timed-out row
+ROW_FIELDS = ("engine_start_s", "kv_tokens", "kv_blocks", "max_concurrency", "peak_running", "peak_waiting",
+              "preemptions", "completed", "num_requests", "total_output_tokens", "kv_usage_peak")
+
+
+class ProgressFile:
+    """The worker's side: update(**fields) merges and writes at most every `every_s` seconds (force=True: now)."""
+
+    def __init__(self, workdir: str | os.PathLike | None, every_s: float | None = None):
+        self.path = Path(workdir) / FILE if workdir else None
+        if every_s is None:  # KVARN_PROGRESS_S: tests write every update
+            every_s = float(os.environ.get("KVARN_PROGRESS_S", "5"))
+        self.every_s, self.data, self._last = every_s, {}, -math.inf
+
+    def update(self, force: bool = False, **fields) -> None:
+        self.data.update(fields)
+        now = time.monotonic()
+        if self.path is None or (not force and now - self._last < self.every_s):
+            return
+        self._last = now
+        tmp = self.path.with_name(FILE + ".tmp")
+        try:
+            tmp.write_text(json.dumps(self.data, default=float))
+            os.replace(tmp, self.path)  # a reader never sees half a file
+        except OSError:
+            pass  # progress is a courtesy: never fail the cell for it
+
+
+def read_progress(workdir: str | os.PathLike) -> dict:
+    try:
+        data = json.loads((Path(workdir) / FILE).read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _num(x) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def describe(progress: dict) -> str:
+    """One clause for a timed-out row's error: where the worker was when it was killed ('' when unknown)."""
+    phase = progress.get("phase")
+    if not phase:
+        return ""
+    start = _num(progress.get("engine_start_s"))
+    started = f"engine start {start:.1f} s" if not math.isnan(start) else ""
+    if phase == "engine start":
+        return "reached: the engine start (not finished)"
+    if phase == "warm-up":
+        return "reached: the warm-up" + (f" ({started})" if started else "")
+    done, n = _num(progress.get("completed")), _num(progress.get("num_requests"))
+    out, secs = _num(progress.get("total_output_tokens")), _num(progress.get("burst_s"))
+    parts = []
+    if not math.isnan(secs):
+        parts.append(f"{secs:.0f} s into the burst")
+    if not math.isnan(done) and not math.isnan(n):
+        parts.append(f"{done:.0f} of {n:.0f} requests done")
+    if not math.isnan(out):
+        parts.append(f"{out:,.0f} output tokens")
+    if started:
+        parts.append(started)
+    return "reached: " + ", ".join(parts) if parts else ""
+
+
+def row_metrics(progress: dict) -> dict:
+    """The progress fields that are result columns (numbers only)."""
+    return {k: _num(progress[k]) for k in ROW_FIELDS if k in progress and not math.isnan(_num(progress[k]))}
