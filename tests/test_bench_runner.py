@@ -254,8 +254,8 @@ def test_backend_knobs_key_only_kvarn_cells(tmp_path, monkeypatch):
 
 def test_stall_notes_flag_a_gap_every_request_shared():
     """A row whose longest inter-token gap is seconds long against a median of milliseconds (a kernel compiling
-    mid-run) gets a note under the summary; ordinary long prefill steps, failed rows and rows without per-token
-    times do not."""
+    mid-run) gets a note under the summary; ordinary long prefill steps, failed rows, rows without per-token
+    times and rows with preemptions (a preempted request's gap spans its wait and recompute) do not."""
     from kvarn.bench.view import stall_notes
 
     rows = [{"kv_dtype": "kvarn_k4v2_g128", "repeat": 0, "status": "ok", "itl_ms_max": 12_400.0, "itl_ms_p50": 28.0},
@@ -263,6 +263,8 @@ def test_stall_notes_flag_a_gap_every_request_shared():
             {"kv_dtype": "fp8", "repeat": 0, "status": "failed", "itl_ms_max": 9_000.0, "itl_ms_p50": 30.0},
             {"kv_dtype": "turboquant_4bit_nc", "repeat": 1, "status": "ok", "itl_ms_max": float("nan"),
              "itl_ms_p50": float("nan")},
-            {"kv_dtype": "turboquant_k3v4_nc", "repeat": 0, "status": "ok", "itl_ms_max": 4_000.0, "itl_ms_p50": 250.0}]
+            {"kv_dtype": "turboquant_k3v4_nc", "repeat": 0, "status": "ok", "itl_ms_max": 4_000.0, "itl_ms_p50": 250.0},
+            {"kv_dtype": "kvarn_k4v2_g128", "repeat": 1, "status": "ok", "itl_ms_max": 130_663.0, "itl_ms_p50": 54.9,
+             "preemptions": 10.0}]
     notes = stall_notes(rows)
     assert len(notes) == 1 and notes[0].startswith("note: kvarn_k4v2_g128 (repeat 0): one inter-token gap took 12.4 s")

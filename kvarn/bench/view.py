@@ -91,11 +91,16 @@ STALL_S = 3.0  # an inter-token gap this long (and 20x the median) is no step of
 
 def stall_notes(rows: list[dict]) -> list[str]:
     """One line per ok row whose longest inter-token gap (itl_ms_max) looks like a stall that every running request
-    shared (a kernel compiling mid-run, ...): the row's throughput understates the configuration."""
+    shared (a kernel compiling mid-run, ...): the row's throughput understates the configuration. Rows with
+    preemptions are left out: a preempted request's gap spans its wait for re-admission and its recompute (the
+    Qwen3-32B showcase's 130 s gap in session 11), which says nothing about the other requests."""
     notes = []
     for r in rows:
         mx, p50 = r.get("itl_ms_max"), r.get("itl_ms_p50")
         if r.get("status") != "ok" or mx is None or p50 is None or math.isnan(float(mx)) or math.isnan(float(p50)):
+            continue
+        pre = r.get("preemptions")
+        if pre is not None and not math.isnan(float(pre)) and float(pre) > 0:
             continue
         if float(mx) >= STALL_S * 1000 and float(mx) >= 20 * float(p50):
             notes.append(f"note: {r['kv_dtype']} (repeat {int(r.get('repeat', 0))}): one inter-token gap took "
