@@ -48,5 +48,9 @@ def register() -> None:
         # The kernels' run-time tuner would compile and time variants at the first decode of each new shape,
         # mid-serving (attention runs eagerly between piecewise graphs): serve with the tuned defaults instead.
         os.environ.setdefault("KVARN_AUTOTUNE", "0")
+        if os.environ.get("KVARN_LOG_COMPILES", "0").strip() == "1":  # a log line per Triton compile, timed
+            from ..kernels.compile_log import install
+
+            install()
         _STATE["applied"] = patches.apply()
         log.debug("kvarn: plugin registered (%s)", ", ".join(_STATE["applied"]))

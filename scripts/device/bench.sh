@@ -23,7 +23,7 @@ KVARN="kvarn"; command -v kvarn >/dev/null 2>&1 || KVARN="python3 -m kvarn_cli.a
 
 if [ "${KVARN_BENCH_PART:-offline}" = serve ]; then
   timeout -k 20 "$BUDGET" $KVARN bench --engine vllm --mode serve --model qwen3-0.6b --dummy-weights \
-    --kv-dtype auto,turboquant_4bit_nc --burst 1280 --prompt-len 1024 --requests 32 --timeout 200 \
+    --kv-dtype "${KVARN_SERVE_KV:-auto,kvarn_k4v2_g128}" --burst 1280 --prompt-len 1024 --requests 32 --timeout 200 \
     --goodput "ttft:2000 tpot:50" --gpu-memory-utilization 0.5 --out "$RES" 2>&1 | tail -n 40
 else
   kv="auto,fp8"
@@ -43,7 +43,7 @@ fi
 # leftover engines of an interrupted cell keep GPU memory
 bash "$(dirname "$0")/free_gpu.sh"
 
-# few files come back from a device call: one Parquet part, the failed cells' log tails printed, logs dropped.
+# the failed cells' log tails printed here; the Parquet parts come back as files, the logs inside logs.tar.xz.
 # To resume in a later call: copy bench/parts here into .device/results/parts and carry .device/results.
 python3 - "$RES" <<'PY'
 import pathlib, sys
@@ -58,7 +58,8 @@ for r in (df[df.status != "ok"].to_dict("records") if not df.empty else []):
         print("\n".join(log.read_text(errors="replace").splitlines()[-8:]))
 store.compact()
 PY
-rm -rf "$RES/logs"
+# the engine logs stay (run.sh packs them into logs.tar.xz): a stall or a timeout is read there
+rm -rf "$RES"/logs/*.work/model
 
 python3 - "$RES" <<'PY'
 import sys

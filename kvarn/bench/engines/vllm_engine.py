@@ -125,6 +125,8 @@ class VllmEngine(Engine):
         env = dict(os.environ)
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # every Triton compile in the cell's log with its time and duration: a stall in the burst is matched to one
+        env.setdefault("KVARN_LOG_COMPILES", "1")
         res = self.runner.run(cmd, log, timeout_s, env=env)
         try:
             if res.timed_out:  # what the worker reached (capacity, requests done) still goes into the row
