@@ -163,6 +163,12 @@ def test_progress_describes_each_phase(tmp_path):
 def test_last_error_line():
     log = "INFO start\nTraceback (most recent call last):\n  File x\nValueError: bad block size\nINFO shutdown\n"
     assert last_error_line(log) == "ValueError: bad block size"
+    # an out-of-memory line is the root cause even when other errors follow it (the server's shutdown traceback)
+    log = ("(EngineCore pid=7) torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+           "(APIServer pid=6) RuntimeError: Engine core initialization failed. See root cause above.\nINFO bye\n")
+    assert last_error_line(log).startswith("(EngineCore pid=7) torch.OutOfMemoryError: CUDA out of memory")
+    assert last_error_line("(APIServer pid=6) RuntimeError: x\nINFO bye\n") == "(APIServer pid=6) RuntimeError: x"
+    assert last_error_line("") == "worker exited without output"
 
 
 def test_warmup_overflows_one_step_and_preemptions_exclude_it():

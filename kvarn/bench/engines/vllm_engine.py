@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from ..process import GroupRunner
 from ..progress import describe, read_progress, row_metrics
 from .base import Engine, EngineResult, register_engine
 from .vllm_args import resolved_dtype
-from .vllm_worker import classify_error
+from .vllm_worker import classify_error, last_error_line  # noqa: F401 (eval imports it from here)
 
 DEFAULT_TIMEOUT_S = 1800.0  # the first TurboQuant start compiles Triton kernels for minutes
 
@@ -53,15 +52,6 @@ def visible_gpus() -> list[dict]:
     from ...provenance import gpus as torch_gpus
 
     return [{"index": str(g["index"]), "name": g["name"], "capability": g["capability"]} for g in torch_gpus()]
-
-
-def last_error_line(log_text: str) -> str:
-    """The most telling line of a crashed worker's log (the exception, not the traceback frames)."""
-    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", ln) or "Error:" in ln:
-            return ln[:500]
-    return lines[-1][:500] if lines else "worker exited without output"
 
 
 # what vLLM 0.26's OpenAI server imports beyond the offline engine's needs (its `vllm[...]`-less install, e.g. the

@@ -36,21 +36,28 @@ def classify_error(text: str) -> str:
     return "oom" if any(p.lower() in text.lower() for p in OOM_PATTERNS) else "failed"
 
 
+def last_error_line(log_text: str) -> str:
+    """The line of an engine's log that says why it stopped: the last out-of-memory line, else the last exception
+    line (not the traceback's frames), else the last line."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    for pick in (lambda x: classify_error(x) == "oom",
+                 lambda x: re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", x) or "Error:" in x or "error:" in x):
+        hit = [x for x in lines if pick(x)]
+        if hit:
+            return hit[-1][:500]
+    return lines[-1][:500] if lines else "worker exited without output"
+
+
 def _log_error(path: str | None, tail_bytes: int = 200_000) -> str:
-    """The line of a server log that says why it stopped: the last out-of-memory line, else the last error line."""
+    """last_error_line of the end of a log file this process writes to (a server's, sharing our stdout)."""
     sys.stdout.flush()
     sys.stderr.flush()
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, 2) - tail_bytes))
-            lines = [x.strip() for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+            return last_error_line(f.read().decode(errors="replace"))
     except (OSError, TypeError):
         return "(no log)"
-    for pick in (lambda x: classify_error(x) == "oom", lambda x: "Error" in x or "error:" in x):
-        hit = [x for x in lines if pick(x)]
-        if hit:
-            return hit[-1][-300:]
-    return lines[-1][-300:] if lines else "(empty log)"
 
 
 class GpuMemSampler(threading.Thread):
