@@ -268,3 +268,26 @@ def test_stall_notes_flag_a_gap_every_request_shared():
              "preemptions": 10.0}]
     notes = stall_notes(rows)
     assert len(notes) == 1 and notes[0].startswith("note: kvarn_k4v2_g128 (repeat 0): one inter-token gap took 12.4 s")
+
+
+def test_summary_shows_the_capacity_a_timed_out_cell_reached():
+    """A configuration without an ok row shows the KV capacity and start its timeout row kept (the progress file);
+    throughput and the ratios stay empty (nothing to compare)."""
+    import io
+
+    from rich.console import Console
+
+    from kvarn.bench.view import summary_table
+
+    common = {"model": "Qwen/Qwen3-32B", "tp": 1, "burst": 16384, "prompt_len": 14336, "output_len": 2048,
+              "requests": 96, "engine": "vllm", "mode": "offline", "repeat": 0, "run_id": "r"}
+    rows = [{**common, "config_hash": "a", "kv_dtype": "auto", "status": "timeout", "kv_tokens": 257_904.0,
+             "max_concurrency": 15.7, "engine_start_s": 131.0, "output_tok_s": float("nan"),
+             "error": "no result after 700 s; process group killed (3 processes); reached: 548 s into the burst"},
+            {**common, "config_hash": "b", "kv_dtype": "kvarn_k4v2_g128", "status": "ok", "kv_tokens": 1_129_216.0,
+             "max_concurrency": 68.9, "engine_start_s": 152.1, "output_tok_s": 518.3}]
+    buf = io.StringIO()
+    Console(file=buf, width=300).print(summary_table(rows))
+    auto = next(line for line in buf.getvalue().splitlines() if " auto " in line)
+    assert "257,904" in auto and "131" in auto and "reached: 548 s into the burst" in auto
+    assert "4.38x" not in buf.getvalue()  # no ratio against a row that is not ok

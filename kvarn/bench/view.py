@@ -123,6 +123,9 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
         for k in ("output_tok_s", "total_tok_s", "kv_tokens", "kv_cache_gib", "max_concurrency", "peak_running",
                   "preemptions", "ttft_ms_p50", "tpot_ms_p50", "engine_start_s", "gpu_mem_gib"):
             base[k] = _median([r.get(k) for r in ok])
+        if not ok:  # a timed-out cell still knows its capacity and start (its progress): shown, not compared
+            for k in ("kv_tokens", "max_concurrency", "engine_start_s"):
+                base[k] = _median([r.get(k) for r in rs])
         base["status"] = "ok" if ok else rs[-1]["status"]
         base["n_ok"], base["n"] = len(ok), len(rs)
         base["repeat"] = -1
@@ -144,7 +147,7 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
             "max reqs@burst": _f(m["max_concurrency"]), "peak running": _f(m["peak_running"], "{:.0f}"),
             "preempt": _f(m["preemptions"], "{:.0f}"), "TTFT p50 ms": _f(m["ttft_ms_p50"]),
             "TPOT p50 ms": _f(m["tpot_ms_p50"], "{:.2f}"), "start s": _f(m["engine_start_s"]),
-            "error": "" if m["status"] == "ok" else f"{m['status']}: {m.get('error', '')}"[:120]})
+            "error": "" if m["status"] == "ok" else f"{m['status']}: {m.get('error', '')}"[:240]})  # "reached: ..." too
     # what is the same on every row goes in the title, what is empty everywhere is left out: the table stays
     # readable in an 80-column terminal
     fixed = [c for c in ("model", "TP", "burst") if len({r[c] for r in rows_out}) == 1]
