@@ -2,6 +2,8 @@
 # Device-side driver (the lent H200). The bundle chunks c0..c4 were staged into /tmp/stage by earlier calls
 # (see ../shared/device/README.md); this call carries .device/c5 and .device/bin (and .device/data for eval data).
 #   bash scripts/device/run.sh PART[:SECS] [PART[:SECS] ...]   PART = a script scripts/device/PART.sh, run in order
+#   PART[:SECS]@VAR=value[,VAR=value]                            that part with these variables set (e.g. an A/B:
+#                                                                bench:420 bench:420@KVARN_DEFER_FLUSH=1)
 # Each part gets its own time limit (SECS, else KVARN_PART_TIMEOUT, default 240 s) and its log under $OUT/PART.log.
 #   KVARN_BG=1 bash scripts/device/run.sh PART...   the same, started in its own process session (setsid: it outlives
 #                                                  the call, until the machine goes back) and returning at once;
@@ -109,15 +111,20 @@ save_cache() {
 nvidia-smi ${KVARN_GPU:+-i "$KVARN_GPU"} --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; python3 -c "import vllm; print('vllm', vllm.__version__)" 2>/dev/null || echo "vllm: absent"
 summary=()
+n=0
 for spec in "$@"; do
+  # PART[:SECS][@VAR=value,VAR=value]: environment for this part only, e.g. eval:300@KVARN_DEFER_FLUSH=1
+  envs=(); case "$spec" in *@*) IFS=, read -r -a envs <<< "${spec#*@}"; spec=${spec%%@*} ;; esac
   part=${spec%%:*}; secs=${KVARN_PART_TIMEOUT:-240}; [ "$spec" != "$part" ] && secs=${spec#*:}
+  n=$((n + 1)); name=$part; [ -e "$OUT/$name.log" ] && name=$part-$n   # a part run twice keeps both logs
   start=$(date +%s)
-  KVARN_PART=$part KVARN_PART_SECS=$secs timeout -k 10 "$secs" bash "${KVARN_SCRIPTS_DIR:-scripts/device}/$part.sh" > "$OUT/$part.log" 2>&1
+  env "${envs[@]}" KVARN_PART=$name KVARN_PART_SECS=$secs timeout -k 10 "$secs" \
+    bash "${KVARN_SCRIPTS_DIR:-scripts/device}/$part.sh" > "$OUT/$name.log" 2>&1
   rc=$?
   # leftover engines keep GPU memory: end them before the next part
   bash "${KVARN_SCRIPTS_DIR:-scripts/device}/free_gpu.sh"
-  summary+=("$part rc=$rc $(( $(date +%s) - start ))s")
-  echo "=== $part (rc=$rc) last lines:"; tail -n "${KVARN_TAIL:-25}" "$OUT/$part.log"
+  summary+=("$name${envs[*]:+ (${envs[*]})} rc=$rc $(( $(date +%s) - start ))s")
+  echo "=== $name${envs[*]:+ (${envs[*]})} (rc=$rc) last lines:"; tail -n "${KVARN_TAIL:-25}" "$OUT/$name.log"
 done
 save_cache
 echo "=== summary"; printf '%s\n' "${summary[@]}"
