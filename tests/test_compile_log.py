@@ -1,40 +1,38 @@
-"""KVARN_LOG_COMPILES: one timed line per Triton compile (kvarn.kernels.compile_log), chained with other hooks."""
+"""KVARN_LOG_COMPILES: one timed line per Triton compile (kvarn.kernels.compile_log), chained with other listeners."""
 import io
 import re
+from types import SimpleNamespace
 
 import pytest
 
 
-def _kw(name="_flush_layers_kernel", key=("k", 1), warm=False):
-    from types import SimpleNamespace
-
-    fn = SimpleNamespace(name=name, module=None, jit_function=None)
-    return dict(key=key, repr=f"{name}[num_warps=8, num_ctas=1](ktab_ptr: *i64, n_tiles: i32)", fn=fn,
-                compile={}, is_manual_warmup=warm, already_compiled=False)
+def _kw(cache_hit=False):
+    src = SimpleNamespace(name="_flush_layers_kernel", signature={"ktab_ptr": "*i64", "n_tiles": "i32"})
+    return dict(src=src, metadata={}, metadata_group={}, times=SimpleNamespace(total=2_410_000), cache_hit=cache_hit)
 
 
 def test_compile_line_names_the_kernel_its_duration_and_arguments():
     from kvarn.kernels import compile_log
 
     out = io.StringIO()
-    assert compile_log.on_start(**_kw()) is None  # never skips Triton's compile
-    compile_log.on_done(**_kw(), stream=out)
+    compile_log.listener(**_kw(), stream=out)
     line = out.getvalue().strip()
-    assert re.fullmatch(r"\[kvarn\] \d\d:\d\d:\d\d\.\d{3} triton compile _flush_layers_kernel \d+\.\d\d s "
+    assert re.fullmatch(r"\[kvarn\] \d\d:\d\d:\d\d\.\d{3} triton compile _flush_layers_kernel 2\.41 s "
                         r"\(ktab_ptr: \*i64, n_tiles: i32\)", line), line
     out = io.StringIO()
-    compile_log.on_done(**_kw(key=("never", "started"), warm=True), stream=out)  # no start seen: nan, still logged
-    assert "nan s (warm-up)" in out.getvalue()
+    compile_log.listener(**_kw(cache_hit=True), stream=out)
+    assert "2.41 s, disk cache (" in out.getvalue()
+    compile_log.listener(src=None, metadata=None, metadata_group=None, times=None, cache_hit=False,
+                         stream=io.StringIO())  # odd arguments: a line with what is known, never an exception
 
 
-def test_install_chains_hooks_once(monkeypatch):
+def test_install_chains_listeners_once(monkeypatch):
     knobs = pytest.importorskip("triton.knobs")
     from kvarn.kernels import compile_log
 
     seen = []
-    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: seen.append("theirs") or None)
-    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(knobs.compilation, "listener", lambda **kw: seen.append(kw["cache_hit"]))
     monkeypatch.setitem(compile_log._INSTALLED, "done", False)
     assert compile_log.install() and compile_log.install()  # the second call changes nothing
-    assert knobs.runtime.jit_cache_hook(**_kw()) is None and seen == ["theirs"]
-    assert knobs.runtime.jit_post_compile_hook is compile_log.on_done
+    knobs.compilation.listener(**_kw())
+    assert seen == [False]  # theirs ran once, ours printed (stderr)
