@@ -57,8 +57,9 @@ def _num(x) -> float:
         return math.nan
 
 
-def describe(progress: dict) -> str:
-    """One clause for a timed-out row's error: where the worker was when it was killed ('' when unknown)."""
+def describe(progress: dict, now: float | None = None) -> str:
+    """One clause for a timed-out row's error: where the worker was when it was killed at `now` (epoch seconds;
+    the burst's seconds count from its recorded start to then, not to the file's last write); '' when unknown."""
     phase = progress.get("phase")
     if not phase:
         return ""
@@ -69,14 +70,22 @@ def describe(progress: dict) -> str:
     if phase == "warm-up":
         return "reached: the warm-up" + (f" ({started})" if started else "")
     done, n = _num(progress.get("completed")), _num(progress.get("num_requests"))
-    out, secs = _num(progress.get("total_output_tokens")), _num(progress.get("burst_s"))
+    # every token generated so far (offline), else the finished requests' (serve: a stream's count comes at its end;
+    # also what the total_output_tokens column means)
+    gen, fin = _num(progress.get("generated_tokens")), _num(progress.get("total_output_tokens"))
+    secs = _num(progress.get("burst_s"))
+    t0 = _num(progress.get("burst_started_at"))
+    if now is not None and not math.isnan(t0):
+        secs = now - t0
     parts = []
     if not math.isnan(secs):
         parts.append(f"{secs:.0f} s into the burst")
     if not math.isnan(done) and not math.isnan(n):
         parts.append(f"{done:.0f} of {n:.0f} requests done")
-    if not math.isnan(out):
-        parts.append(f"{out:,.0f} output tokens")
+    if not math.isnan(gen):
+        parts.append(f"{gen:,.0f} output tokens")
+    elif not math.isnan(fin):
+        parts.append(f"{fin:,.0f} output tokens of finished requests")
     if started:
         parts.append(started)
     return "reached: " + ", ".join(parts) if parts else ""

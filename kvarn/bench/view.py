@@ -93,7 +93,8 @@ def stall_notes(rows: list[dict]) -> list[str]:
     """One line per ok row whose longest inter-token gap (itl_ms_max) looks like a stall that every running request
     shared (a kernel compiling mid-run, ...): the row's throughput understates the configuration. Rows with
     preemptions are left out: a preempted request's gap spans its wait for re-admission and its recompute (the
-    Qwen3-32B showcase's 130 s gap in session 11), which says nothing about the other requests."""
+    Qwen3-32B showcase's 130 s gap in session 11), which says nothing about the other requests; a real shared stall
+    in such a row goes unflagged (the trade-off: no false alarm on every preempting run)."""
     notes = []
     for r in rows:
         mx, p50 = r.get("itl_ms_max"), r.get("itl_ms_p50")
@@ -133,7 +134,6 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
     for m in med:
         ref = m if m["kv_dtype"] in FP16_NAMES else fp16_reference({**m, "run_id": None}, med)
         m.update(ratios(m, ref))
-    models = sorted({str(m["model"]) for m in med})
     rows_out = []
     for m in med:
         kv = _f(m.get("kv_tokens"), "{:,.0f}")

@@ -1,6 +1,7 @@
-"""One log line per Triton compile of this process (any kernel: ours, vLLM's, TurboQuant's), with wall-clock time
-and duration, so a stall in a serving run can be matched to a compile (KVARN_LOG_COMPILES=1; the vLLM plugin
-installs it in every vLLM process, `kvarn bench` sets it for its cells).
+"""One log line per Triton compile of this process (ours, vLLM's and TurboQuant's kernels alike), with wall-clock
+time and duration, so a stall in a serving run can be matched to a compile (KVARN_LOG_COMPILES=1: the vLLM plugin's
+register() installs it in each process that loads it, i.e. vLLM's front end, engine core and workers, while the
+plugin is active; `kvarn bench` sets it for its cells). TorchInductor's compile subprocesses are not covered.
 
     [kvarn] 03:21:07.412 triton compile _flush_layers_kernel 2.41 s (ktab_ptr: *i64, n_tiles: i32, ...)
     [kvarn] 03:21:09.020 triton compile _decode_kernel 0.01 s, disk cache (q_ptr: *bf16, ...)
@@ -26,7 +27,7 @@ def _describe(src) -> tuple[str, str]:
     return name, args
 
 
-def listener(*, src, metadata, metadata_group, times, cache_hit, stream=None) -> None:
+def listener(*, src=None, metadata=None, metadata_group=None, times=None, cache_hit=False, stream=None, **_) -> None:
     """Triton's CompilationListener: print the line (never raises: a log must not break a compile)."""
     try:
         name, args = _describe(src)

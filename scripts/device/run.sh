@@ -113,8 +113,17 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 summary=()
 n=0
 for spec in "$@"; do
-  # PART[:SECS][@VAR=value,VAR=value]: environment for this part only, e.g. eval:300@KVARN_DEFER_FLUSH=1
-  envs=(); case "$spec" in *@*) IFS=, read -r -a envs <<< "${spec#*@}"; spec=${spec%%@*} ;; esac
+  # PART[:SECS][@VAR=value,VAR=value]: environment for this part only, e.g. eval:300@KVARN_DEFER_FLUSH=1; a piece
+  # that is no VAR=... continues the previous value (KVARN_BENCH_KV=auto,fp8)
+  envs=()
+  if [[ $spec == *@* ]]; then
+    IFS=, read -r -a raw <<< "${spec#*@}"; spec=${spec%%@*}
+    for e in "${raw[@]}"; do
+      if [[ $e =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; then envs+=("$e")
+      elif [ ${#envs[@]} -gt 0 ]; then envs[-1]+=",$e"
+      else echo "bad part spec '$spec@${raw[*]}': VAR=value expected after @"; exit 2; fi
+    done
+  fi
   part=${spec%%:*}; secs=${KVARN_PART_TIMEOUT:-240}; [ "$spec" != "$part" ] && secs=${spec#*:}
   n=$((n + 1)); name=$part; [ -e "$OUT/$name.log" ] && name=$part-$n   # a part run twice keeps both logs
   start=$(date +%s)

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -121,7 +122,7 @@ class VllmEngine(Engine):
         try:
             if res.timed_out:  # what the worker reached (capacity, requests done) still goes into the row
                 prog = read_progress(work)
-                where = describe(prog)
+                where = describe(prog, now=time.time())
                 return EngineResult("timeout", f"no result after {timeout_s:.0f} s; process group killed "
                                                f"({len(res.killed_pids)} processes)" + (f"; {where}" if where else ""),
                                     {**row_metrics(prog), "wall_s": res.elapsed_s})

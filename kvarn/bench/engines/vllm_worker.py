@@ -38,8 +38,11 @@ def classify_error(text: str) -> str:
 
 def last_error_line(log_text: str) -> str:
     """The line of an engine's log that says why it stopped: the last out-of-memory line, else the last exception
-    line (not the traceback's frames), else the last line."""
+    line (not the traceback's frames), else the last line; of the latest attempt only (a cell's log is appended to
+    by each rerun, after a `$ command` header)."""
     lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    heads = [i for i, ln in enumerate(lines) if ln.startswith("$ ")]
+    lines = lines[heads[-1] + 1:] if heads else lines
     for pick in (lambda x: classify_error(x) == "oom",
                  lambda x: re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", x) or "Error:" in x or "error:" in x):
         hit = [x for x in lines if pick(x)]
@@ -55,7 +58,7 @@ def _log_error(path: str | None, tail_bytes: int = 200_000) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, 2) - tail_bytes))
-            return last_error_line(f.read().decode(errors="replace"))
+            return last_error_line(f.read().decode(errors="replace"))[:300]  # within the row's 500
     except (OSError, TypeError):
         return "(no log)"
 
@@ -138,9 +141,9 @@ def run_offline(spec: dict) -> dict:
     preempt0 = preemption_count(_metric_values(llm.get_metrics()))  # counters are cumulative: the warm-up's out
     recs: dict[str, RequestRecord] = {}
     peak_running = peak_waiting = kv_usage = 0.0
-    n_done = n_out = 0
+    n_done = n_out = n_out_done = 0  # requests finished, tokens generated, tokens of finished requests
     progress.update(force=True, phase="burst", engine_start_s=metrics["engine_start_s"], num_requests=len(prompts),
-                    completed=0, total_output_tokens=0, burst_s=0.0)
+                    completed=0, generated_tokens=0, total_output_tokens=0, burst_s=0.0, burst_started_at=time.time())
     start = time.perf_counter()
     try:
         for i, p in enumerate(prompts):  # the whole burst at once, as LLM.generate would submit it
@@ -151,6 +154,7 @@ def run_offline(spec: dict) -> dict:
         if recs:
             raise
         print(f"[kvarn] step loop unavailable ({e}); timing LLM.generate as a whole", flush=True)
+        progress.update(force=True, completed=None, generated_tokens=None, total_output_tokens=None)  # none there
         return _generate_only(llm, prompts, params, metrics, info, kwargs, preempt0)
     last_sample = 0.0
     while engine.has_unfinished_requests():
@@ -174,6 +178,7 @@ def run_offline(spec: dict) -> dict:
             if o.finished and not r.success:
                 r.success = True
                 n_done += 1
+                n_out_done += r.output_tokens
         if now - last_sample > 0.25:
             last_sample = now
             vals = _metric_values(llm.get_metrics())
@@ -183,7 +188,7 @@ def run_offline(spec: dict) -> dict:
             progress.data.update(peak_running=peak_running, peak_waiting=peak_waiting, kv_usage_peak=kv_usage,
                                  preemptions=preemption_count(vals) - (0.0 if math.isnan(preempt0) else preempt0))
         # every step (the file itself is rewritten at most every few seconds)
-        progress.update(completed=n_done, total_output_tokens=n_out, burst_s=now - start)
+        progress.update(completed=n_done, generated_tokens=n_out, total_output_tokens=n_out_done, burst_s=now - start)
     duration = time.perf_counter() - start
     vals = _metric_values(llm.get_metrics())
     metrics.update(summarize(list(recs.values()), duration))
@@ -313,14 +318,16 @@ def run_serve(spec: dict) -> dict:
         sampler.sample()
         preempt0 = preemption_count(sampler.last)  # cumulative counter: the warm-up's preemptions out
         sampler.start()
+        # serve: a request's tokens are known when its stream ends (total_output_tokens: finished requests')
         progress.update(force=True, phase="burst", engine_start_s=start_s, num_requests=len(prompts), completed=0,
-                        total_output_tokens=0, burst_s=0.0)
+                        total_output_tokens=0, burst_s=0.0, burst_started_at=time.time())
         lock, t_burst = threading.Lock(), time.perf_counter()
 
-        def done(rec) -> None:  # from the load's sending threads
+        def done(rec) -> None:  # from the load's sending threads; written at once (few, and nothing else writes)
             with lock:
                 d = progress.data
-                progress.update(completed=d["completed"] + bool(rec.success), burst_s=time.perf_counter() - t_burst,
+                progress.update(force=True, completed=d["completed"] + bool(rec.success),
+                                burst_s=time.perf_counter() - t_burst,
                                 total_output_tokens=d["total_output_tokens"] + rec.output_tokens)
 
         records, duration = run_load(host, port, model_dir, prompts, spec["output_len"],
