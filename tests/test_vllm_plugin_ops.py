@@ -431,3 +431,31 @@ def test_pending_flush_bookkeeping():
     with pytest.raises(KvarnError, match="pending buffer holds 6"):
         pf.note(np.full(7, G), np.arange(7, dtype=np.int32), torch.zeros(7, 2, dtype=torch.int32), G)
     assert pf.n == 2  # the tiles it had are still there
+
+
+def test_pending_flush_logs_its_first_and_slow_launches(caplog, monkeypatch):
+    """The first deferred flush and any whose launch takes seconds on the host (a compile mid-run) are logged with
+    their tile count, so a stall in a serving log can be matched to one; the others are silent."""
+    import logging
+
+    from kvarn.vllm_plugin import tails as tails_mod
+
+    tails = TailBuffers()
+    tails.allocate(["l0"], 2, HK, G, D, torch.float32, "cpu")
+    tails.register_cache("l0", torch.zeros(4, HK, FMT.record_bytes(D), dtype=torch.uint8))
+    pf = tails.pending(["l0"], 2, "cpu")
+    bt = torch.arange(8, dtype=torch.int32).reshape(2, 4)
+
+    def flush_one():
+        pf.note(np.array([G]), np.array([0], dtype=np.int32), bt, G)
+        return pf.flush(tails.layer_buffers(["l0"]), FMT)
+
+    monkeypatch.setattr(tails_mod, "SLOW_LAUNCH_S", 1e9)  # (the interpreter on a CPU is slow itself)
+    with caplog.at_level(logging.INFO, logger="vllm.kvarn"):
+        assert flush_one() == 1 and flush_one() == 1
+        monkeypatch.setattr(tails_mod, "SLOW_LAUNCH_S", -1.0)  # every launch "slow"
+        assert flush_one() == 1
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.kvarn"]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("kvarn: deferred flush #1: 1 tiles, launch ") and "slow" not in lines[0]
+    assert lines[1].startswith("kvarn: deferred flush #3: 1 tiles") and lines[1].endswith("(slow: a compile?)")

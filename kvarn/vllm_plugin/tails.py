@@ -13,7 +13,9 @@ Nothing here imports vLLM (tested on CPU).
 """
 from __future__ import annotations
 
+import logging
 import threading
+import time
 
 import numpy as np
 import torch
@@ -168,6 +170,10 @@ class TailBuffers:
         self.slots = 0
 
 
+_LOG = logging.getLogger("vllm.kvarn")
+SLOW_LAUNCH_S = 0.1  # a deferred flush whose launch takes longer is logged (the session-11 A/B's unexplained stall)
+
+
 class PendingFlush:
     """Tiles that deferred decode steps completed and left in the 16-bit tail (ops.decode_step with plan.defer:
     the step's attention reads them there). The next step's metadata build quantizes them, every layer in one
@@ -183,6 +189,7 @@ class PendingFlush:
         # layer set, like the pending tiles) and its host mirror
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)
         self._flag_now = 0
+        self.flushes = 0
 
     def set_flag(self, value: int) -> torch.Tensor:
         """This step's deferral (1) or not (0), written to the device flag only when it changes."""
@@ -231,7 +238,13 @@ class PendingFlush:
             raise KvarnError("kvarn: tiles are pending a flush but a layer's cache was never seen by its forward")
         from ..kernels.store import flush_layers
 
+        t0 = time.perf_counter()
         flush_layers(*buffers, self.slots[:n], self.blocks[:n], fmt)
+        host_s = time.perf_counter() - t0  # a launch is microseconds; seconds mean a compile (or a wait) in it
+        self.flushes += 1
+        if self.flushes == 1 or host_s > SLOW_LAUNCH_S:
+            _LOG.info("kvarn: deferred flush #%d: %d tiles, launch %.3f s on the host%s", self.flushes, n, host_s,
+                      " (slow: a compile?)" if host_s > SLOW_LAUNCH_S else "")
         return n
 
 
