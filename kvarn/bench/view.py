@@ -106,8 +106,8 @@ def stall_notes(rows: list[dict]) -> list[str]:
         if float(mx) >= STALL_S * 1000 and float(mx) >= 20 * float(p50):
             notes.append(f"note: {r['kv_dtype']} (repeat {int(r.get('repeat', 0))}): one inter-token gap took "
                          f"{float(mx) / 1000:.1f} s against an ITL p50 of {float(p50):.1f} ms, a stall all running "
-                         "requests shared (a kernel compiling mid-run? the cell's log has a line per Triton compile): its "
-                         "throughput is understated")
+                         "requests shared (a kernel compiling mid-run? the cell's log has a line per Triton "
+                         "compile): its throughput is understated")
     return notes
 
 

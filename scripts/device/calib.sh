@@ -13,6 +13,7 @@ for i in 1 2 3; do
   python3 - "$OUT/calib$i.json" "$i" <<'PY' || tail -n 5 "$OUT/calib$i.err"
 import json, sys
 r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-print(f"calib run {sys.argv[2]}: kvarn {r['ms']:.4f} ms, fp16 baseline {r['baseline_ms']:.4f} ms, ratio {r['ratio']:.3f}")
+print(f"calib run {sys.argv[2]}: kvarn {r['ms']:.4f} ms, fp16 baseline {r['baseline_ms']:.4f} ms, "
+      f"ratio {r['ratio']:.3f}")
 PY
 done
