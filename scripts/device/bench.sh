@@ -23,7 +23,7 @@ KVARN="kvarn"; command -v kvarn >/dev/null 2>&1 || KVARN="python3 -m kvarn_cli.a
 
 if [ "${KVARN_BENCH_PART:-offline}" = serve ]; then
   timeout -k 20 "$BUDGET" $KVARN bench --engine vllm --mode serve --model qwen3-0.6b --dummy-weights \
-    --kv-dtype "${KVARN_SERVE_KV:-auto,kvarn_k4v2_g128}" --burst 1280 --prompt-len 1024 --requests 32 --timeout 200 \
+    --kv-dtype "${KVARN_SERVE_KV:-auto,kvarn_k4v2_g128}" --burst 1280 --prompt-len 1024 --requests 32 --timeout 300 \
     --goodput "ttft:2000 tpot:50" --gpu-memory-utilization 0.5 --out "$RES" 2>&1 | tail -n 40
 else
   kv="auto,fp8"
