@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvarn.bench.config import BenchConfig, Cell
-from kvarn.bench.engines.vllm_engine import VllmEngine, last_error_line
+from kvarn.bench.engines.vllm_engine import VllmEngine
+from kvarn.bench.engines.vllm_worker import last_error_line
 
 FAKE_VLLM = '''
 import os, time

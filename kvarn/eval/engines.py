@@ -346,7 +346,7 @@ class VLLMEngine:
             raise EngineError(f"vLLM run for {fmt.name} passed its {self.cfg.timeout_s:.0f} s limit (log: {log})",
                               "timeout")
         if proc.returncode != 0:
-            from ..bench.engines.vllm_engine import last_error_line
+            from ..bench.engines.vllm_worker import last_error_line
 
             text = log.read_text(errors="replace")
             status = "oom" if "out of memory" in text.lower() else "failed"

@@ -23,7 +23,7 @@ from ..process import GroupRunner
 from ..progress import describe, read_progress, row_metrics
 from .base import Engine, EngineResult, register_engine
 from .vllm_args import resolved_dtype
-from .vllm_worker import classify_error, last_error_line  # noqa: F401 (eval imports it from here)
+from .vllm_worker import classify_error, last_error_line
 
 DEFAULT_TIMEOUT_S = 1800.0  # the first TurboQuant start compiles Triton kernels for minutes
 

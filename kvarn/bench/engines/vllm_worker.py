@@ -142,6 +142,7 @@ def run_offline(spec: dict) -> dict:
     recs: dict[str, RequestRecord] = {}
     peak_running = peak_waiting = kv_usage = 0.0
     n_done = n_out = n_out_done = 0  # requests finished, tokens generated, tokens of finished requests
+    preempted = 0.0
     progress.update(force=True, phase="burst", engine_start_s=metrics["engine_start_s"], num_requests=len(prompts),
                     completed=0, generated_tokens=0, total_output_tokens=0, burst_s=0.0, burst_started_at=time.time())
     start = time.perf_counter()
@@ -185,10 +186,11 @@ def run_offline(spec: dict) -> dict:
             peak_running = max(peak_running, vals.get("vllm:num_requests_running", 0.0))
             peak_waiting = max(peak_waiting, vals.get("vllm:num_requests_waiting", 0.0))
             kv_usage = max(kv_usage, vals.get("vllm:kv_cache_usage_perc", 0.0))
-            progress.data.update(peak_running=peak_running, peak_waiting=peak_waiting, kv_usage_peak=kv_usage,
-                                 preemptions=preemption_count(vals) - (0.0 if math.isnan(preempt0) else preempt0))
+            preempted = preemption_count(vals) - (0.0 if math.isnan(preempt0) else preempt0)
         # every step (the file itself is rewritten at most every few seconds)
-        progress.update(completed=n_done, generated_tokens=n_out, total_output_tokens=n_out_done, burst_s=now - start)
+        progress.update(completed=n_done, generated_tokens=n_out, total_output_tokens=n_out_done, burst_s=now - start,
+                        peak_running=peak_running, peak_waiting=peak_waiting, kv_usage_peak=kv_usage,
+                        preemptions=preempted)
     duration = time.perf_counter() - start
     vals = _metric_values(llm.get_metrics())
     metrics.update(summarize(list(recs.values()), duration))
