@@ -26,6 +26,26 @@ def test_compile_line_names_the_kernel_its_duration_and_arguments():
                          stream=io.StringIO())  # odd arguments: a line with what is known, never an exception
 
 
+def test_compile_line_tells_variants_apart():
+    """Two variants of one kernel (a row count of 1 made constexpr, a divisible stride) print different lines: the
+    constexpr values, then the arguments specialised as divisible by 16 (Triton's ASTSource fields)."""
+    from kvarn.kernels import compile_log
+
+    sig = {"k_ptr": "*bf16", "stride_kt": "i32", "n_rows": "i32", "H": "constexpr", "DECODE": "constexpr"}
+    lines = []
+    for n_rows_const, div in ((False, [0, 1]), (True, [0])):
+        consts = {(3,): 8, (4,): False}
+        if n_rows_const:
+            consts[(2,)] = 1
+        src = SimpleNamespace(name="_store_tiles_kernel", signature=sig, constants=consts,
+                              attrs={(i,): [["tt.divisibility", 16]] for i in div})
+        out = io.StringIO()
+        compile_log.listener(src=src, times=SimpleNamespace(total=4_780_000), stream=out)
+        lines.append(out.getvalue().strip())
+    assert lines[0].endswith("_store_tiles_kernel 4.78 s (H=8 DECODE=False; 16: k_ptr stride_kt)"), lines[0]
+    assert lines[1].endswith("_store_tiles_kernel 4.78 s (n_rows=1 H=8 DECODE=False; 16: k_ptr)"), lines[1]
+
+
 def test_install_chains_listeners_once(monkeypatch):
     knobs = pytest.importorskip("triton.knobs")
     from kvarn.kernels import compile_log

@@ -38,6 +38,7 @@ import os
 import triton
 import triton.language as tl
 
+from .common import serving_jit
 from .rotate import hadamard_pm1, x_times_h
 
 LOG2E = 1.4426950408889634
@@ -233,7 +234,7 @@ def _partial_stats(m_i, l_i):
     return 1.0 / tl.where(has, l_i, 1.0), tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
 
 
-@triton.jit
+@serving_jit(ints=["R"])
 def rotate_rows_kernel(x_ptr, y_ptr, R, scale, stride_xn, stride_xh, HQ: tl.constexpr, D: tl.constexpr,
                        BR: tl.constexpr, MMA_BF16: tl.constexpr):
     """y[r] = (x[n, h] * scale) @ Hn for the R = N*HQ rows r = n*HQ + h; y fp32 [R, D] contiguous."""
@@ -246,7 +247,7 @@ def rotate_rows_kernel(x_ptr, y_ptr, R, scale, stride_xn, stride_xh, HQ: tl.cons
     tl.store(y_ptr + r.to(tl.int64)[:, None] * D + di[None, :], y, mask=ok[:, None])
 
 
-@triton.jit
+@serving_jit(ints=["R", "num_splits"])
 def finish_kernel(po_r_ptr, po_t_ptr, plse_ptr, out_ptr, R, num_splits, stride_on, stride_oh, HQ: tl.constexpr,
                   D: tl.constexpr, BR: tl.constexpr, MMA_BF16: tl.constexpr):
     """Merge the record-split partials (rotated basis) and the tail partial (unrotated) of R rows with
@@ -276,7 +277,7 @@ def finish_kernel(po_r_ptr, po_t_ptr, plse_ptr, out_ptr, R, num_splits, stride_o
     tl.store(out_ptr + o_off[:, None] + di[None, :], o.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
-@triton.jit
+@serving_jit(ints=["num_splits", "stride_btb"])
 def kvarn_attention_kernel(
     qr_ptr, cache_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, sink_lens_ptr, defer_ptr,
     po_r_ptr, plse_ptr,  # (the tail is tail_attention_kernel's)
@@ -443,7 +444,7 @@ def _tail_run(qa, qb, tk_base, tv_base, stride_tkg, stride_tvg, n, pos0, L, m_i,
     return m_i, l_i, acc_t
 
 
-@triton.jit
+@serving_jit(ints=["num_splits"])
 def tail_attention_kernel(
     q_ptr, seq_lens_ptr, qsl_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, sink_lens_ptr, defer_ptr, po_t_ptr,
     plse_ptr,

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .attention import _partial_stats, _plane, _query_planes, _records_end, _sink_lo, _split16, _split_tiles
+from .common import serving_jit
 
 
 # ------------------------------------------------------------------------------------------------ token-row layout
@@ -53,7 +54,7 @@ def _value_plane_t(pvT, ps, acc, J: tl.constexpr, VB: tl.constexpr, UNPACK: tl.c
     return _dot16_t(_plane(pvT, J * VB, VB, UNPACK), hi, lo, acc, VSPLIT)
 
 
-@triton.jit
+@serving_jit(ints=["num_splits", "stride_btb"])
 def kvarn_attention_tok_kernel(
     qr_ptr, cache_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, defer_ptr,
     po_r_ptr, plse_ptr,
@@ -227,7 +228,7 @@ def _pair_program(qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP: tl.constexpr, BN:
     return b, kvh, split, S, col_ok, row, dp, u, v, bt, q0, q1, q2, q3, qnorm
 
 
-@triton.jit
+@serving_jit(ints=["num_splits", "stride_btb"])
 def kvarn_attention_pair_kernel(
     qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, defer_ptr,
     po_r_ptr, plse_ptr,
@@ -399,7 +400,7 @@ def _key_plane_p(qT, sk, zk, KSPLIT: tl.constexpr):
     return hi, lo, tl.sum(qT * zk.to(tl.float32)[:, None], axis=0)
 
 
-@triton.jit
+@serving_jit(ints=["num_splits", "stride_btb"])
 def kvarn_attention_pair_pipe_kernel(
     qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, defer_ptr,
     po_r_ptr, plse_ptr,

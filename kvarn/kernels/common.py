@@ -9,11 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from ..errors import KvarnError
 from ..formats import KVFormat, get_format
 
 FP16_MAX = 65504.0
+
+
+def serving_jit(ints=(), index_ptrs=()):
+    """triton.jit for a kernel that serving steps launch. `ints`: arguments that change from step to step (row,
+    tile and split counts, the block table's width): Triton would otherwise compile one variant for 1, one for
+    multiples of 16 and one for the rest, each at its first use, mid-run (H200, session 12: 4.8-6.3 s per variant of
+    the store kernel, a stall of every running request; vLLM's JIT monitor warns about each). `index_ptrs`: index
+    tensors that may be slices at any offset, not specialised on 16-byte alignment (scalar loads: nothing to
+    vectorise). What the engine's warm-up compiles is then what every later step runs."""
+    return triton.jit(do_not_specialize=list(ints), do_not_specialize_on_alignment=list(index_ptrs))
 
 
 @dataclass(frozen=True)

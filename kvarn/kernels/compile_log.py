@@ -3,8 +3,10 @@ time and duration, so a stall in a serving run can be matched to a compile (KVAR
 register() installs it in each process that loads it, i.e. vLLM's front end, engine core and workers, while the
 plugin is active; `kvarn bench` sets it for its cells). TorchInductor's compile subprocesses are not covered.
 
-    [kvarn] 03:21:07.412 triton compile _flush_layers_kernel 2.41 s (ktab_ptr: *i64, n_tiles: i32, ...)
-    [kvarn] 03:21:09.020 triton compile _decode_kernel 0.01 s, disk cache (q_ptr: *bf16, ...)
+    [kvarn] 03:21:07.412 triton compile _flush_layers_kernel 2.41 s (H=8 G=128 D=128 ...; 16: ktab_ptr ...)
+    [kvarn] 03:21:09.020 triton compile _decode_kernel 0.01 s, disk cache (G=128 D=128 ...; 16: q_ptr ...)
+
+(the constexpr values, then the arguments specialised as divisible by 16: what tells two variants apart)
 
 It is Triton's compilation listener (knobs.compilation.listener, called by triton.compile() after every compile
 or on-disk cache hit with its stage times), chained with a listener already set. A new specialisation of a kernel
@@ -20,11 +22,26 @@ _LOCK = threading.Lock()
 _INSTALLED = {"done": False}
 
 
+def _by_name(d: dict, names: list) -> dict:
+    """Triton keys constants / attributes by argument path ((index,) for a top-level argument): by name."""
+    return {names[k[0]]: v for k, v in d.items() if isinstance(k, tuple) and len(k) == 1 and 0 <= k[0] < len(names)}
+
+
 def _describe(src) -> tuple[str, str]:
+    """(kernel name, what tells its variants apart: the constexpr values, then the arguments specialised as
+    divisible by 16 / 16-byte aligned); the plain signature where the source has no such fields."""
     name = str(getattr(src, "name", None) or type(src).__name__)
     sig = getattr(src, "signature", None)
-    args = ", ".join(f"{k}: {v}" for k, v in sig.items()) if isinstance(sig, dict) else ""
-    return name, args
+    if not isinstance(sig, dict):
+        return name, ""
+    consts, attrs = getattr(src, "constants", None), getattr(src, "attrs", None)
+    if not isinstance(consts, dict) or not isinstance(attrs, dict):
+        return name, ", ".join(f"{k}: {v}" for k, v in sig.items())
+    names = list(sig)
+    values, special = _by_name(consts, names), _by_name(attrs, names)
+    const = " ".join(f"{n}={values[n]}" for n in names if n in values)
+    div = " ".join(n for n in names if n in special)
+    return name, const + (f"; 16: {div}" if div else "")
 
 
 def listener(*, src=None, metadata=None, metadata_group=None, times=None, cache_hit=False, stream=None, **_) -> None:
@@ -34,7 +51,7 @@ def listener(*, src=None, metadata=None, metadata_group=None, times=None, cache_
         total = getattr(times, "total", None)
         secs = f"{total / 1e6:.2f} s" if isinstance(total, (int, float)) else "? s"
         line = (f"[kvarn] {datetime.now().strftime('%H:%M:%S.%f')[:-3]} triton compile {name} {secs}"
-                + (", disk cache" if cache_hit else "") + (f" ({args[:400]})" if args else ""))
+                + (", disk cache" if cache_hit else "") + (f" ({args[:600]})" if args else ""))
         print(line, file=stream or sys.stderr, flush=True)
     except Exception:  # noqa: BLE001
         pass

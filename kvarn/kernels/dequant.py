@@ -27,11 +27,11 @@ import triton.language as tl
 from ..errors import KvarnError
 from ..formats import KVFormat
 from .attention import mma_bf16
-from .common import as_format, check_cache, f16_view, layout
+from .common import as_format, check_cache, f16_view, layout, serving_jit
 from .rotate import h_times_x, hadamard_pm1, hadamard_pm1_cols, x_times_h
 
 
-@triton.jit
+@serving_jit(index_ptrs=["block_ids_ptr", "dst_ptr"])
 def _dequant_kernel(cache_ptr, cache16_ptr, block_ids_ptr, dst_ptr, k_ptr, v_ptr,
                     stride_cb, stride_ch, stride_kn, stride_kh, stride_vn, stride_vh,
                     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,

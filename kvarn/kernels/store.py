@@ -45,7 +45,7 @@ from .rotate import (h_times_x, h_times_x_acc, hadamard_pm1_block, rot_scale, x_
 from ..errors import KvarnError
 from ..formats import KVFormat
 from .attention import mma_bf16
-from .common import FP16_MAX, as_format, check_cache, check_tail, defer_flag, f16_view, layout
+from .common import FP16_MAX, as_format, check_cache, check_tail, defer_flag, f16_view, layout, serving_jit
 
 STD_MIN, STD_MAX = 1e-3, 1e3  # clamp of the measured std per balancing step (kvarn-method.md)
 LOG_MIN, LOG_MAX = -0.3, 10.0  # clip of the accumulated log-scales
@@ -371,7 +371,8 @@ def _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, 
         tl.store(cache16_ptr + b16 + OFF_CV // 2 + di, cv.to(tl.float16))
 
 
-@triton.jit
+@serving_jit(ints=["n_rows", "stride_bt"],
+             index_ptrs=["block_ids_ptr", "src_rows_ptr", "seq_lens_ptr", "bt_ptr", "defer_ptr"])
 def _store_tiles_kernel(
     k_ptr, v_ptr, cache_ptr, cache16_ptr, block_ids_ptr, src_rows_ptr, seq_lens_ptr, bt_ptr, defer_ptr,
     stride_kt, stride_kh, stride_kg, stride_vt, stride_vh, stride_vg,
@@ -437,9 +438,7 @@ def _store_tiles_kernel(
                        OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, MMA_BF16, RB, BAL, 0, PACK8)
 
 
-# n_tiles changes every step: not specialised (Triton would compile separate variants for 1, multiples of 16 and
-# the rest, each at its first use in a serving run, each a stall of seconds for every running request)
-@triton.jit(do_not_specialize=["n_tiles"])
+@serving_jit(ints=["n_tiles"], index_ptrs=["slots_ptr", "blk_ptr"])
 def _flush_layers_kernel(
     ktab_ptr, vtab_ptr, ctab_ptr, slots_ptr, blk_ptr, n_tiles,
     stride_kt, stride_kh, stride_kg, stride_vt, stride_vh, stride_vg, stride_cb, stride_ch,

@@ -128,15 +128,12 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self._defer = (defer_flush_enabled() and self._decode_kernels
                        and getattr(vllm_config, "speculative_config", None) is None)
         self._pending = TAILS.pending(layer_names, cap, device)
-        if self._decode_kernels:
-            from ..kernels import prepare
+        if self._decode_kernels:  # compiles what prefill steps launch, and syncs: before any graph capture
+            from .warmup import warm_up
 
-            prepare(kv_cache_spec.head_size, device)  # device checks that sync: before any graph capture
-            if self._defer:  # its first flush would otherwise compile mid-run (BENCHMARKS.md, session 10)
-                from ..kernels.store import compile_flush_layers
-
-                compile_flush_layers(kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
-                                     self.fmt.group + self.fmt.sink_tokens, dtype, self.fmt, device)
+            warm_up(kv_cache_spec.num_kv_heads,
+                    vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config),
+                    kv_cache_spec.head_size, dtype, self.fmt, device, defer=self._defer)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvarnMetadata:
