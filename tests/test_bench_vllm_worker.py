@@ -12,7 +12,7 @@ from kvarn.bench.engines.vllm_engine import VllmEngine
 from kvarn.bench.engines.vllm_worker import last_error_line
 
 FAKE_VLLM = '''
-import os, time
+import os, sys, time
 from types import SimpleNamespace
 
 class SamplingParams:
@@ -45,6 +45,9 @@ class _Engine:
     def step(self):
         time.sleep(0.002)
         self.steps += 1
+        if os.environ.get("FAKE_VLLM_JIT") and self.steps == 2:  # a kernel compiling in the timed burst
+            print("(EngineCore pid=1) [kvarn] 05:21:37.048 triton compile _store_tiles_kernel 6.27 s (H=8 G=128)",
+                  file=sys.stderr, flush=True)
         if os.environ.get("FAKE_VLLM_HANG") and self.steps > 3:
             time.sleep(600)
         outs = []
@@ -64,6 +67,9 @@ class LLM:
         open(os.environ["FAKE_VLLM_KWARGS"], "w").write(repr(sorted(kw.items())))
         self.llm_engine = _Engine(kw)
     def generate(self, prompts, params, use_tqdm=True):  # the untimed warm-up burst
+        if os.environ.get("FAKE_VLLM_JIT"):  # compiles in the warm-up are what it is for: not counted
+            print("(EngineCore pid=1) [kvarn] 05:21:28.754 triton compile _dequant_kernel 1.33 s (H=8)",
+                  file=sys.stderr, flush=True)
         with open(os.environ["FAKE_VLLM_KWARGS"] + ".warm", "a") as f:
             f.write(f"{len(prompts)} {len(prompts[0]['prompt_token_ids'])} {params.max_tokens}\\n")
         return []
@@ -111,6 +117,18 @@ def test_worker_offline_metrics_capacity_and_args(fake_vllm):
     log = Path(_cell(fake_vllm).log_path).read_text()
     assert "[kvarn] LLM(" in log
     assert not (Path(_cell(fake_vllm).log_path).parent / f"{Path(_cell(fake_vllm).log_path).stem}.work" / "model").exists()
+
+
+def test_row_counts_the_kernels_that_compiled_during_the_timed_burst(fake_vllm, monkeypatch):
+    """The cell's log says what compiled after the worker's burst mark (a stall of every running request): the row
+    carries the count, the seconds and the names; a compile in the untimed warm-up is not counted."""
+    res = VllmEngine().run(_cell(fake_vllm), timeout_s=60)
+    assert res.status == "ok" and res.metrics["jit_compiles"] == 0 and res.info["jit_kernels"] == ""
+    monkeypatch.setenv("FAKE_VLLM_JIT", "1")
+    res = VllmEngine().run(_cell(fake_vllm), timeout_s=60)
+    assert res.status == "ok", res.error
+    assert res.metrics["jit_compiles"] == 1 and res.metrics["jit_compile_s"] == pytest.approx(6.27)
+    assert res.info["jit_kernels"] == "_store_tiles_kernel 6.3 s"
 
 
 def test_lost_requests_fail_the_row(fake_vllm, monkeypatch):

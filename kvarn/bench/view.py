@@ -89,25 +89,38 @@ def _median(vals):
 STALL_S = 3.0  # an inter-token gap this long (and 20x the median) is no step of a normal schedule
 
 
+def _num(x) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def stall_notes(rows: list[dict]) -> list[str]:
-    """One line per ok row whose longest inter-token gap (itl_ms_max) looks like a stall that every running request
-    shared (a kernel compiling mid-run, ...): the row's throughput understates the configuration. Rows with
-    preemptions are left out: a preempted request's gap spans its wait for re-admission and its recompute (the
-    Qwen3-32B showcase's 130 s gap in session 11), which says nothing about the other requests; a real shared stall
-    in such a row goes unflagged (the trade-off: no false alarm on every preempting run)."""
+    """One line per ok row whose throughput a stall that every running request shared understates: kernels that
+    compiled during the timed burst (`jit_compiles`, from the cell's log), else a longest inter-token gap (itl_ms_max)
+    of seconds against a median of milliseconds. The gap test leaves out rows with preemptions: a preempted request's
+    gap spans its wait for re-admission and its recompute (the Qwen3-32B showcase's 130 s gap in session 11), which
+    says nothing about the other requests (the trade-off: no false alarm on every preempting run)."""
     notes = []
     for r in rows:
-        mx, p50 = r.get("itl_ms_max"), r.get("itl_ms_p50")
-        if r.get("status") != "ok" or mx is None or p50 is None or math.isnan(float(mx)) or math.isnan(float(p50)):
+        if r.get("status") != "ok":
             continue
-        pre = r.get("preemptions")
-        if pre is not None and not math.isnan(float(pre)) and float(pre) > 0:
+        who = f"note: {r['kv_dtype']} (repeat {int(r.get('repeat', 0))}):"
+        n_jit = _num(r.get("jit_compiles"))
+        if n_jit > 0:
+            notes.append(f"{who} {int(n_jit)} kernel compile(s) during the timed burst, "
+                         f"{_num(r.get('jit_compile_s')):.1f} s ({r.get('jit_kernels') or '?'}): every running "
+                         "request waited; its throughput is understated")
             continue
-        if float(mx) >= STALL_S * 1000 and float(mx) >= 20 * float(p50):
-            notes.append(f"note: {r['kv_dtype']} (repeat {int(r.get('repeat', 0))}): one inter-token gap took "
-                         f"{float(mx) / 1000:.1f} s against an ITL p50 of {float(p50):.1f} ms, a stall all running "
-                         "requests shared (a kernel compiling mid-run? the cell's log has a line per Triton "
-                         "compile): its throughput is understated")
+        mx, p50, pre = _num(r.get("itl_ms_max")), _num(r.get("itl_ms_p50")), _num(r.get("preemptions"))
+        if math.isnan(mx) or math.isnan(p50) or pre > 0:
+            continue
+        if mx >= STALL_S * 1000 and mx >= 20 * p50:
+            cause = ("its log shows no kernel compile in the burst" if n_jit == 0 else
+                     "a kernel compiling mid-run? the cell's log has a line per Triton compile")
+            notes.append(f"{who} one inter-token gap took {mx / 1000:.1f} s against an ITL p50 of {p50:.1f} ms, a "
+                         f"stall all running requests shared ({cause}): its throughput is understated")
     return notes
 
 

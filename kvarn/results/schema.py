@@ -41,6 +41,7 @@ BENCH_METRICS = (
     # added with `kvarn bench` (schema stays version 1: columns are only ever added)
     "failed_requests", "total_input_tokens", "total_output_tokens", "kv_blocks", "kv_cache_gib", "kv_usage_peak",
     "peak_waiting", "ttft_ms_mean", "tpot_ms_mean", "itl_ms_mean", "e2el_ms_mean", "wall_s", "itl_ms_max",
+    "jit_compiles", "jit_compile_s",
 )
 # Configuration columns of bench rows besides the core ones (docs/results.md).
 BENCH_CONFIG_COLUMNS = ("mode", "burst", "prompt_len", "output_len", "requests", "gpu_memory_utilization",
@@ -63,6 +64,7 @@ COLUMN_TYPES: dict[str, str] = {
     "gpu_memory_utilization": "float64", "max_num_seqs": "float64", "dummy_weights": "boolean",
     "model_dtype": "string", "engine_args": "string", "request_rate": "float64", "burstiness": "float64",
     "concurrency_limit": "float64", "goodput": "string", "weights": "string", "backend_env": "string",
+    "jit_kernels": "string",
     **{c: "string" for c in PROVENANCE_COLUMNS if c != "gpu_count"}, "gpu_count": "int64",
 }
 

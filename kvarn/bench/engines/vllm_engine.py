@@ -19,6 +19,7 @@ from ...errors import KvarnError
 from ...formats import get_format
 from ...shapes import resolve_model
 from ..config import BenchConfig, Cell
+from ..jit_log import midrun_compiles
 from ..process import GroupRunner
 from ..progress import describe, read_progress, row_metrics
 from .base import Engine, EngineResult, register_engine
@@ -120,19 +121,30 @@ class VllmEngine(Engine):
         env.setdefault("KVARN_LOG_COMPILES", "1")
         res = self.runner.run(cmd, log, timeout_s, env=env)
         try:
-            if res.timed_out:  # what the worker reached (capacity, requests done) still goes into the row
-                prog = read_progress(work)
-                where = describe(prog, now=time.time())
-                return EngineResult("timeout", f"no result after {timeout_s:.0f} s; process group killed "
-                                               f"({len(res.killed_pids)} processes)" + (f"; {where}" if where else ""),
-                                    {**row_metrics(prog), "wall_s": res.elapsed_s})
-            if result_path.is_file():
-                data = json.loads(result_path.read_text())
-                return EngineResult(data["status"], data.get("error", ""), data.get("metrics", {}), data.get("info", {}))
-            text = log.read_text(errors="replace") if log.is_file() else ""
-            return EngineResult(classify_error(text), f"worker exit {res.returncode}: {last_error_line(text)}")
+            out = self._result(res, work, result_path, log, timeout_s)
+            # kernels that compiled during the timed burst (a stall of every running request), from the cell's log
+            jit = midrun_compiles(log.read_text(errors="replace")) if log.is_file() else {}
+            if jit:
+                out.metrics = {**out.metrics, "jit_compiles": jit["jit_compiles"],
+                               "jit_compile_s": jit["jit_compile_s"]}
+                out.info = {**out.info, "jit_kernels": jit["jit_kernels"]}
+            return out
         finally:
             shutil.rmtree(work / "model", ignore_errors=True)
+
+    @staticmethod
+    def _result(res, work: Path, result_path: Path, log: Path, timeout_s: float) -> EngineResult:
+        if res.timed_out:  # what the worker reached (capacity, requests done) still goes into the row
+            prog = read_progress(work)
+            where = describe(prog, now=time.time())
+            return EngineResult("timeout", f"no result after {timeout_s:.0f} s; process group killed "
+                                           f"({len(res.killed_pids)} processes)" + (f"; {where}" if where else ""),
+                                {**row_metrics(prog), "wall_s": res.elapsed_s})
+        if result_path.is_file():
+            data = json.loads(result_path.read_text())
+            return EngineResult(data["status"], data.get("error", ""), data.get("metrics", {}), data.get("info", {}))
+        text = log.read_text(errors="replace") if log.is_file() else ""
+        return EngineResult(classify_error(text), f"worker exit {res.returncode}: {last_error_line(text)}")
 
     def interrupt(self) -> None:
         self.runner.stop()

@@ -30,19 +30,25 @@ from .vllm_args import llm_kwargs, model_dir_for, serve_argv
 OOM_PATTERNS = ("CUDA out of memory", "OutOfMemoryError", "out of memory", "No available memory for the cache blocks",
                 "larger than the available KV cache memory", "Insufficient memory")
 KV_LOG = re.compile(r"GPU KV cache size:\s*([\d,]+)\s*tokens")
+BURST_MARK = "[kvarn] the timed burst starts"  # in the cell log: what compiles after it, compiled under load
 
 
 def classify_error(text: str) -> str:
     return "oom" if any(p.lower() in text.lower() for p in OOM_PATTERNS) else "failed"
 
 
+def latest_attempt(log_text: str) -> list[str]:
+    """The non-empty lines (stripped) of a cell log's latest attempt: each rerun appends after a `$ command` header."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    heads = [i for i, ln in enumerate(lines) if ln.startswith("$ ")]
+    return lines[heads[-1] + 1:] if heads else lines
+
+
 def last_error_line(log_text: str) -> str:
     """The line of an engine's log that says why it stopped: the last out-of-memory line, else the last exception
     line (not the traceback's frames), else the last line; of the latest attempt only (a cell's log is appended to
     by each rerun, after a `$ command` header)."""
-    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
-    heads = [i for i, ln in enumerate(lines) if ln.startswith("$ ")]
-    lines = lines[heads[-1] + 1:] if heads else lines
+    lines = latest_attempt(log_text)
     for pick in (lambda x: classify_error(x) == "oom",
                  lambda x: re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", x) or "Error:" in x or "error:" in x):
         hit = [x for x in lines if pick(x)]
@@ -145,6 +151,7 @@ def run_offline(spec: dict) -> dict:
     preempted = 0.0
     progress.update(force=True, phase="burst", engine_start_s=metrics["engine_start_s"], num_requests=len(prompts),
                     completed=0, generated_tokens=0, total_output_tokens=0, burst_s=0.0, burst_started_at=time.time())
+    print(BURST_MARK, flush=True)
     start = time.perf_counter()
     try:
         for i, p in enumerate(prompts):  # the whole burst at once, as LLM.generate would submit it
@@ -323,6 +330,7 @@ def run_serve(spec: dict) -> dict:
         # serve: a request's tokens are known when its stream ends (total_output_tokens: finished requests')
         progress.update(force=True, phase="burst", engine_start_s=start_s, num_requests=len(prompts), completed=0,
                         total_output_tokens=0, burst_s=0.0, burst_started_at=time.time())
+        print(BURST_MARK, flush=True)
         lock, t_burst = threading.Lock(), time.perf_counter()
 
         def done(rec) -> None:  # from the load's sending threads; written at once (few, and nothing else writes)
