@@ -20,6 +20,16 @@ def test_synthetic_steps_cover_every_step_kind():
     assert p3.decode_only and list(p3.seq_lens) == [fmt.group + 5, fmt.group + 8]
 
 
+def test_fused_prefill_steps_cover_every_chunk_geometry():
+    """KVARN_PREFILL=kernel (or no FlashAttention): one continuation chunk per compiled BQ of the fused kernel."""
+    fmt = get_format("kvarn_k4v2_g64")
+    lens = warmup.fused_chunk_lens(2, 2)  # MHA: BQ up to 64
+    assert lens == [2, 4, 8, 16, 32, 64] and warmup.fused_chunk_lens(32, 8) == [2, 4, 8, 16]
+    plans = warmup.synthetic_steps(2, 2, 64, torch.float32, fmt, "cpu", fused_prefill=True, defer=True)
+    assert [p.cont_max_q for p in plans[1:-1]] == [5] + lens  # then one decode-only step (defer: GPU only)
+    assert plans[-1].decode_only and len(plans) == 2 + len(lens) + 1
+
+
 def test_warm_up_is_a_no_op_off_cuda():
     assert warmup.warm_up(2, 4, 64, torch.float32, get_format("kvarn_k4v2_g128"), "cpu") == 0.0
 

@@ -38,7 +38,8 @@ def _describe(src) -> tuple[str, str]:
     if not isinstance(consts, dict) or not isinstance(attrs, dict):
         return name, ", ".join(f"{k}: {v}" for k, v in sig.items())
     names = list(sig)
-    values, special = _by_name(consts, names), _by_name(attrs, names)
+    # attrs has an entry per argument, [] where nothing is specialised (Triton 3.6)
+    values, special = _by_name(consts, names), {n for n, v in _by_name(attrs, names).items() if v}
     const = " ".join(f"{n}={values[n]}" for n in names if n in values)
     div = " ".join(n for n in names if n in special)
     return name, const + (f"; 16: {div}" if div else "")

@@ -131,9 +131,10 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         if self._decode_kernels:  # compiles what prefill steps launch, and syncs: before any graph capture
             from .warmup import warm_up
 
-            warm_up(kv_cache_spec.num_kv_heads,
-                    vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config),
-                    kv_cache_spec.head_size, dtype, self.fmt, device, defer=self._defer)
+            fused = ops.prefill_mode() == "kernel" or flash_varlen(kv_cache_spec.head_size) is None
+            for hq, hk in _head_counts(vllm_config, layer_names, kv_cache_spec):
+                warm_up(hk, hq, kv_cache_spec.head_size, dtype, self.fmt, device, fused_prefill=fused,
+                        defer=self._defer)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvarnMetadata:
@@ -174,6 +175,38 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                              seq_lens=cm.seq_lens, slot_mapping=cm.slot_mapping)
 
 
+_FA: dict[int, tuple | None] = {}
+
+
+def flash_varlen(head_size: int) -> tuple | None:
+    """(vLLM's flash_attn_varlen_func, its FA version) for this head size, or None where it is unavailable (then
+    first chunks use the torch path and continuation chunks the fused prefill kernel); looked up once."""
+    if head_size not in _FA:
+        _FA[head_size] = None
+        try:
+            from vllm.v1.attention.backends.fa_utils import (
+                flash_attn_varlen_func,
+                get_flash_attn_version,
+                is_flash_attn_varlen_func_available,
+            )
+
+            if is_flash_attn_varlen_func_available():
+                _FA[head_size] = (flash_attn_varlen_func, get_flash_attn_version(head_size=head_size))
+        except Exception as e:  # noqa: BLE001
+            logger.warning("kvarn: FlashAttention varlen unavailable (%s); first chunks use the torch path", e)
+    return _FA[head_size]
+
+
+def _head_counts(vllm_config, layer_names, kv_cache_spec) -> set[tuple[int, int]]:
+    """(query heads, KV heads) per rank of this group's layers, as their forwards see them (a model may vary them
+    per layer); the model config's counts where the layers are not reachable."""
+    ctx = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
+    found = {(int(layer.num_heads), int(layer.num_kv_heads)) for name in layer_names
+             if (layer := ctx.get(name)) is not None and hasattr(layer, "num_heads") and hasattr(layer, "num_kv_heads")}
+    return found or {(vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config),
+                      kv_cache_spec.num_kv_heads)}
+
+
 class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
     def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None,
                  kv_cache_dtype="auto", logits_soft_cap=None, attn_type=AttentionType.DECODER,
@@ -196,28 +229,12 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.fmt = get_format(kv_cache_dtype)
         self._tails = None
-        self._fa = None
-        self._fa_version = None
-        self._fa_checked = False
 
     def _raw_varlen(self):
-        if not self._fa_checked:
-            self._fa_checked = True
-            try:
-                from vllm.v1.attention.backends.fa_utils import (
-                    flash_attn_varlen_func,
-                    get_flash_attn_version,
-                    is_flash_attn_varlen_func_available,
-                )
-
-                if is_flash_attn_varlen_func_available():
-                    self._fa = flash_attn_varlen_func
-                    self._fa_version = get_flash_attn_version(head_size=self.head_size)
-            except Exception as e:  # noqa: BLE001
-                logger.warning("kvarn: FlashAttention varlen unavailable (%s); first chunks use the torch path", e)
-        if self._fa is None:
+        found = flash_varlen(self.head_size)
+        if found is None:
             return None
-        fa, ver, scale = self._fa, self._fa_version, self.scale
+        (fa, ver), scale = found, self.scale
 
         def run(q, k, v, cu, max_len, cu_k=None, max_k=None):
             # causal varlen; with cu_k the queries are the last q_len of each segment's keys (bottom-right causal)
