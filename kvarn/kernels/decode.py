@@ -134,6 +134,11 @@ SWEEP_CONFIGS = [
     # loop instructions per warp and tile = 2,606 per tile against 4 x 804 = 3,216 on 4 warps (fewer replicated
     # softmax / scale operations), 249 registers without spills (4 programs = 8 warps per SM), 21 barriers
     DecodeConfig(2, 2, 1, 2, 3, layout=2, bn=8, pipe=1), DecodeConfig(2, 2, 1, 2, 2, layout=2, bn=8, pipe=1),
+    # unmeasured: the default at a 96-register cap, 5 programs per SM instead of 4 (the kernel is latency-bound: issue
+    # ~30-37% of its time; r128 over no cap, 4 programs over 3, gained 4%). Offline sm_90 (session 12): s3 1,736
+    # instructions (+6%), 160 B of stack, 47 LDL / 63 STL in all (r128: 1,640, 24 B, 6 / 10); s2 1,688, the same spills
+    DecodeConfig(2, 2, 1, 4, 3, maxnreg=96, layout=2, bn=8, pipe=1),
+    DecodeConfig(2, 2, 1, 4, 2, maxnreg=96, layout=2, bn=8, pipe=1),
 ]
 # candidates the run-time tuner times on the first eager call per key (compiles shared with the sweep)
 TUNE_CONFIGS = [DEFAULT_CONFIG, DecodeConfig(2, 2, 1, 4, 2, maxnreg=128, layout=2, bn=8, pipe=1),
