@@ -41,7 +41,7 @@ import torch
 from triton import knobs
 from kvarn.formats import get_format
 from kvarn.vllm_plugin import ops
-from kvarn.vllm_plugin.warmup import warm_up
+from kvarn.vllm_plugin.warmup import _torch_varlen, warm_up
 
 compiles, phase = [], ["warm-up"]
 knobs.compilation.listener = lambda *, src=None, **_: compiles.append((phase[0], getattr(src, "name", "?")))
@@ -59,8 +59,7 @@ bt = (1 + torch.arange(R * nb, dtype=torch.int32, device=dev)).view(R, nb)
 slots = np.arange(R, dtype=np.int32)
 tags = torch.full((R + 1,), -1, dtype=torch.int32, device=dev)
 sl_buf = torch.zeros(R + 1, dtype=torch.int32, device=dev)
-fa = lambda q, k, v, cu, m, cu_k=None, max_k=None: (ops.raw_attention_torch(q, k, v, cu.cpu(), D ** -0.5)
-     if cu_k is None else ops.dense_varlen_torch(q, k, v, cu.cpu().numpy(), cu_k.cpu().numpy(), D ** -0.5))
+fa = _torch_varlen(D ** -0.5)  # the warm-up's own FlashAttention stand-in (torch)
 lens = np.zeros(R, dtype=np.int64)
 for qlen in (np.full(R, g + 9), np.array([1] * (R - 1) + [300])):
     qsl = np.concatenate([[0], np.cumsum(qlen)]); seq = lens + qlen

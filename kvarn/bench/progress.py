@@ -13,6 +13,8 @@ import os
 import time
 from pathlib import Path
 
+from .ratios import as_float
+
 FILE = "progress.json"
 # progress fields that are result columns too (kvarn.results.schema.BENCH_METRICS), copied into a timed-out row
 ROW_FIELDS = ("engine_start_s", "kv_tokens", "kv_blocks", "max_concurrency", "peak_running", "peak_waiting",
@@ -50,31 +52,24 @@ def read_progress(workdir: str | os.PathLike) -> dict:
         return {}
 
 
-def _num(x) -> float:
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def describe(progress: dict, now: float | None = None) -> str:
     """One clause for a timed-out row's error: where the worker was when it was killed at `now` (epoch seconds;
     the burst's seconds count from its recorded start to then, not to the file's last write); '' when unknown."""
     phase = progress.get("phase")
     if not phase:
         return ""
-    start = _num(progress.get("engine_start_s"))
+    start = as_float(progress.get("engine_start_s"))
     started = f"engine start {start:.1f} s" if not math.isnan(start) else ""
     if phase == "engine start":
         return "reached: the engine start (not finished)"
     if phase == "warm-up":
         return "reached: the warm-up" + (f" ({started})" if started else "")
-    done, n = _num(progress.get("completed")), _num(progress.get("num_requests"))
+    done, n = as_float(progress.get("completed")), as_float(progress.get("num_requests"))
     # every token generated so far (offline), else the finished requests' (serve: a stream's count comes at its end;
     # also what the total_output_tokens column means)
-    gen, fin = _num(progress.get("generated_tokens")), _num(progress.get("total_output_tokens"))
-    secs = _num(progress.get("burst_s"))
-    t0 = _num(progress.get("burst_started_at"))
+    gen, fin = as_float(progress.get("generated_tokens")), as_float(progress.get("total_output_tokens"))
+    secs = as_float(progress.get("burst_s"))
+    t0 = as_float(progress.get("burst_started_at"))
     if now is not None and not math.isnan(t0):
         secs = now - t0
     parts = []
@@ -93,4 +88,4 @@ def describe(progress: dict, now: float | None = None) -> str:
 
 def row_metrics(progress: dict) -> dict:
     """The progress fields that are result columns (numbers only)."""
-    return {k: _num(progress[k]) for k in ROW_FIELDS if k in progress and not math.isnan(_num(progress[k]))}
+    return {k: as_float(progress[k]) for k in ROW_FIELDS if k in progress and not math.isnan(as_float(progress[k]))}

@@ -16,12 +16,12 @@ MATCH = ("model", "tp", "burst", "prompt_len", "output_len", "requests", "engine
 _UNSET = ("", "{}", "null", "None", "nan")
 
 
-def _num(v) -> float:
+def as_float(v) -> float:
+    """A row value as a float, NaN where it is missing or not a number (None, pd.NA, text)."""
     try:
-        f = float(v)
+        return float(v)
     except (TypeError, ValueError):
         return float("nan")
-    return f
 
 
 def _ok(x: float) -> bool:
@@ -39,7 +39,7 @@ def _same(a, b) -> bool:
         return _unset(a) and _unset(b)
     if isinstance(a, str) or isinstance(b, str):
         return str(a) == str(b)
-    fa, fb = _num(a), _num(b)
+    fa, fb = as_float(a), as_float(b)
     if math.isnan(fa) or math.isnan(fb):
         return math.isnan(fa) and math.isnan(fb)
     return fa == fb
@@ -50,14 +50,14 @@ def ratios(row: dict, ref: dict | None) -> dict:
     out = {"kv_ratio_vs_fp16": float("nan"), "output_tok_s_ratio_vs_fp16": float("nan")}
     if ref is None or row.get("status") != "ok":
         return out
-    kv, kv_ref = _num(row.get("kv_tokens")), _num(ref.get("kv_tokens"))
+    kv, kv_ref = as_float(row.get("kv_tokens")), as_float(ref.get("kv_tokens"))
     if _ok(kv) and _ok(kv_ref):
         out["kv_ratio_vs_fp16"] = kv / kv_ref
     else:
-        b, b_ref = _num(row.get("kv_cache_gib")), _num(ref.get("kv_cache_gib"))
+        b, b_ref = as_float(row.get("kv_cache_gib")), as_float(ref.get("kv_cache_gib"))
         if _ok(b) and _ok(b_ref):
             out["kv_ratio_vs_fp16"] = b_ref / b
-    t, t_ref = _num(row.get("output_tok_s")), _num(ref.get("output_tok_s"))
+    t, t_ref = as_float(row.get("output_tok_s")), as_float(ref.get("output_tok_s"))
     if _ok(t) and _ok(t_ref):
         out["output_tok_s_ratio_vs_fp16"] = t / t_ref
     return out
@@ -76,7 +76,7 @@ def fp16_reference(row: dict, candidates: list[dict]) -> dict | None:
         return rep[-1]
     if this_run:  # mean over this run's repeats
         keys = ("kv_tokens", "kv_cache_gib", "output_tok_s")
-        return {k: sum(_num(c.get(k)) for c in pool) / len(pool) for k in keys}
+        return {k: sum(as_float(c.get(k)) for c in pool) / len(pool) for k in keys}
     return sorted(pool, key=lambda c: str(c.get("created_at", "")))[-1]
 
 

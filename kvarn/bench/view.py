@@ -14,7 +14,7 @@ from ..formats import FP16_NAMES
 from ..tablefit import drop_to_fit
 from .config import Cell
 from .plan import Plan
-from .ratios import fp16_reference, ratios
+from .ratios import as_float, fp16_reference, ratios
 
 
 def _f(x, fmt: str = "{:,.1f}", none: str = "-") -> str:
@@ -90,13 +90,6 @@ STALL_S = 3.0  # an inter-token gap this long (and 20x the median) is no step of
 JIT_NOTE_S = 0.5  # kernel compiles inside a timed burst worth a note (a disk-cache load takes ~0.01-0.4 s)
 
 
-def _num(x) -> float:
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def stall_notes(rows: list[dict]) -> list[str]:
     """One line per ok row whose throughput a stall that every running request shared understates: kernels that
     compiled during the timed burst (`jit_compiles`, from the cell's log), else a longest inter-token gap (itl_ms_max)
@@ -107,15 +100,15 @@ def stall_notes(rows: list[dict]) -> list[str]:
     for r in rows:
         if r.get("status") != "ok":
             continue
-        rep = _num(r.get("repeat"))
+        rep = as_float(r.get("repeat"))
         who = lambda: f"note: {r.get('kv_dtype')} (repeat {'?' if math.isnan(rep) else int(rep)}):"  # noqa: E731
-        n_jit, jit_s = _num(r.get("jit_compiles")), _num(r.get("jit_compile_s"))
+        n_jit, jit_s = as_float(r.get("jit_compiles")), as_float(r.get("jit_compile_s"))
         if n_jit > 0 and not jit_s < JIT_NOTE_S:  # disk-cache loads of ~0.01 s are no stall (NaN: unknown, noted)
             notes.append(f"{who()} {int(n_jit)} kernel compile(s) during the timed burst, "
                          + ("?" if math.isnan(jit_s) else f"{jit_s:.1f}") + f" s ({r.get('jit_kernels') or '?'}): "
                          "every running request waited; its throughput is understated")
             continue
-        mx, p50, pre = _num(r.get("itl_ms_max")), _num(r.get("itl_ms_p50")), _num(r.get("preemptions"))
+        mx, p50, pre = as_float(r.get("itl_ms_max")), as_float(r.get("itl_ms_p50")), as_float(r.get("preemptions"))
         if math.isnan(mx) or math.isnan(p50) or pre > 0:
             continue
         if mx >= STALL_S * 1000 and mx >= 20 * p50:

@@ -40,10 +40,10 @@ def _torch_varlen(scale: float):
 def fused_chunk_lens(num_heads: int, num_kv_heads: int) -> list[int]:
     """Continuation-chunk lengths that compile every variant of the fused prefill kernel: its BQ constexpr is the
     chunk's longest query rounded up to a power of two, capped at ROWS_PER_PROGRAM / padded GQA group."""
+    from ..kernels.decode import group_geometry
     from ..kernels.prefill import ROWS_PER_PROGRAM
 
-    gp = 1 << max(0, (num_heads // num_kv_heads) - 1).bit_length()
-    top = max(2, ROWS_PER_PROGRAM // gp)
+    top = max(2, ROWS_PER_PROGRAM // group_geometry(num_heads, num_kv_heads)[1])
     return [1 << i for i in range(1, top.bit_length()) if 1 << i <= top]
 
 

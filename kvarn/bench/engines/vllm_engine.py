@@ -121,9 +121,10 @@ class VllmEngine(Engine):
         env.setdefault("KVARN_LOG_COMPILES", "1")
         res = self.runner.run(cmd, log, timeout_s, env=env)
         try:
-            out = self._result(res, work, result_path, log, timeout_s)
+            text = log.read_text(errors="replace") if log.is_file() else ""
+            out = self._result(res, work, result_path, text, timeout_s)
             # kernels that compiled during the timed burst (a stall of every running request), from the cell's log
-            jit = midrun_compiles(log.read_text(errors="replace")) if log.is_file() else {}
+            jit = midrun_compiles(text)
             if jit:
                 out.metrics = {**out.metrics, "jit_compiles": jit["jit_compiles"],
                                "jit_compile_s": jit["jit_compile_s"]}
@@ -133,7 +134,7 @@ class VllmEngine(Engine):
             shutil.rmtree(work / "model", ignore_errors=True)
 
     @staticmethod
-    def _result(res, work: Path, result_path: Path, log: Path, timeout_s: float) -> EngineResult:
+    def _result(res, work: Path, result_path: Path, log_text: str, timeout_s: float) -> EngineResult:
         if res.timed_out:  # what the worker reached (capacity, requests done) still goes into the row
             prog = read_progress(work)
             where = describe(prog, now=time.time())
@@ -143,8 +144,7 @@ class VllmEngine(Engine):
         if result_path.is_file():
             data = json.loads(result_path.read_text())
             return EngineResult(data["status"], data.get("error", ""), data.get("metrics", {}), data.get("info", {}))
-        text = log.read_text(errors="replace") if log.is_file() else ""
-        return EngineResult(classify_error(text), f"worker exit {res.returncode}: {last_error_line(text)}")
+        return EngineResult(classify_error(log_text), f"worker exit {res.returncode}: {last_error_line(log_text)}")
 
     def interrupt(self) -> None:
         self.runner.stop()
