@@ -403,6 +403,24 @@ def test_microbench_cli_exit_codes():
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)
 
 
+def test_microbench_sweep_rows_carry_their_ratio_to_the_default():
+    """Each sweep row is timed in turn with the default (x default: a ratio drift over the run cannot move), checked
+    against the reference, and split counts follow for the best; the heuristic's row is timed again last (*)."""
+    import json
+
+    from tests.helpers import run_cli
+
+    r = run_cli("microbench", "decode", "--device", "cpu", "--sweep", "--check", "--json", "--iters", "1", "--batch",
+                "1", "--context", "130", "--q-heads", "2", "--kv-heads", "1", "--head-dim", "64",
+                env={"KVARN_SWEEP_CONFIGS": "u2k2v1w4s3x1r128n8L2p1"})
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout.strip().splitlines()[-1])["extra"]["sweep"]
+    assert [x["splits"] for x in rows][:2] == [None, 2] and rows[-1].get("again")
+    for x in rows:
+        assert x["default_ms"] > 0 and x["vs_default"] == pytest.approx(x["ms"] / x["default_ms"])
+        assert x["rel_err"] < 1e-3
+
+
 def test_microbench_env_lists_fail_fast_with_one_line():
     # a typo in a sweep / variants list is one line naming the accepted values, before anything is compiled or timed
     from tests.helpers import run_cli
@@ -469,6 +487,17 @@ def test_microbench_prefill_times_the_dense_path_too():
     assert row["rel_err"] < 1e-3 and ex["dense_ms"] > 0 and "torch varlen" in ex["dense_path"]
     assert ex["dense_rel_err"] < 1e-2  # K/V rounded to the bf16 query dtype
     assert ex["dense_rot_ms"] > 0 and ex["dense_rot_rel_err"] < 1e-2  # the same path in the stored basis
+
+
+def test_paired_ms_on_cpu_times_each_fn_in_turn():
+    # microbench decode's A/B timing: one median per fn, each called once to warm up and then iters times
+    from kvarn.kernels.bench import paired_ms
+
+    calls = {"a": 0, "b": 0}
+    ms = paired_ms([lambda: calls.__setitem__("a", calls["a"] + 1), lambda: calls.__setitem__("b", calls["b"] + 1)],
+                   torch.device("cpu"), iters=4, warmup=3)
+    assert calls == {"a": 1 + 4, "b": 1 + 4}
+    assert len(ms) == 2 and all(0 <= m < 50 for m in ms)
 
 
 def test_step_ms_on_cpu_is_one_call_times_layers():

@@ -82,11 +82,12 @@ def _print(r) -> None:
     if r.extra.get("sweep"):
         s = Table(title="decode config sweep (u: unpack 0 cast/1 exponent trick/2 PTX; k/v: fp16 split; w warps; "
                         "s stages; r register cap)")
-        for c in ("config", "splits", "ms", "GB/s", "rel err", "first call s", "error"):
+        for c in ("config", "splits", "ms", "x default", "GB/s", "rel err", "first call s", "error"):
             s.add_column(c, justify="left" if c in ("config", "error") else "right")
         for row in r.extra["sweep"]:
             splits = str(row.get("splits") or "auto") + ("*" if row.get("again") else "")  # *: re-timed last
             s.add_row(row["config"], splits, f"{row['ms']:.4f}" if "ms" in row else "-",
+                      f"{row['vs_default']:.3f}" if "vs_default" in row else "-",  # timed in turn with it
                       f"{row['gbps']:.0f}" if "gbps" in row else "-",
                       f"{row['rel_err']:.1e}" if "rel_err" in row else "-",
                       f"{row['first_call_s']:.1f}" if "first_call_s" in row else "-", row.get("error", ""))

@@ -11,6 +11,8 @@ set -u
 OUT="${OUT:-$PWD/out-kernels}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# inside run.sh's bundle kvarn is installed with --target (no console script): run the module then
+KVARN="kvarn"; command -v kvarn >/dev/null 2>&1 || KVARN="python3 -m kvarn_cli.app"
 T0=$(date +%s)
 pip install -q -e . --no-deps >"$OUT/pip.log" 2>&1 || true
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv >"$OUT/gpu.txt" 2>&1 || true
@@ -25,7 +27,7 @@ mb() {  # name, seconds, autotune(0/1), args...
   local left=$(( BUDGET - (t - T0) ))
   [ "$secs" -gt "$left" ] && secs=$left
   if [ "$secs" -lt 5 ]; then echo "mb_$name skipped (part budget spent)" >>"$OUT/status.txt"; return; fi
-  KVARN_AUTOTUNE=$tune timeout "$secs" kvarn microbench "$@" --json >"$OUT/mb_$name.json" 2>"$OUT/mb_$name.err"
+  KVARN_AUTOTUNE=$tune timeout "$secs" $KVARN microbench "$@" --json >"$OUT/mb_$name.json" 2>"$OUT/mb_$name.err"
   echo "mb_$name rc=$? $(( $(date +%s) - t ))s" >>"$OUT/status.txt"
 }
 H200="--batch 64 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --kv-dtype kvarn_k4v2_g128"
@@ -85,13 +87,14 @@ for name, title in (("sweep", "B=64"), ("sweep_b96", "B=96")):
     sw = [json.loads(l[len("sweep-row "):]) for l in (out / f"mb_{name}.err").read_text().splitlines()
           if l.startswith("sweep-row ")]
   if sw:
-    print(f"\n{name} ({title} ctx=16384 32/8 D=128 k4v2_g128): {'config':<18} {'splits':>6} {'ms':>8} {'GB/s':>6} {'err':>8} {'1st s':>6}")
+    print(f"\n{name} ({title} ctx=16384 32/8 D=128 k4v2_g128): {'config':<18} {'splits':>6} {'ms':>8} {'x dflt':>6} {'GB/s':>6} {'err':>8} {'1st s':>6}")
     for r in sw:
       ms = f"{r['ms']:8.4f}" if "ms" in r else "       -"
       gb = f"{r['gbps']:6.0f}" if "gbps" in r else "     -"
+      vd = f"{r['vs_default']:6.3f}" if "vs_default" in r else "     -"  # timed in turn with the default: drift-free
       er = f"{r['rel_err']:8.1e}" if "rel_err" in r else "       -"
       fc = f"{r['first_call_s']:6.1f}" if "first_call_s" in r else "     -"
-      print(f"{'':44}{r['config']:<18} {str(r.get('splits') or 'auto') + ('*' if r.get('again') else ''):>6} {ms} {gb} {er} {fc} {r.get('error', '')}")
+      print(f"{'':44}{r['config']:<18} {str(r.get('splits') or 'auto') + ('*' if r.get('again') else ''):>6} {ms} {vd} {gb} {er} {fc} {r.get('error', '')}")
 var = rows.get("store", {}).get("extra", {}).get("variants") or []
 if not var and (out / "mb_store.err").exists():  # cut by its time limit: the rows it printed as it went
     var = [json.loads(l[len("store-row "):]) for l in (out / "mb_store.err").read_text().splitlines()
