@@ -36,13 +36,18 @@ mb decode 30 0 decode $H200 --check
 # 2. every kernel config + split counts for the best one, each checked (compiles ~3-6 s per config; the Triton
 #    disk cache then serves the run-time tuner's candidates below, which are a subset)
 [ "${KVARN_SWEEP:-1}" != 0 ] && mb sweep "${KVARN_SWEEP_SECS:-200}" 0 decode $H200 --check --sweep --iters 20
-# 2b. split counts at the showcase burst's batch (96 x 8 = 768 programs: 1.45 "waves" of 528 resident at one split)
-KVARN_SWEEP_CONFIGS=$(python -c "from kvarn.kernels.decode import DEFAULT_CONFIG as c; print(c.name)") \
+# 2b. split counts at the showcase burst's batch (96 x 8 = 768 programs: 1.45 "waves" of 528 resident at one split);
+#     with KVARN_SWEEP_CONFIGS set by the caller, those configs (each timed in turn with the default) here and at
+#     the other shapes below too, so one call decides a default change across shapes
+own=${KVARN_SWEEP_CONFIGS:-}
+KVARN_SWEEP_CONFIGS=${own:-$(python -c "from kvarn.kernels.decode import DEFAULT_CONFIG as c; print(c.name)")} \
   mb sweep_b96 40 0 decode --batch 96 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --sweep --iters 20
+# 2c. the Qwen3-32B decode-heavy burst's step: 128 rows at ~4K, 64 / 8 heads (GQA group 8)
+mb decode_32b 25 0 decode --batch 128 --context 4096 --q-heads 64 --kv-heads 8 --head-dim 128 --check ${own:+--sweep}
 # 3. other shapes, default config (the run-time tuner's compiles do not fit these limits)
-mb decode_b8 15 0 decode --batch 8 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --check
+mb decode_b8 15 0 decode --batch 8 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --check ${own:+--sweep}
 mb decode_c4k 12 0 decode --batch 64 --context 4096 --q-heads 32 --kv-heads 8 --head-dim 128
-mb decode_d64 15 0 decode --batch 64 --context 8192 --q-heads 9 --kv-heads 3 --head-dim 64 --check
+mb decode_d64 15 0 decode --batch 64 --context 8192 --q-heads 9 --kv-heads 3 --head-dim 64 --check ${own:+--sweep}
 [ "${KVARN_STORE_SECS:-150}" != 0 ] && mb store "${KVARN_STORE_SECS:-150}" 0 store --batch 64 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --model qwen3-8b --check
 mb prefill 20 0 prefill --batch 4 --context 8192 --q-heads 32 --kv-heads 8 --head-dim 128 --chunk 512 --check
 # 4. a short correctness smoke on the compiled path (graph capture, one decode preset, prefill)
@@ -81,13 +86,15 @@ if main:  # a store step cut in its variant table: the headline numbers it print
     print(f"store (cut) flush {m['flush_ms']:.4f} ms per step of {m['decode_step_attn_ms']:.3f} ms "
           f"({m['flush_ms'] / m['decode_step_attn_ms']:.2%}); one launch for all layers {m['flush_layers_ms']:.4f} ms "
           f"({m['flush_layers_ms'] / m['decode_step_attn_ms']:.2%}, call {m['flush_layers_host_ms']:.4f} ms)")
-for name, title in (("sweep", "B=64"), ("sweep_b96", "B=96")):
+for name, title in (("sweep", "B=64 ctx=16384 32/8 D=128"), ("sweep_b96", "B=96 ctx=16384 32/8 D=128"),
+                    ("decode_32b", "B=128 ctx=4096 64/8 D=128"), ("decode_b8", "B=8 ctx=16384 32/8 D=128"),
+                    ("decode_d64", "B=64 ctx=8192 9/3 D=64")):
   sw = rows.get(name, {}).get("extra", {}).get("sweep") or []
   if not sw and (out / f"mb_{name}.err").exists():  # cut by its time limit: the rows it printed as it went
     sw = [json.loads(l[len("sweep-row "):]) for l in (out / f"mb_{name}.err").read_text().splitlines()
           if l.startswith("sweep-row ")]
   if sw:
-    print(f"\n{name} ({title} ctx=16384 32/8 D=128 k4v2_g128): {'config':<18} {'splits':>6} {'ms':>8} {'x dflt':>6} {'GB/s':>6} {'err':>8} {'1st s':>6}")
+    print(f"\n{name} ({title} k4v2_g128): {'config':<18} {'splits':>6} {'ms':>8} {'x dflt':>6} {'GB/s':>6} {'err':>8} {'1st s':>6}")
     for r in sw:
       ms = f"{r['ms']:8.4f}" if "ms" in r else "       -"
       gb = f"{r['gbps']:6.0f}" if "gbps" in r else "     -"
