@@ -102,12 +102,14 @@ def time_ms(fn, dev: torch.device, iters: int, warmup: int = 3) -> float:
 GRAPH_CALLS = 8  # calls per captured graph in paired_ms (8 x ~0.6 ms at the acceptance shape)
 
 
-def paired_ms(fns, dev: torch.device, iters: int, calls: int = GRAPH_CALLS, warmup: int = 2) -> list[float]:
+def paired_ms(fns, dev: torch.device, iters: int, calls: int = GRAPH_CALLS, warmup: int = 2,
+              fallback: bool = True) -> list[float]:
     """Median milliseconds per call of each fn in fns, measured in turn. GPU: each fn captured `calls` times back to
     back in one CUDA graph (no host launch gaps, as vLLM replays a decode step), the graphs replayed alternately
     (A, B, A, B, ...) so clock ramps and a neighbour's load hit every fn alike: call-by-call timing let one config
     read 0.56-0.77 ms across three runs of one session while FlashAttention held 0.98-1.00 (session 13). A fn
-    that cannot be captured is timed call by call in the same rotation. CPU: time_ms of each."""
+    that cannot be captured is timed call by call in the same rotation (fallback=False: the capture error is raised).
+    CPU: time_ms of each."""
     if dev.type != "cuda":
         return [time_ms(f, dev, iters, warmup=min(warmup, 1)) for f in fns]
     runners, graphs = [], []
@@ -123,6 +125,8 @@ def paired_ms(fns, dev: torch.device, iters: int, calls: int = GRAPH_CALLS, warm
             graphs.append(g)
             runners.append((g.replay, calls))
         except Exception:  # noqa: BLE001 - e.g. a baseline that syncs: call by call instead
+            if not fallback:
+                raise
             _sync(dev)
             runners.append((f, 1))
     for run, _ in runners:  # one untimed round: clocks up, graphs uploaded
@@ -146,18 +150,7 @@ def step_ms(fn, layers: int, dev: torch.device, iters: int, warmup: int = 2) -> 
     holding `layers` back-to-back calls, i.e. the kernels' own time without host launch gaps, as vLLM pays it in a
     captured decode step (a small kernel timed call by call measures the Python launch instead). CPU (interpreter):
     one call's time x layers."""
-    if dev.type != "cuda":
-        return layers * time_ms(fn, dev, iters, warmup=min(warmup, 1))
-    for _ in range(warmup):  # compiles and first-call work stay outside the capture
-        fn()
-    _sync(dev)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(layers):
-            fn()
-    ms = time_ms(graph.replay, dev, iters, warmup=1)
-    del graph
-    return ms
+    return layers * paired_ms([fn], dev, iters, calls=layers, warmup=warmup, fallback=False)[0]
 
 
 def copy_bandwidth_gbps(dev: torch.device, mib: int | None = None) -> float:
