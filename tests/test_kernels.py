@@ -419,6 +419,8 @@ def test_microbench_sweep_rows_carry_their_ratio_to_the_default():
     for x in rows:
         assert x["default_ms"] > 0 and x["vs_default"] == pytest.approx(x["ms"] / x["default_ms"])
         assert x["rel_err"] < 1e-3
+    assert json.loads(r.stdout.strip().splitlines()[-1])["extra"]["timing"] == (
+        "ours: call by call (CPU); baseline: call by call (CPU)")  # the GPU: graphs (test_kernels_gpu)
 
 
 def test_microbench_env_lists_fail_fast_with_one_line():

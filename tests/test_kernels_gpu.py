@@ -313,7 +313,7 @@ def test_gpu_step_ms_replays_the_layers_from_one_graph():
 def test_gpu_paired_ms_replays_graphs_in_turn_and_falls_back_when_capture_fails():
     """microbench decode times ours and the baseline as CUDA graphs of `calls` back-to-back calls, replayed in turn; a
     fn that cannot be captured (it syncs) is timed call by call in the same rotation, and the others still run."""
-    from kvarn.kernels.bench import paired_ms
+    from kvarn.kernels.bench import paired_timings
 
     x, y, z = (torch.zeros(1, device=DEV) for _ in range(3))
 
@@ -321,8 +321,11 @@ def test_gpu_paired_ms_replays_graphs_in_turn_and_falls_back_when_capture_fails(
         z.add_(1)
         z.item()  # a host sync: not capturable
 
-    ms = paired_ms([lambda: x.add_(1), lambda: y.add_(2), syncs], torch.device(DEV), iters=5, calls=4, warmup=2)
+    timed = paired_timings([lambda: x.add_(1), lambda: y.add_(2), syncs], torch.device(DEV), iters=5, calls=4,
+                           warmup=2)
     torch.cuda.synchronize()
+    ms = [t for t, _ in timed]
+    assert [h for _, h in timed] == ["CUDA graph of 4 calls, in turn"] * 2 + ["call by call (not capturable), in turn"]
     assert x.item() == 2 + 4 * (1 + 5)  # 2 eager warm-ups, then (1 untimed + 5 timed) replays of 4 calls
     assert y.item() == 2 * (2 + 4 * (1 + 5))
     assert z.item() >= 2 + 1 + 5  # eager calls (plus whatever ran before the capture failed)

@@ -104,14 +104,20 @@ GRAPH_CALLS = 8  # calls per captured graph in paired_ms (8 x ~0.6 ms at the acc
 
 def paired_ms(fns, dev: torch.device, iters: int, calls: int = GRAPH_CALLS, warmup: int = 2,
               fallback: bool = True) -> list[float]:
-    """Median milliseconds per call of each fn in fns, measured in turn. GPU: each fn captured `calls` times back to
-    back in one CUDA graph (no host launch gaps, as vLLM replays a decode step), the graphs replayed alternately
-    (A, B, A, B, ...) so clock ramps and a neighbour's load hit every fn alike: call-by-call timing let one config
-    read 0.56-0.77 ms across three runs of one session while FlashAttention held 0.98-1.00 (session 13). A fn
-    that cannot be captured is timed call by call in the same rotation (fallback=False: the capture error is raised).
-    CPU: time_ms of each."""
+    """paired_timings' milliseconds alone."""
+    return [ms for ms, _how in paired_timings(fns, dev, iters, calls, warmup, fallback)]
+
+
+def paired_timings(fns, dev: torch.device, iters: int, calls: int = GRAPH_CALLS, warmup: int = 2,
+                   fallback: bool = True) -> list[tuple[float, str]]:
+    """(median milliseconds per call, how it was timed) of each fn in fns, measured in turn. GPU: each fn captured
+    `calls` times back to back in one CUDA graph (no host launch gaps, as vLLM replays a decode step), the graphs
+    replayed alternately (A, B, A, B, ...) so clock ramps and a neighbour's load hit every fn alike: call-by-call
+    timing let one config read 0.56-0.77 ms across three runs of one session while FlashAttention held 0.98-1.00
+    (session 13). A fn that cannot be captured is timed call by call in the same rotation (fallback=False: the
+    capture error is raised). CPU: time_ms of each."""
     if dev.type != "cuda":
-        return [time_ms(f, dev, iters, warmup=min(warmup, 1)) for f in fns]
+        return [(time_ms(f, dev, iters, warmup=min(warmup, 1)), "call by call (CPU)") for f in fns]
     runners, graphs = [], []
     for f in fns:
         for _ in range(warmup):  # compiles, autotuning and first-call allocations stay outside the capture
@@ -123,18 +129,18 @@ def paired_ms(fns, dev: torch.device, iters: int, calls: int = GRAPH_CALLS, warm
                 for _ in range(calls):
                     f()
             graphs.append(g)
-            runners.append((g.replay, calls))
+            runners.append((g.replay, calls, f"CUDA graph of {calls} calls, in turn"))
         except Exception:  # noqa: BLE001 - e.g. a baseline that syncs: call by call instead
             if not fallback:
                 raise
             _sync(dev)
-            runners.append((f, 1))
-    for run, _ in runners:  # one untimed round: clocks up, graphs uploaded
+            runners.append((f, 1, "call by call (not capturable), in turn"))
+    for run, _n, _how in runners:  # one untimed round: clocks up, graphs uploaded
         run()
     _sync(dev)
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(max(1, iters)):
-        for i, (run, n) in enumerate(runners):
+        for i, (run, n, _how) in enumerate(runners):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             run()
@@ -142,7 +148,7 @@ def paired_ms(fns, dev: torch.device, iters: int, calls: int = GRAPH_CALLS, warm
             b.synchronize()
             times[i].append(a.elapsed_time(b) / n)
     del graphs
-    return [statistics.median(t) for t in times]
+    return [(statistics.median(t), how) for t, (_run, _n, how) in zip(times, runners)]
 
 
 def step_ms(fn, layers: int, dev: torch.device, iters: int, warmup: int = 2) -> float:
@@ -324,7 +330,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
     g = fmt.group
     nbytes = B * Hk * ((ctx // g) * fmt.record_bytes(D) + (ctx % g) * D * 2 * 2) + q.numel() * 2 * 2
     bname, bfn, _bbytes = _baseline_decode(B, ctx, Hq, Hk, D, dtype, dev, scale, q)
-    ms, bms = paired_ms([ours, bfn], dev, iters, warmup=3 if dev.type == "cuda" else 1)
+    (ms, how), (bms, bhow) = paired_timings([ours, bfn], dev, iters, warmup=3 if dev.type == "cuda" else 1)
     copy = copy_bandwidth_gbps(dev)
     gbps = nbytes / (ms * 1e-3) / 1e9
     err, check_extra = None, {}
@@ -342,6 +348,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
 
     from .decode import default_num_splits, tuned_entries
 
+    check_extra["timing"] = f"ours: {how}; baseline: {bhow}"  # a baseline timed call by call carries its launch
     check_extra["tuned"] = str(tuned_entries()) if dev.type == "cuda" else None
     check_extra["heuristic_splits"] = default_num_splits(B, Hk, st["block_table"].shape[1], dev)
     if sweep:
