@@ -130,13 +130,19 @@ SWEEP_CONFIGS = [
     # E <= 256 and 2.2e-2 with every plane on the H200, against 1e-4 in the interpreter: the tensor cores' fp32
     # accumulation is not IEEE, so sums E / code times larger than the result lose the code's bits.)
     DecodeConfig(2, 2, 1, 4, 3, layout=2, bn=8, pipe=1),
-    # unmeasured: the pipe kernel on 2 warps (each warp 32 of the 64 token / channel pair rows): offline sm_90 1,303
-    # loop instructions per warp and tile = 2,606 per tile against 4 x 804 = 3,216 on 4 warps (fewer replicated
-    # softmax / scale operations), 249 registers without spills (4 programs = 8 warps per SM), 21 barriers
+    # the pipe kernel on 2 warps (each warp 32 of the 64 token / channel pair rows): offline sm_90 ~1,300-1,350 loop
+    # instructions per warp and tile = ~2,700 per tile against 4 x 886 = 3,544 on 4 warps (fewer replicated softmax /
+    # scale operations; mma.sync, not wgmma), 249-255 registers without spills (4 programs = 8 warps per SM), 21
+    # barriers. H200, session 13, timed in turn with the default from CUDA graphs (B=64 x 16K): s3 0.959x, s2 0.961x,
+    # one run; not yet timed at other shapes
     DecodeConfig(2, 2, 1, 2, 3, layout=2, bn=8, pipe=1), DecodeConfig(2, 2, 1, 2, 2, layout=2, bn=8, pipe=1),
-    # unmeasured: the default at a 96-register cap, 5 programs per SM instead of 4 (the kernel is latency-bound: issue
-    # ~30-37% of its time; r128 over no cap, 4 programs over 3, gained 4%). Offline sm_90 (session 12): s3 1,736
-    # instructions (+6%), 160 B of stack, 47 LDL / 63 STL in all (r128: 1,640, 24 B, 6 / 10); s2 1,688, the same spills
+    # unmeasured: those at a 200-register cap, 5 programs per SM instead of 4 (offline sm_90: loop 1,383 instructions,
+    # +2.7%, 88 B of stack, 18 LDL + 2 STL per tile; a 168 cap for 6 programs spills 240 B, 188 LDL / STL in all)
+    DecodeConfig(2, 2, 1, 2, 3, maxnreg=200, layout=2, bn=8, pipe=1),
+    DecodeConfig(2, 2, 1, 2, 2, maxnreg=200, layout=2, bn=8, pipe=1),
+    # the default at a 96-register cap, 5 programs per SM instead of 4: offline sm_90 (session 12) s3 1,736
+    # instructions (+6%), 160 B of stack, 47 LDL / 63 STL in all (r128: 1,640, 24 B, 6 / 10); s2 1,688, the same
+    # spills. H200, session 13 (call-by-call timing, one sweep): s3 0.7221, s2 0.7606 ms against the default's 0.5736
     DecodeConfig(2, 2, 1, 4, 3, maxnreg=96, layout=2, bn=8, pipe=1),
     DecodeConfig(2, 2, 1, 4, 2, maxnreg=96, layout=2, bn=8, pipe=1),
 ]
