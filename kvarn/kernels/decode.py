@@ -130,16 +130,27 @@ SWEEP_CONFIGS = [
     # E <= 256 and 2.2e-2 with every plane on the H200, against 1e-4 in the interpreter: the tensor cores' fp32
     # accumulation is not IEEE, so sums E / code times larger than the result lose the code's bits.)
     DecodeConfig(2, 2, 1, 4, 3, layout=2, bn=8, pipe=1),
-    # the pipe kernel on 2 warps (each warp 32 of the 64 token / channel pair rows): offline sm_90 ~1,300-1,350 loop
-    # instructions per warp and tile = ~2,700 per tile against 4 x 886 = 3,544 on 4 warps (fewer replicated softmax /
-    # scale operations; mma.sync, not wgmma), 249-255 registers without spills (4 programs = 8 warps per SM), 21
-    # barriers. H200, session 13, timed in turn with the default from CUDA graphs (B=64 x 16K): s3 0.959x, s2 0.961x,
-    # one run; not yet timed at other shapes
+    # the pipe kernel on 2 warps (each warp 32 of the 64 token / channel pair rows): offline sm_90 (triton 3.6) 1,319
+    # loop instructions per warp and tile = 2,638 per tile against 4 x 814 = 3,256 on 4 warps (fewer replicated
+    # softmax / scale operations), 250 registers without spills (4 programs = 8 warps per SM), 19 barriers. H200,
+    # session 13, timed in turn with the default from CUDA graphs (B=64 x 16K): s3 0.959x, s2 0.961x, one run; not
+    # yet timed at other shapes
     DecodeConfig(2, 2, 1, 2, 3, layout=2, bn=8, pipe=1), DecodeConfig(2, 2, 1, 2, 2, layout=2, bn=8, pipe=1),
-    # unmeasured: those at a 200-register cap, 5 programs per SM instead of 4 (offline sm_90: loop 1,383 instructions,
-    # +2.7%, 88 B of stack, 18 LDL + 2 STL per tile; a 168 cap for 6 programs spills 240 B, 188 LDL / STL in all)
+    # unmeasured: those at a 200-register cap, 5 programs per SM instead of 4 (offline sm_90, triton 3.6: loop 1,354
+    # instructions, +2.7%, 56 B of stack; a 168 cap for 6 programs: 1,418, 192 B of stack)
     DecodeConfig(2, 2, 1, 2, 3, maxnreg=200, layout=2, bn=8, pipe=1),
     DecodeConfig(2, 2, 1, 2, 2, maxnreg=200, layout=2, bn=8, pipe=1),
+    # unmeasured: a real double buffer. Triton 3.6's pipeliner puts the block index (an indirect load) in a stage of
+    # its own; at num_stages 2-4 the tile's async copies for t + 1 are then issued at the end of iteration t and waited
+    # for in full (`async_wait {num = 0}`) at the top of t + 1, so no load of a program overlaps its own compute (other
+    # resident programs hide it, partly). At 5 stages the wait leaves the next tile's copies in flight (num = 10 on 4
+    # warps, 7 on 2) during the compute: offline sm_90 (triton 3.6, session 13) default at s5 844 loop instructions
+    # per warp (s3: 814), 31.5 KB of shared memory per program (17.8 KB), 128 registers, 32 B of stack; 2 warps s5
+    # 1,333, 28.8 KB, 250 registers, no stack; 2 warps s5 at a 200 cap 1,380, 16 B of stack (5 programs per SM).
+    # tests/test_kernels_pipelining.py checks the waits offline
+    DecodeConfig(2, 2, 1, 4, 5, maxnreg=128, layout=2, bn=8, pipe=1),
+    DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=1),
+    DecodeConfig(2, 2, 1, 2, 5, maxnreg=200, layout=2, bn=8, pipe=1),
     # the default at a 96-register cap, 5 programs per SM instead of 4: offline sm_90 (session 12) s3 1,736
     # instructions (+6%), 160 B of stack, 47 LDL / 63 STL in all (r128: 1,640, 24 B, 6 / 10); s2 1,688, the same
     # spills. H200, session 13 (call-by-call timing, one sweep): s3 0.7221, s2 0.7606 ms against the default's 0.5736
