@@ -412,14 +412,16 @@ def kvarn_attention_pair_pipe_kernel(
     UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
     SINK: tl.constexpr = 0, DEFER: tl.constexpr = 0,
 ):
-    """kvarn_attention_pair_kernel restructured for the pipeliner (DecodeConfig.pipe = 1; use with num_stages 2-3).
+    """kvarn_attention_pair_kernel restructured for the pipeliner (DecodeConfig.pipe = 1; use with num_stages >= 2).
 
     In the pair kernel's loop the tile's loads go out in five dependent waves (codes, sK/zK, rK, sV/zV + values,
     cV), each consumed right after it is issued, and its per-token scale runs are 2-byte loads, which the
     pipeliner does not turn into async copies. Here all loads of a tile are issued together at the top of the
     iteration and the per-token / per-channel runs are read as int32 (even, odd) pairs, so with num_stages >= 2
-    every load of the tile (not only the code tiles) becomes a cp.async into shared memory one or two tiles ahead.
-    The softmax denominator is kept per token row and reduced across warps once after the loop (one cross-warp
+    every load of the tile (not only the code tiles) becomes a cp.async into shared memory. The block index, an
+    indirect load, takes a pipeline stage of its own, so with Triton 3.6 the copies only overlap the previous tile's
+    compute from num_stages 5 on; at 2-4 they are waited for in full at the top of the next iteration (offline
+    TTGIR, tests/test_kernels_pipelining.py). The softmax denominator is kept per token row and reduced across warps once after the loop (one cross-warp
     reduction fewer per tile). Same math and partials as the pair kernel."""
     PERK: tl.constexpr = 8 // KB
     DP: tl.constexpr = D // PERK
