@@ -39,15 +39,22 @@ mb decode 30 0 decode $H200 --check
 # 2b. split counts at the showcase burst's batch (96 x 8 = 768 programs: 1.45 "waves" of 528 resident at one split);
 #     with KVARN_SWEEP_CONFIGS set by the caller, those configs (each timed in turn with the default) here and at
 #     the other shapes below too, so one call decides a default change across shapes
+#     (a sweep of N configs at a new head geometry compiles each: give those steps ~15 s per config, e.g.
+#     KVARN_SHAPE_SWEEP_SECS=90 for 5, and the part ~10 min: a background lane)
 own=${KVARN_SWEEP_CONFIGS:-}
+ss=${own:+${KVARN_SHAPE_SWEEP_SECS:-90}}
 KVARN_SWEEP_CONFIGS=${own:-$(python -c "from kvarn.kernels.decode import DEFAULT_CONFIG as c; print(c.name)")} \
-  mb sweep_b96 40 0 decode --batch 96 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --sweep --iters 20
+  mb sweep_b96 "${ss:-40}" 0 decode --batch 96 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --sweep \
+  --iters 20
 # 2c. the Qwen3-32B decode-heavy burst's step: 128 rows at ~4K, 64 / 8 heads (GQA group 8)
-mb decode_32b 25 0 decode --batch 128 --context 4096 --q-heads 64 --kv-heads 8 --head-dim 128 --check ${own:+--sweep}
+mb decode_32b "${ss:-25}" 0 decode --batch 128 --context 4096 --q-heads 64 --kv-heads 8 --head-dim 128 --check \
+  ${own:+--sweep}
 # 3. other shapes, default config (the run-time tuner's compiles do not fit these limits)
-mb decode_b8 15 0 decode --batch 8 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --check ${own:+--sweep}
+mb decode_b8 "${ss:-15}" 0 decode --batch 8 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --check \
+  ${own:+--sweep}
 mb decode_c4k 12 0 decode --batch 64 --context 4096 --q-heads 32 --kv-heads 8 --head-dim 128
-mb decode_d64 15 0 decode --batch 64 --context 8192 --q-heads 9 --kv-heads 3 --head-dim 64 --check ${own:+--sweep}
+mb decode_d64 "${ss:-15}" 0 decode --batch 64 --context 8192 --q-heads 9 --kv-heads 3 --head-dim 64 --check \
+  ${own:+--sweep}
 [ "${KVARN_STORE_SECS:-150}" != 0 ] && mb store "${KVARN_STORE_SECS:-150}" 0 store --batch 64 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --model qwen3-8b --check
 mb prefill 20 0 prefill --batch 4 --context 8192 --q-heads 32 --kv-heads 8 --head-dim 128 --chunk 512 --check
 # 4. a short correctness smoke on the compiled path (graph capture, one decode preset, prefill)
