@@ -421,8 +421,9 @@ def kvarn_attention_pair_pipe_kernel(
     every load of the tile (not only the code tiles) becomes a cp.async into shared memory. The block index, an
     indirect load, takes a pipeline stage of its own, so with Triton 3.6 the copies only overlap the previous tile's
     compute from num_stages 5 on; at 2-4 they are waited for in full at the top of the next iteration (offline
-    TTGIR, tests/test_kernels_pipelining.py). The softmax denominator is kept per token row and reduced across warps once after the loop (one cross-warp
-    reduction fewer per tile). Same math and partials as the pair kernel."""
+    TTGIR, tests/test_kernels_pipelining.py). The softmax denominator is kept per token row and reduced across
+    warps once after the loop (one cross-warp reduction fewer per tile). Same math and partials as the pair
+    kernel."""
     PERK: tl.constexpr = 8 // KB
     DP: tl.constexpr = D // PERK
     PERV: tl.constexpr = 8 // VB

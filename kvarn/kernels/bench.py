@@ -78,25 +78,26 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def _once_ms(fn, dev: torch.device) -> float:
+    """Milliseconds of one fn() (CUDA events on a GPU, perf_counter on a CPU)."""
+    if dev.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def time_ms(fn, dev: torch.device, iters: int, warmup: int = 3) -> float:
     """Median milliseconds of fn() over iters runs (CUDA events on a GPU, perf_counter on a CPU)."""
     for _ in range(warmup):
         fn()
     _sync(dev)
-    times = []
-    for _ in range(max(1, iters)):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(_once_ms(fn, dev) for _ in range(max(1, iters)))
 
 
 GRAPH_CALLS = 8  # calls per captured graph in paired_ms (8 x ~0.6 ms at the acceptance shape)
@@ -141,12 +142,7 @@ def paired_timings(fns, dev: torch.device, iters: int, calls: int = GRAPH_CALLS,
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(max(1, iters)):
         for i, (run, n, _how) in enumerate(runners):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run()
-            b.record()
-            b.synchronize()
-            times[i].append(a.elapsed_time(b) / n)
+            times[i].append(_once_ms(run, dev) / n)
     del graphs
     return [(statistics.median(t), how) for t, (_run, _n, how) in zip(times, runners)]
 
