@@ -246,8 +246,11 @@ def test_backend_knobs_key_only_kvarn_cells(tmp_path, monkeypatch):
     plain = {c.kv_dtype: c for c in build_plan(o).configs}
     monkeypatch.setenv("KVARN_PREFILL", "kernel")
     knob = {c.kv_dtype: c for c in build_plan(o).configs}
-    assert knob["kvarn_k4v2_g128"].backend_env == "KVARN_BALANCE_ITERS=3;KVARN_PREFILL=kernel"
-    assert plain["kvarn_k4v2_g128"].backend_env == "KVARN_BALANCE_ITERS=3"  # the default since session 10 (was 8)
+    from kvarn.kernels.decode import DEFAULT_CONFIG
+
+    moved = f"KVARN_BALANCE_ITERS=3;KVARN_DECODE_CONFIG={DEFAULT_CONFIG.name}"  # defaults since sessions 10 and 14
+    assert knob["kvarn_k4v2_g128"].backend_env == moved + ";KVARN_PREFILL=kernel"
+    assert plain["kvarn_k4v2_g128"].backend_env == moved
     assert knob["kvarn_k4v2_g128"].hash != plain["kvarn_k4v2_g128"].hash
     assert knob["auto"].hash == plain["auto"].hash and knob["fp8"].hash == plain["fp8"].hash
 

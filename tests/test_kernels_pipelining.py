@@ -2,13 +2,14 @@
 in Triton 3.6 the pipeliner gives the block-table index (an indirect load) a stage of its own, so at num_stages 2-4
 the tile's async copies for t + 1 are issued at the end of iteration t and waited for in full (`async_wait {num =
 0}`) at the top of t + 1; from 5 stages on the wait leaves the next tile's copies in flight during the compute. The
-sweep's s5 candidates exist for that double buffer (kvarn.kernels.decode.SWEEP_CONFIGS); this test keeps the reason
-true across Triton versions."""
+default config runs 5 stages for that double buffer (kvarn.kernels.decode.DEFAULT_CONFIG, 0.84x the 3-stage time on
+the H200); this test keeps the reason true across Triton versions."""
 import json
 import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -64,14 +65,13 @@ def test_five_stages_keep_the_next_tile_in_flight_during_the_compute():
     pytest.importorskip("triton.backends.nvidia")
     from kvarn.kernels.decode import DEFAULT_CONFIG, SWEEP_CONFIGS
 
-    s5 = [c for c in SWEEP_CONFIGS if c.pipe and c.num_stages >= 5]
-    assert s5 and any(c.num_warps == DEFAULT_CONFIG.num_warps for c in s5)
-    base = _loop(DEFAULT_CONFIG.name)
-    got = _loop(next(c for c in s5 if c.num_warps == DEFAULT_CONFIG.num_warps).name)
+    assert DEFAULT_CONFIG.pipe and DEFAULT_CONFIG.num_stages >= 5 and DEFAULT_CONFIG in SWEEP_CONFIGS
+    base = _loop(replace(DEFAULT_CONFIG, num_stages=3).name)  # the same kernel at Triton's usual depth
+    got = _loop(DEFAULT_CONFIG.name)
     assert got["copies"] > 0 and got["waits"], got
     # the wait at the top of the loop leaves copies outstanding (one tile's worth), and the second buffer costs
     # shared memory: one more tile's records per program
     assert max(got["waits"]) > 0, got
     assert got["shared"] > base["shared"] + 8 * 1024, (base, got)
     if re.match(r"3\.[69]\.", __import__("triton").__version__):  # seen with 3.6 (the device's) and 3.9 (CI's)
-        assert max(base["waits"]) == 0, base  # the default (3 stages) waits for everything: see the docstring
+        assert max(base["waits"]) == 0, base  # 3 stages wait for everything: see the docstring

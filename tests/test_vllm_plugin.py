@@ -586,10 +586,15 @@ def test_backend_env_lists_only_non_default_knobs():
     from kvarn.bench.config import BenchConfig
     from kvarn.vllm_plugin.common import backend_env
 
-    # the balancing iterations' default moved from 8 to 3: listed unless 8, so rows measured at 8 (hashed without
-    # it) are never resumed as runs at 3
-    old = {"KVARN_BALANCE_ITERS": "8"}
-    assert backend_env({}) == "KVARN_BALANCE_ITERS=3"
+    # the balancing iterations' default moved from 8 to 3 and the decode kernel's from the 4-warp 3-stage config to
+    # DEFAULT_CONFIG: listed unless at the old value, so rows measured there (hashed without them) are never resumed
+    # as runs at the new one
+    from kvarn.kernels.decode import DEFAULT_CONFIG
+
+    old = {"KVARN_BALANCE_ITERS": "8", "KVARN_DECODE_CONFIG": "u2k2v1w4s3x1r128n8L2p1"}
+    assert backend_env({}) == f"KVARN_BALANCE_ITERS=3;KVARN_DECODE_CONFIG={DEFAULT_CONFIG.name}"
+    assert backend_env({"KVARN_BALANCE_ITERS": "8", "KVARN_DECODE_CONFIG": DEFAULT_CONFIG.name}) == \
+        f"KVARN_DECODE_CONFIG={DEFAULT_CONFIG.name}"
     assert backend_env({**old, "KVARN_PREFILL": "dense", "KVARN_FULL_GRAPH": "1"}) == ""
     assert backend_env({**old, "KVARN_PREFILL": "kernel", "KVARN_FULL_GRAPH": "0", "OTHER": "x"}) == \
         "KVARN_FULL_GRAPH=0;KVARN_PREFILL=kernel"

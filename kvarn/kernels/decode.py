@@ -99,8 +99,11 @@ class DecodeConfig:
 # w4 s1 2.14 ms, + register cap 128 1.52 ms, s3 1.48 ms, w8 2.9-4.0 ms; token-row kernel (layout 1) w4 s1 1.40 ms, + cap
 # 128 1.11 ms. Session 6 (one run): r128L1 1.00 ms, r128n8L1 0.99, r128L2 1.03, r128n8L2 0.85, n8L2 (no cap) 0.73,
 # pipe kernel s2 r128n8L2p1 0.571, s3 0.562 ms (the best; splits 1/4/8 instead of auto: 0.64-0.70 ms); a second
-# call, vLLM's FlashAttention as the baseline: this default 0.604 ms vs FA 1.046 ms (0.58x).
-DEFAULT_CONFIG = DecodeConfig(2, 2, 1, 4, 3, maxnreg=128, layout=2, bn=8, pipe=1)
+# call, vLLM's FlashAttention as the baseline: that default (4 warps, 3 stages, r128) 0.604 ms vs FA 1.046 ms (0.58x).
+# Session 14 (CUDA graphs, each config timed in turn with it): the pipe kernel on 2 warps at 5 stages (a real double
+# buffer, see below) 0.843x at B=64 x 16K (0.3735 ms vs FA3 0.969: 0.385x), 0.840x at B=96, 0.882x at the Qwen3-32B
+# step (128 x 4K, 64/8 heads), 0.681x at D=64; 1.026x at B=8 x 16K (few programs: more splits win there)
+DEFAULT_CONFIG = DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=1)
 # the --sweep table (every entry a separate compile, ~5-10 s each on the device)
 # (offline sm_90 compile, k4v2_g128 D=128: stages 1 -> 168 registers, no spills; stages 2 -> 246: the pipeliner
 #  keeps the next tile in registers; 8 warps stages 2 -> 210)
@@ -136,17 +139,19 @@ SWEEP_CONFIGS = [
     # session 13, timed in turn with the default from CUDA graphs (B=64 x 16K): s3 0.959x, s2 0.961x, one run; not
     # yet timed at other shapes
     DecodeConfig(2, 2, 1, 2, 3, layout=2, bn=8, pipe=1), DecodeConfig(2, 2, 1, 2, 2, layout=2, bn=8, pipe=1),
-    # unmeasured: those at a 200-register cap, 5 programs per SM instead of 4 (offline sm_90, triton 3.6: loop 1,354
-    # instructions, +2.7%, 56 B of stack; a 168 cap for 6 programs: 1,418, 192 B of stack)
+    # those at a 200-register cap, 5 programs per SM instead of 4 (offline sm_90, triton 3.6: loop 1,354 instructions,
+    # +2.7%, 56 B of stack; a 168 cap for 6 programs: 1,418, 192 B of stack); at 5 stages 7% slower than uncapped
     DecodeConfig(2, 2, 1, 2, 3, maxnreg=200, layout=2, bn=8, pipe=1),
     DecodeConfig(2, 2, 1, 2, 2, maxnreg=200, layout=2, bn=8, pipe=1),
-    # unmeasured: a real double buffer. Triton 3.6's pipeliner puts the block index (an indirect load) in a stage of
-    # its own; at num_stages 2-4 the tile's async copies for t + 1 are then issued at the end of iteration t and waited
-    # for in full (`async_wait {num = 0}`) at the top of t + 1, so no load of a program overlaps its own compute (other
-    # resident programs hide it, partly). At 5 stages the wait leaves the next tile's copies in flight (num = 10 on 4
-    # warps, 7 on 2) during the compute: offline sm_90 (triton 3.6, session 13) default at s5 844 loop instructions
-    # per warp (s3: 814), 31.5 KB of shared memory per program (17.8 KB), 128 registers, 32 B of stack; 2 warps s5
-    # 1,333, 28.8 KB, 250 registers, no stack; 2 warps s5 at a 200 cap 1,380, 16 B of stack (5 programs per SM).
+    # a real double buffer (H200, session 14, x the old default in turn at B=64 x 16K: w4 s5 r128 1.006, w2 s5 0.843,
+    # w2 s5 r200 0.904; the w2 s5 one is now DEFAULT_CONFIG). Triton 3.6's pipeliner puts the block index (an
+    # indirect load) in a stage of its own; at num_stages 2-4 the tile's async copies for t + 1 are then issued at the
+    # end of iteration t and waited for in full (`async_wait {num = 0}`) at the top of t + 1, so no load of a program
+    # overlaps its own compute (other resident programs hide it, partly). At 5 stages the wait leaves the next tile's
+    # copies in flight (num = 10 on 4 warps, 7 on 2) during the compute: offline sm_90 (triton 3.6, session 13) 4 warps
+    # r128 at s5 844 loop instructions per warp (s3: 814), 31.5 KB of shared memory per program (17.8 KB), 128
+    # registers, 32 B of stack; 2 warps s5 1,333, 28.8 KB, 250 registers, no stack; 2 warps s5 at a 200 cap 1,380,
+    # 16 B of stack (5 programs per SM).
     # tests/test_kernels_pipelining.py checks the waits offline
     DecodeConfig(2, 2, 1, 4, 5, maxnreg=128, layout=2, bn=8, pipe=1),
     DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=1),
@@ -158,8 +163,10 @@ SWEEP_CONFIGS = [
     DecodeConfig(2, 2, 1, 4, 2, maxnreg=96, layout=2, bn=8, pipe=1),
 ]
 # candidates the run-time tuner times on the first eager call per key (compiles shared with the sweep)
-TUNE_CONFIGS = [DEFAULT_CONFIG, DecodeConfig(2, 2, 1, 4, 2, maxnreg=128, layout=2, bn=8, pipe=1),
-                DecodeConfig(2, 2, 1, 4, 3, layout=2, bn=8, pipe=1), DecodeConfig(2, 2, 1, 4, 1, maxnreg=128, layout=1)]
+# (the 4-warp 5-stage one for small batches: B=8 x 16K at 8 splits 0.837x the old default, the 2-warp one 1.026x)
+TUNE_CONFIGS = [DEFAULT_CONFIG, DecodeConfig(2, 2, 1, 4, 5, maxnreg=128, layout=2, bn=8, pipe=1),
+                DecodeConfig(2, 2, 1, 4, 3, maxnreg=128, layout=2, bn=8, pipe=1),
+                DecodeConfig(2, 2, 1, 2, 3, layout=2, bn=8, pipe=1)]
 TUNE_SPLIT_MULTS = (0.5, 1.0, 2.0)
 
 _ASM_OK: dict[int, bool] = {}  # device index -> inline-PTX unpack verified

@@ -83,8 +83,20 @@ def defer_flush_enabled() -> bool:
 METHOD_KNOBS = ("KVARN_BALANCE_ITERS", "KVARN_SINK")
 # Knobs whose default changed after results were stored, with the value the older rows were hashed at: the effective
 # value is listed whenever it differs from that one, set or not, so a rerun at the new default never resumes from
-# (or merges with) rows measured at the old one. KVARN_BALANCE_ITERS: 8 until session 10, 3 since.
-HASHED_AT = {"KVARN_BALANCE_ITERS": "8"}
+# (or merges with) rows measured at the old one. KVARN_BALANCE_ITERS: 8 until session 10, 3 since. KVARN_DECODE_CONFIG
+# (unset: kvarn.kernels.decode.DEFAULT_CONFIG): the 4-warp 3-stage pipe kernel until session 14 (compared lower-case).
+HASHED_AT = {"KVARN_BALANCE_ITERS": "8", "KVARN_DECODE_CONFIG": "u2k2v1w4s3x1r128n8l2p1"}
+
+
+def _knob_default(key: str, default: str) -> str:
+    """The value a knob takes when unset (the decode config's is the kernels' DEFAULT_CONFIG, imported lazily)."""
+    if key == "KVARN_DECODE_CONFIG" and not default:
+        try:
+            from ..kernels.decode import DEFAULT_CONFIG
+        except ImportError:  # no Triton: no decode kernels, nothing to record
+            return HASHED_AT[key]
+        return DEFAULT_CONFIG.name
+    return default
 
 
 def backend_env(environ=None, method_only: bool = False) -> str:
@@ -98,7 +110,7 @@ def backend_env(environ=None, method_only: bool = False) -> str:
         v = env.get(k)
         v = None if v is None else v.strip()
         if k in HASHED_AT:
-            eff = v or default
+            eff = v or _knob_default(k, default)
             if eff.lower() != HASHED_AT[k]:
                 out.append(f"{k}={eff}")
         elif v is not None and v.lower() != default:

@@ -118,6 +118,8 @@ PY
 
 run_case() {  # name, env-prefix ("" or VAR=val ...), json config
   local name="$1" envs="$2" cfg="$3" rem
+  # KVARN_SMOKE_CASES=name,name: only these cases (e.g. smol_g128_preempt in a short call); empty: all
+  if [ -n "${KVARN_SMOKE_CASES:-}" ] && [[ ",$KVARN_SMOKE_CASES," != *",$name,"* ]]; then return; fi
   rem=$(left)
   if [ "$rem" -lt 45 ]; then log "SKIP $name (budget spent)"; echo "{\"case\":\"$name\",\"skipped\":true}" > "$OUT/$name.json"; return; fi
   local to=$(( rem < CASE_TIMEOUT ? rem : CASE_TIMEOUT ))
@@ -132,6 +134,7 @@ run_case() {  # name, env-prefix ("" or VAR=val ...), json config
 }
 
 # ---- stage 0: no engine --------------------------------------------------------------------------------------
+if [ -z "${KVARN_SMOKE_CASES:-}" ]; then  # stage 0 only in a full run
 log "stage 0: versions, entry point, dtype patching, CLI parsers"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 timeout 90 python3 - > "$OUT/stage0.log" 2>&1 <<'PY'
@@ -162,6 +165,7 @@ echo "    stage0 rc=$?"; sed 's/^/    /' "$OUT/stage0.log" | tail -n 14
 log "stage 0b: kernels-vs-torch ops on the GPU (also warms the Triton cache)"
 timeout 120 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_vllm_gpu.py -k "ops" > "$OUT/gpu_ops.log" 2>&1
 echo "    gpu ops tests rc=$?"; tail -n 6 "$OUT/gpu_ops.log" | sed 's/^/    /'
+fi
 
 REPO="$(pwd)"
 S='"model":"'$SMOL'","repo":"'$REPO'","max_num_seqs":16,"enable_chunked_prefill":true,"max_num_batched_tokens":128,"tasks":["ppl","gen","prefix"]'
