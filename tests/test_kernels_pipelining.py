@@ -29,10 +29,10 @@ lay = layout(get_format("kvarn_k4v2_g128"), 128)
 sig = {"qr_ptr": "*fp32", "cache16_ptr": "*fp16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "sink_lens_ptr": "*i32",
        "defer_ptr": "*i32", "po_r_ptr": "*fp32", "plse_ptr": "*fp32", "num_splits": "i32", "stride_btb": "i32",
        "stride_cb16": "i32", "stride_ch16": "i32", "HQ": "i32"}
-const = dict(GROUP=4, BN=cfg.bn, G=lay.g, D=128, KB=lay.kb, VB=lay.vb, OFF_PK=lay.pk // 2, OFF_SK=lay.sk // 2,
-             OFF_ZK=lay.zk // 2, OFF_RK=lay.rk // 2, OFF_PV=lay.pv // 2, OFF_SV=lay.sv // 2, OFF_ZV=lay.zv // 2,
-             OFF_CV=lay.cv // 2, UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages,
-             SINK=16, DEFER=0)
+const = dict(GROUP=4, BN=cfg.bn, G=lay.g, D=128, KB=lay.kb, VB=lay.vb, OFF_PK=lay.pk, OFF_SK=lay.sk,
+             OFF_ZK=lay.zk, OFF_RK=lay.rk, OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
+             UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=16, DEFER=0,
+             SKV=int(cfg.pipe == 2))  # as kvarn.kernels.decode._launch_tok passes them (offsets in bytes)
 sig.update({n: "constexpr" for n in const})
 names = k.arg_names
 aligned = ("qr_ptr", "cache16_ptr", "bt_ptr", "seq_lens_ptr", "sink_lens_ptr", "defer_ptr", "po_r_ptr", "plse_ptr",
@@ -45,7 +45,8 @@ c = triton.compile(ASTSource(k, sig, constexprs={(names.index(n),): v for n, v i
                    target=GPUTarget("cuda", 90, 32), options=opts)
 loop = c.asm["ttgir"].split("scf.for", 1)[1].split("scf.yield", 1)[0]  # the tile loop's body
 print(json.dumps({"waits": [int(n) for n in re.findall(r"async_wait[^{]*\{num = (\d+) : i32\}", loop)],
-                  "copies": len(re.findall(r"async_copy_global_to_local", loop)), "shared": c.metadata.shared}))
+                  "copies": len(re.findall(r"async_copy_global_to_local", loop)), "shared": c.metadata.shared,
+                  "loads": len(re.findall(r"= tt\.load ", loop))}))
 """
 
 
@@ -75,3 +76,17 @@ def test_five_stages_keep_the_next_tile_in_flight_during_the_compute():
     assert got["shared"] > base["shared"] + 8 * 1024, (base, got)
     if re.match(r"3\.[69]\.", __import__("triton").__version__):  # seen with 3.6 (the device's) and 3.9 (CI's)
         assert max(base["waits"]) == 0, base  # 3 stages wait for everything: see the docstring
+
+
+def test_pipe2_leaves_no_synchronous_load_in_the_tile_loop():
+    """pipe = 1 reads the key scales / zero points as DP-wide fp16 vectors: on 2 warps that is 2 bytes per thread,
+    below cp.async's 4, so they stay synchronous loads inside the loop, waited for every tile. pipe = 2 reads them
+    in one 2D-half load (8 bytes per thread), an async copy with the tiles."""
+    pytest.importorskip("triton.backends.nvidia")
+    from kvarn.kernels.decode import DEFAULT_CONFIG
+
+    p2 = replace(DEFAULT_CONFIG, pipe=2)
+    got = _loop(p2.name)
+    assert got["loads"] == 0 and got["copies"] > 0 and max(got["waits"]) > 0, got
+    if re.match(r"3\.[69]\.", __import__("triton").__version__) and DEFAULT_CONFIG.num_warps == 2:
+        assert _loop(replace(p2, pipe=1).name)["loads"] > 0  # the reason pipe = 2 exists (triton 3.6 and 3.9)

@@ -59,7 +59,9 @@ def test_decode_tokrows_matches_reference_and_layout0(name, D, Hq, Hk, dtype, se
 # sweep candidates beside the default token-row kernel: N = 8 (mma.sync tiles), int16-pair tiles (layout 2), both
 VARIANTS = [DecodeConfig(layout=1, bn=8), DecodeConfig(layout=2), DecodeConfig(layout=2, bn=8),
             # pair kernel with every tile load pipelineable (int32 scale pairs, per-row softmax denominator)
-            DecodeConfig(layout=2, bn=8, pipe=1), DecodeConfig(layout=2, pipe=1)]
+            DecodeConfig(layout=2, bn=8, pipe=1), DecodeConfig(layout=2, pipe=1),
+            # the same with the key scales / zero points in one load (an async copy on 2 warps too)
+            DecodeConfig(num_warps=2, num_stages=5, layout=2, bn=8, pipe=2)]
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: c.name)
@@ -77,6 +79,17 @@ def test_decode_tok_variants_match_reference(name, D, Hq, Hk, dtype, seq_lens, c
         if s == 0:
             assert torch.equal(out[b], torch.zeros_like(out[b]))
     assert DecodeConfig.from_name(cfg.name) == cfg
+
+
+@pytest.mark.parametrize("name,D", [("kvarn_k2v2_g128", 128), ("kvarn_k4v2_g128", 64)])
+def test_pipe2_scale_load_gives_pipe1_output(name, D):
+    """pipe = 2 only changes how the key scales / zero points are loaded (2-bit keys: 4 planes split out of one
+    load): the same operands, so the same output bit for bit, and within the bar against the reference."""
+    fmt, st, q, scale, args = _args(name, D, 8, 2, torch.float16, [0, 257, 140], seed=D + 3)
+    p1, p2 = (decode_attention(*args, num_splits=2, out=torch.empty(q.shape, dtype=torch.float32),
+                               config=DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=pipe)) for pipe in (1, 2))
+    assert torch.equal(p1, p2)
+    assert rel_err(p2, decode_reference(q, st, fmt, D, scale)) < 1e-3
 
 
 @pytest.mark.parametrize("unpack", [0, 1])

@@ -366,26 +366,50 @@ def _pair_scales(x):
 def _pair_tile_load(rec16, rec32, u, v, dp, bt, G2: tl.constexpr, D2: tl.constexpr, DP: tl.constexpr,
                     PERK: tl.constexpr, OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr,
                     OFF_RK: tl.constexpr, OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr,
-                    OFF_CV: tl.constexpr):
+                    OFF_CV: tl.constexpr, SKV: tl.constexpr = 0):
     """Every global load of one record tile, issued together. The per-token / per-channel scale runs are read as
     int32 pairs: one 4-byte load per (even, odd) M-row pair instead of two 2-byte loads, already in the even / odd
     split of the pair tiles (and 4 bytes wide, so the pipeliner can make them async copies)."""
     pk = tl.load(rec16 + OFF_PK // 2 + dp[None, :] * G2 + u[:, None])
     pv = tl.load(rec16 + OFF_PV // 2 + bt[None, :] * D2 + v[:, None])
-    sk0 = tl.load(rec16 + OFF_SK // 2 + dp)
-    zk0 = tl.load(rec16 + OFF_ZK // 2 + dp)
-    sk1 = tl.load(rec16 + OFF_SK // 2 + DP + dp)
-    zk1 = tl.load(rec16 + OFF_ZK // 2 + DP + dp)
-    if PERK == 4:
-        sk2 = tl.load(rec16 + OFF_SK // 2 + 2 * DP + dp)
-        zk2 = tl.load(rec16 + OFF_ZK // 2 + 2 * DP + dp)
-        sk3 = tl.load(rec16 + OFF_SK // 2 + 3 * DP + dp)
-        zk3 = tl.load(rec16 + OFF_ZK // 2 + 3 * DP + dp)
+    if SKV == 1:
+        # the key scales and zero points of every plane (sK then zK, D halves each, adjacent in the record) in one
+        # load of 2D halves: >= 4 bytes per thread where the DP-wide loads below have 2, so the pipeliner makes it an
+        # async copy like the tiles instead of a synchronous load inside the loop
+        tl.static_assert(OFF_ZK == OFF_SK + 2 * PERK * DP, "zK follows sK in the record (docs/format.md)")
+        skz = tl.load(rec16 + OFF_SK // 2 + tl.arange(0, 2 * PERK * DP))
+        if PERK == 2:
+            sk, zk = tl.split(tl.permute(tl.reshape(skz, [2, 2, DP]), (2, 1, 0)))  # [DP, plane] each
+            sk0, sk1 = tl.split(sk)
+            zk0, zk1 = tl.split(zk)
+            sk2 = sk0
+            zk2 = zk0
+            sk3 = sk0
+            zk3 = zk0
+        else:
+            tl.static_assert(PERK == 4, "codes are 2 or 4 bits")
+            sk, zk = tl.split(tl.permute(tl.reshape(skz, [2, 2, 2, DP]), (3, 2, 1, 0)))  # [DP, plane % 2, plane // 2]
+            ska, skb = tl.split(sk)
+            zka, zkb = tl.split(zk)
+            sk0, sk1 = tl.split(ska)
+            sk2, sk3 = tl.split(skb)
+            zk0, zk1 = tl.split(zka)
+            zk2, zk3 = tl.split(zkb)
     else:
-        sk2 = sk0
-        zk2 = zk0
-        sk3 = sk0
-        zk3 = zk0
+        sk0 = tl.load(rec16 + OFF_SK // 2 + dp)
+        zk0 = tl.load(rec16 + OFF_ZK // 2 + dp)
+        sk1 = tl.load(rec16 + OFF_SK // 2 + DP + dp)
+        zk1 = tl.load(rec16 + OFF_ZK // 2 + DP + dp)
+        if PERK == 4:
+            sk2 = tl.load(rec16 + OFF_SK // 2 + 2 * DP + dp)
+            zk2 = tl.load(rec16 + OFF_ZK // 2 + 2 * DP + dp)
+            sk3 = tl.load(rec16 + OFF_SK // 2 + 3 * DP + dp)
+            zk3 = tl.load(rec16 + OFF_ZK // 2 + 3 * DP + dp)
+        else:
+            sk2 = sk0
+            zk2 = zk0
+            sk3 = sk0
+            zk3 = zk0
     rk = tl.load(rec32 + OFF_RK // 4 + u)
     sv = tl.load(rec32 + OFF_SV // 4 + u)
     zv = tl.load(rec32 + OFF_ZV // 4 + u)
@@ -410,7 +434,7 @@ def kvarn_attention_pair_pipe_kernel(
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
-    SINK: tl.constexpr = 0, DEFER: tl.constexpr = 0,
+    SINK: tl.constexpr = 0, DEFER: tl.constexpr = 0, SKV: tl.constexpr = 0,
 ):
     """kvarn_attention_pair_kernel restructured for the pipeliner (DecodeConfig.pipe = 1; use with num_stages >= 2).
 
@@ -422,8 +446,9 @@ def kvarn_attention_pair_pipe_kernel(
     indirect load, takes a pipeline stage of its own, so with Triton 3.6 the copies only overlap the previous tile's
     compute from num_stages 5 on; at 2-4 they are waited for in full at the top of the next iteration (offline
     TTGIR, tests/test_kernels_pipelining.py). The softmax denominator is kept per token row and reduced across
-    warps once after the loop (one cross-warp reduction fewer per tile). Same math and partials as the pair
-    kernel."""
+    warps once after the loop (one cross-warp reduction fewer per tile). SKV = 1 (DecodeConfig.pipe = 2) reads the
+    key scales and zero points in one load wide enough to become an async copy on 2 warps too. Same math and
+    partials as the pair kernel."""
     PERK: tl.constexpr = 8 // KB
     DP: tl.constexpr = D // PERK
     PERV: tl.constexpr = 8 // VB
@@ -447,7 +472,7 @@ def kvarn_attention_pair_pipe_kernel(
         blk = tl.load(bt_row + t).to(tl.int64)
         pk, pv, sk0, zk0, sk1, zk1, sk2, zk2, sk3, zk3, rk, sv, zv, cv = _pair_tile_load(
             cache16_ptr + blk * stride_cb16 + kvh * stride_ch16, c32 + blk * (stride_cb16 // 2) + kvh * (stride_ch16 // 2),
-            u, v, dp, bt, G2, D2, DP, PERK, OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV)
+            u, v, dp, bt, G2, D2, DP, PERK, OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, SKV)
         # ---- keys (as kvarn_attention_pair_kernel)
         pki = pk.to(tl.int16, bitcast=True)
         s_e = tl.zeros([G2, BN], dtype=tl.float32)

@@ -53,7 +53,7 @@ from .attention_tokrows import (kvarn_attention_pair_kernel, kvarn_attention_pai
 from .common import as_format, check_cache, check_tail, defer_flag, f16_view, layout
 
 
-_NAME = re.compile(r"u([012])k([12])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:n(\d+))?(?:L([012]))?(?:p([01]))?")
+_NAME = re.compile(r"u([012])k([12])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:n(\d+))?(?:L([012]))?(?:p([012]))?")
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,9 @@ class DecodeConfig:
     #                  (kvarn_attention_pair_kernel: 16-bit tile conversion instead of byte-wise, two M/2 dots)
     bn: int = 0  # layouts 1/2: MMA N (query heads, padded); 0: max(16, group). 8 gives mma.sync (n8) tiles
     pipe: int = 0  # layout 2: 1 = kvarn_attention_pair_pipe_kernel (all tile loads pipelineable: scale runs as
-    #                int32 pairs, cp.async with num_stages >= 2; softmax denominator per row)
+    #                int32 pairs, cp.async with num_stages >= 2; softmax denominator per row); 2 = the same with
+    #                the key scales and zero points in one 2D-half load (an async copy on 2 warps too, where the
+    #                DP-wide loads of 1 stay synchronous inside the loop)
 
     @property
     def name(self) -> str:
@@ -156,6 +158,14 @@ SWEEP_CONFIGS = [
     DecodeConfig(2, 2, 1, 4, 5, maxnreg=128, layout=2, bn=8, pipe=1),
     DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=1),
     DecodeConfig(2, 2, 1, 2, 5, maxnreg=200, layout=2, bn=8, pipe=1),
+    # unmeasured: pipe = 2. On 2 warps pipe = 1's DP-wide key-scale loads (2 bytes per thread) stay synchronous
+    # global loads inside the loop, each tile waiting for them before its first MMA; offline sm_90 (triton 3.6,
+    # session 14), the default: 4 such loads, 21 barriers, 1,349 loop instructions per warp; pipe = 2: none, 17
+    # barriers, 1,325 (every load an async copy). At 7 stages the loop keeps two tiles in flight (wait num = 16;
+    # 43.5 KB of shared memory per program, 4 per SM fit); 6 compiles as 5. On 4 warps pipe = 1's loads were already
+    # async copies: 833 vs 844 instructions, the same 15 barriers
+    DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2), DecodeConfig(2, 2, 1, 2, 7, layout=2, bn=8, pipe=2),
+    DecodeConfig(2, 2, 1, 4, 5, maxnreg=128, layout=2, bn=8, pipe=2),
     # the default at a 96-register cap, 5 programs per SM instead of 4: offline sm_90 (session 12) s3 1,736
     # instructions (+6%), 160 B of stack, 47 LDL / 63 STL in all (r128: 1,640, 24 B, 6 / 10); s2 1,688, the same
     # spills. H200, session 13 (call-by-call timing, one sweep): s3 0.7221, s2 0.7606 ms against the default's 0.5736
@@ -333,7 +343,8 @@ def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, gr
         kern[(B, 1, Hk * splits)](
             qr, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,
             block_table.stride(0), cache.stride(0) // 2, cache.stride(1) // 2, Hq,
-            num_warps=min(cfg.num_warps, max(4, min(lay.g, lay.d) // 32)), **common)
+            num_warps=min(cfg.num_warps, max(4, min(lay.g, lay.d) // 32)),
+            **({"SKV": 1} if pipe and cfg.pipe == 2 else {}), **common)
     else:
         kvarn_attention_tok_kernel[(B, 1, Hk * splits)](
             qr, cache, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,
