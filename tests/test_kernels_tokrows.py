@@ -83,12 +83,13 @@ def test_decode_tok_variants_match_reference(name, D, Hq, Hk, dtype, seq_lens, c
 
 @pytest.mark.parametrize("name,D", [("kvarn_k2v2_g128", 128), ("kvarn_k4v2_g128", 64)])
 def test_pipe2_scale_load_gives_pipe1_output(name, D):
-    """pipe = 2 only changes how the key scales / zero points are loaded (2-bit keys: 4 planes split out of one
-    load): the same operands, so the same output bit for bit, and within the bar against the reference."""
+    """pipe = 2 changes how the key scales / zero points are loaded (2-bit keys: 4 planes split out of one load) and
+    sums q . zK of all planes in one reduction: the same operands, the same output up to fp32 summation order, and
+    within the bar against the reference."""
     fmt, st, q, scale, args = _args(name, D, 8, 2, torch.float16, [0, 257, 140], seed=D + 3)
     p1, p2 = (decode_attention(*args, num_splits=2, out=torch.empty(q.shape, dtype=torch.float32),
                                config=DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=pipe)) for pipe in (1, 2))
-    assert torch.equal(p1, p2)
+    assert rel_err(p2, p1) < 1e-5  # fp32 summation order only
     assert rel_err(p2, decode_reference(q, st, fmt, D, scale)) < 1e-3
 
 

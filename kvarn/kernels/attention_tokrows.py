@@ -447,8 +447,8 @@ def kvarn_attention_pair_pipe_kernel(
     compute from num_stages 5 on; at 2-4 they are waited for in full at the top of the next iteration (offline
     TTGIR, tests/test_kernels_pipelining.py). The softmax denominator is kept per token row and reduced across
     warps once after the loop (one cross-warp reduction fewer per tile). SKV = 1 (DecodeConfig.pipe = 2) reads the
-    key scales and zero points in one load wide enough to become an async copy on 2 warps too. Same math and
-    partials as the pair kernel."""
+    key scales and zero points in one load wide enough to become an async copy on 2 warps too, and sums q . zK of
+    all planes in one reduction. Same math and partials as the pair kernel."""
     PERK: tl.constexpr = 8 // KB
     DP: tl.constexpr = D // PERK
     PERV: tl.constexpr = 8 // VB
@@ -477,17 +477,33 @@ def kvarn_attention_pair_pipe_kernel(
         pki = pk.to(tl.int16, bitcast=True)
         s_e = tl.zeros([G2, BN], dtype=tl.float32)
         s_o = tl.zeros([G2, BN], dtype=tl.float32)
-        b_hi, b_lo, qz = _key_plane_p(q0, sk0, zk0, KSPLIT)
-        s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
-        b_hi, b_lo, z1 = _key_plane_p(q1, sk1, zk1, KSPLIT)
-        s_e, s_o = _pair_key_dot(pki, 1, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
-        qz += z1
-        if PERK == 4:
-            b_hi, b_lo, z2 = _key_plane_p(q2, sk2, zk2, KSPLIT)
-            s_e, s_o = _pair_key_dot(pki, 2, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
-            b_hi, b_lo, z3 = _key_plane_p(q3, sk3, zk3, KSPLIT)
-            s_e, s_o = _pair_key_dot(pki, 3, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
-            qz += z2 + z3
+        if SKV == 1:
+            # q . zK of every plane in one cross-warp reduction (pipe = 1: one per plane)
+            zq = q0 * zk0.to(tl.float32)[:, None] + q1 * zk1.to(tl.float32)[:, None]
+            if PERK == 4:
+                zq += q2 * zk2.to(tl.float32)[:, None] + q3 * zk3.to(tl.float32)[:, None]
+            qz = tl.sum(zq, axis=0)
+            b_hi, b_lo = _split16(q0 * sk0.to(tl.float32)[:, None], KSPLIT)
+            s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+            b_hi, b_lo = _split16(q1 * sk1.to(tl.float32)[:, None], KSPLIT)
+            s_e, s_o = _pair_key_dot(pki, 1, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+            if PERK == 4:
+                b_hi, b_lo = _split16(q2 * sk2.to(tl.float32)[:, None], KSPLIT)
+                s_e, s_o = _pair_key_dot(pki, 2, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+                b_hi, b_lo = _split16(q3 * sk3.to(tl.float32)[:, None], KSPLIT)
+                s_e, s_o = _pair_key_dot(pki, 3, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+        else:
+            b_hi, b_lo, qz = _key_plane_p(q0, sk0, zk0, KSPLIT)
+            s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+            b_hi, b_lo, z1 = _key_plane_p(q1, sk1, zk1, KSPLIT)
+            s_e, s_o = _pair_key_dot(pki, 1, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+            qz += z1
+            if PERK == 4:
+                b_hi, b_lo, z2 = _key_plane_p(q2, sk2, zk2, KSPLIT)
+                s_e, s_o = _pair_key_dot(pki, 2, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+                b_hi, b_lo, z3 = _key_plane_p(q3, sk3, zk3, KSPLIT)
+                s_e, s_o = _pair_key_dot(pki, 3, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+                qz += z2 + z3
         rk_e, rk_o = _pair_scales(rk)
         s_e = (s_e + qz[None, :]) * (rk_e * qnorm)[:, None]
         s_o = (s_o + qz[None, :]) * (rk_o * qnorm)[:, None]

@@ -76,7 +76,7 @@ class DecodeConfig:
     pipe: int = 0  # layout 2: 1 = kvarn_attention_pair_pipe_kernel (all tile loads pipelineable: scale runs as
     #                int32 pairs, cp.async with num_stages >= 2; softmax denominator per row); 2 = the same with
     #                the key scales and zero points in one 2D-half load (an async copy on 2 warps too, where the
-    #                DP-wide loads of 1 stay synchronous inside the loop)
+    #                DP-wide loads of 1 stay synchronous inside the loop) and q . zK of all planes in one reduction
 
     @property
     def name(self) -> str:
@@ -161,9 +161,10 @@ SWEEP_CONFIGS = [
     # unmeasured: pipe = 2. On 2 warps pipe = 1's DP-wide key-scale loads (2 bytes per thread) stay synchronous
     # global loads inside the loop, each tile waiting for them before its first MMA; offline sm_90 (triton 3.6,
     # session 14), the default: 4 such loads, 21 barriers, 1,349 loop instructions per warp; pipe = 2: none, 17
-    # barriers, 1,325 (every load an async copy). At 7 stages the loop keeps two tiles in flight (wait num = 16;
-    # 43.5 KB of shared memory per program, 4 per SM fit); 6 compiles as 5. On 4 warps pipe = 1's loads were already
-    # async copies: 833 vs 844 instructions, the same 15 barriers
+    # barriers, 1,314 (every load an async copy; one q . zK reduction instead of one per plane: 22 shuffles, not
+    # 30). At 7 stages the loop keeps two tiles in flight (wait num = 16; 43.5 KB of shared memory per program, 4 per
+    # SM fit); 6 compiles as 5. On 4 warps pipe = 1's loads were already async copies: 838 vs 844 instructions, the
+    # same 15 barriers
     DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2), DecodeConfig(2, 2, 1, 2, 7, layout=2, bn=8, pipe=2),
     DecodeConfig(2, 2, 1, 4, 5, maxnreg=128, layout=2, bn=8, pipe=2),
     # the default at a 96-register cap, 5 programs per SM instead of 4: offline sm_90 (session 12) s3 1,736
