@@ -20,6 +20,7 @@ import torch
 
 from ..formats import KVFormat
 from . import ops
+from .common import backend_env
 
 _LOG = logging.getLogger("vllm.kvarn")
 _DONE: set = set()
@@ -137,6 +138,8 @@ def warm_up(num_kv_heads: int, num_heads: int, head_size: int, dtype: torch.dtyp
         return 0.0
     _DONE.update(todo)
     secs = time.perf_counter() - t0
-    _LOG.info("kvarn: kernels warmed up for %d/%d heads, head_dim %d, %s in %.1f s", num_heads, num_kv_heads,
-              head_size, str(dtype).replace("torch.", ""), secs)
+    # the knobs in the log too: what a run used is then readable from its log alone (bench rows carry backend_env)
+    _LOG.info("kvarn: kernels warmed up for %d/%d heads, head_dim %d, %s in %.1f s (deferred flush %s; knobs: %s)",
+              num_heads, num_kv_heads, head_size, str(dtype).replace("torch.", ""), secs, "on" if defer else "off",
+              backend_env() or "defaults")
     return secs
