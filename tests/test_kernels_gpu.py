@@ -92,7 +92,7 @@ def test_gpu_store_decode_equals_store_tiles_and_captures():
 
 
 # the default and the previous one (token-row kernel), named: no run-time tuning, one compile per config and case
-DECODE_CONFIGS = ["default", "u2k2v1w4s1x1r128L1"]
+DECODE_CONFIGS = ["default", "u2k2v1w4s1x1r128L1", "u2k2v1w2s5x1n8L2p2", "u2k2v1w2s7x1n8L2p2"]  # + p2 candidates
 
 
 @pytest.mark.parametrize("cfg_name", DECODE_CONFIGS)
@@ -117,6 +117,20 @@ def test_gpu_decode_matches_reference(name, D, Hq, Hk, dtype, cfg_name):
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) < 1e-3, (splits, rel_err(out, ref))
         assert torch.count_nonzero(out[1]) == 0
+
+
+def test_gpu_decode_notes_its_occupancy_for_the_split_heuristic():
+    from kvarn.kernels import decode_attention
+    from kvarn.kernels.common import layout
+    from kvarn.kernels.decode import _PER_SM, DEFAULT_CONFIG, _per_sm_key, effective_config
+
+    fmt, D = get_format("kvarn_k4v2_g128"), 128
+    st = paged_setup(fmt, D, 2, [700, 300], torch.bfloat16, device=DEV)
+    q = torch.randn(2, 8, D, device=DEV).to(torch.bfloat16)
+    decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                     st["tail_slots"], fmt, 1 / math.sqrt(D))
+    n = _PER_SM.get(_per_sm_key(effective_config(DEFAULT_CONFIG, q.device), layout(fmt, D), 4))
+    assert n is not None and 1 <= n <= 32, n  # H200, triton 3.6: 4 (254 registers on 2 warps)
 
 
 def test_gpu_decode_cuda_graph_capture():

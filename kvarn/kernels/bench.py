@@ -342,11 +342,13 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
         check_extra = {"rel_err_in_q_dtype": _rel(out[:rows], ref)}
     from dataclasses import replace
 
-    from .decode import default_num_splits, tuned_entries
+    from .common import layout
+    from .decode import DEFAULT_CONFIG, group_geometry, heuristic_splits, tuned_entries
 
     check_extra["timing"] = f"ours: {how}; baseline: {bhow}"  # a baseline timed call by call carries its launch
     check_extra["tuned"] = str(tuned_entries()) if dev.type == "cuda" else None
-    check_extra["heuristic_splits"] = default_num_splits(B, Hk, st["block_table"].shape[1], dev)
+    check_extra["heuristic_splits"] = heuristic_splits(DEFAULT_CONFIG, B, Hk, st["block_table"].shape[1],
+                                                       layout(fmt, D), group_geometry(Hq, Hk)[1], dev)
     if sweep:
         rows_out = []
         ref_rows = torch.stack(_reference_out(st, fmt, D, q, scale, min(B, 4))) if check else None

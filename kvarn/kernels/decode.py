@@ -38,6 +38,7 @@ unpacker once on the device (falls back to the pure-Triton one if it disagrees) 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 from dataclasses import dataclass, replace
@@ -189,14 +190,55 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_num_splits(batch: int, kv_heads: int, max_blocks: int, device: torch.device) -> int:
-    """~4 programs per SM (enough resident programs to hide memory latency), at least 2 splits (H200, B=96 x 8 heads,
-    16K: 1 split 0.806 ms, 2-8 splits 0.742-0.756: a fractional second wave of whole-context programs idles most
-    SMs at the end), at least ~4 tiles per split, never more than 64 splits (host-only arithmetic)."""
+def default_num_splits(batch: int, kv_heads: int, max_blocks: int, device: torch.device, per_sm: int = 4) -> int:
+    """Splits per (request, KV head) from wave quantization: of the split counts from 2 (at most 64, >= 4 tiles per
+    split), the smallest whose programs fill their last wave of resident slots (per_sm x SMs) to >= 95% of the best
+    fill. per_sm: programs of the kernel resident per SM (occupancy, from the compiled kernel: programs_per_sm).
+    H200, 2-warp pipe kernel (4 per SM), session 14, each x the old heuristic's choice (ceil(4 x SMs / programs),
+    at least 2): B=8 x 16K, 8 heads: 8 splits (0.97 of one wave) 0.837x, 9 (1.09 waves) ~1.0x; B=96 x 16K: 2 (2.9
+    waves) 0.840x, 1 (1.45) 0.958x; D=64 (6 per SM), B=64 x 8K, 3 heads: 4 splits (0.97) 0.586x, 3 (0.73) 0.681x,
+    2 0.759x. One split can fill as well (B=64 x 16K: 1 and 2 within 1%; the Qwen3-32B step, B=128 x 4K: 0.853x vs
+    0.883x) but was 14-25% slower for the 3-stage 4-warp kernel at B=64 (session 6): not taken. Host-only."""
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
     programs = max(1, batch * kv_heads)
-    splits = max(2, -(-4 * sms // programs))
-    return int(max(1, min(splits, max(1, max_blocks // 4), 64)))
+    slots = max(1, per_sm) * sms
+    cap = int(max(1, min(64, max_blocks // 4)))
+    fill = {s: (programs * s / slots) / math.ceil(programs * s / slots) for s in range(min(2, cap), cap + 1)}
+    best = max(fill.values())
+    return next(s for s, f in fill.items() if f >= 0.95 * best)
+
+
+def programs_per_sm(kernel, device: torch.device) -> int | None:
+    """Resident programs per SM of a compiled Triton kernel (registers, shared memory, threads; the CUDA occupancy
+    rules: registers allocated per warp in units of 256), or None where the kernel carries no register count
+    (interpreter)."""
+    regs, meta = getattr(kernel, "n_regs", None), getattr(kernel, "metadata", None)
+    if not regs or meta is None:
+        return None
+    props = torch.cuda.get_device_properties(device.index or 0)
+    warps = int(meta.num_warps)
+    per_warp = -(-int(regs) * 32 // 256) * 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // per_warp // warps
+    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    by_smem = smem // (int(meta.shared) + 1024) if meta.shared else 32  # 1 KB per block reserved by the driver
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+    return int(max(1, min(by_regs, by_smem, by_threads, 32)))
+
+
+# (config name, record geometry, padded group) -> programs per SM of its compiled records kernel, noted at its first
+# launch; until then (and off CUDA) the split heuristic assumes 4
+_PER_SM: dict[tuple, int] = {}
+
+
+def _per_sm_key(cfg: DecodeConfig, lay, gp: int) -> tuple:
+    return (cfg.name, lay.g, lay.d, lay.kb, lay.vb, gp)
+
+
+def heuristic_splits(cfg: DecodeConfig, batch: int, kv_heads: int, max_blocks: int, lay, gp: int,
+                     device: torch.device) -> int:
+    """default_num_splits at the occupancy of cfg's compiled kernel (4 per SM until its first launch)."""
+    per_sm = _PER_SM.get(_per_sm_key(effective_config(cfg, device), lay, gp), 4)
+    return default_num_splits(batch, kv_heads, max_blocks, device, per_sm)
 
 
 def group_geometry(hq: int, hk: int) -> tuple[int, int]:
@@ -341,16 +383,21 @@ def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, gr
         pipe = (cfg.pipe and cache.data_ptr() % 4 == 0 and cache.stride(0) % 4 == 0 and cache.stride(1) % 4 == 0
                 and all(o % 4 == 0 for o in (lay.rk, lay.sv, lay.zv, lay.cv)))
         kern = kvarn_attention_pair_pipe_kernel if pipe else kvarn_attention_pair_kernel
-        kern[(B, 1, Hk * splits)](
+        compiled = kern[(B, 1, Hk * splits)](
             qr, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,
             block_table.stride(0), cache.stride(0) // 2, cache.stride(1) // 2, Hq,
             num_warps=min(cfg.num_warps, max(4, min(lay.g, lay.d) // 32)),
             **({"SKV": 1} if pipe and cfg.pipe == 2 else {}), **common)
     else:
-        kvarn_attention_tok_kernel[(B, 1, Hk * splits)](
+        compiled = kvarn_attention_tok_kernel[(B, 1, Hk * splits)](
             qr, cache, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,
             block_table.stride(0), cache.stride(0), cache.stride(1), Hq,
             num_warps=tok_warps(lay, cfg.num_warps), **common)
+    key = _per_sm_key(cfg, lay, gp)
+    if key not in _PER_SM and qr.device.type == "cuda":
+        n = programs_per_sm(compiled, qr.device)
+        if n:
+            _PER_SM[key] = n
 
 
 def _launch(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, out, lay, group, gp, scale, splits,
@@ -429,7 +476,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
     if B == 0:
         return out
     max_blocks = block_table.shape[1]
-    base_splits = default_num_splits(B, Hk, max_blocks, q.device)
+    base_splits = heuristic_splits(config or DEFAULT_CONFIG, B, Hk, max_blocks, lay, gp, q.device)
     args = (q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots)
     if config is None:
         cfg, splits = DEFAULT_CONFIG, base_splits
