@@ -14,7 +14,8 @@ def register(app: typer.Typer) -> None:
         model: Optional[str] = typer.Option(None, "--model", "-m", help="Bundled shape (qwen3-8b...), local HF folder or hub "
                                             "id. Default: smollm2-135m (SmolLM2-135M-Instruct, runs on a CPU)."),
         kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Comma list of KV formats, or 'all'. Default: "
-                                               "auto,fp8,kvarn_k4v2_g128,turboquant_4bit_nc,turboquant_k3v4_nc."),
+                                               "auto,fp8,kvarn_k4v2_g128,turboquant_4bit_nc,turboquant_k3v4_nc. "
+                                               "FP16 cells run first (the ratios' baseline), the rest in this order."),
         burst: Optional[str] = typer.Option(None, "--burst", "-b", help="Context per request (prompt + output): 4k, "
                                             "16k, 32768; comma list. Default: hf 192 (64+128), vllm 4k."),
         requests: Optional[int] = typer.Option(None, "--requests", "-n", help="Requests per burst, all submitted at "
