@@ -227,13 +227,13 @@ def programs_per_sm(kernel, device: torch.device) -> int | None:
     return int(max(1, min(by_regs, by_smem, by_threads, 32)))
 
 
-# (config name, record geometry, padded group) -> programs per SM of its compiled records kernel, noted at its first
+# (config, record layout, padded group) -> programs per SM of its compiled records kernel, noted at its first
 # launch; until then (and off CUDA) the split heuristic assumes 4
 _PER_SM: dict[tuple, int] = {}
 
 
 def _per_sm_key(cfg: DecodeConfig, lay, gp: int) -> tuple:
-    return (cfg.name, lay.g, lay.d, lay.kb, lay.vb, gp)
+    return (cfg, lay, gp)  # frozen dataclasses: hashed by value, no name string built on the launch path
 
 
 def heuristic_splits(cfg: DecodeConfig, batch: int, kv_heads: int, max_blocks: int, lay, gp: int,
