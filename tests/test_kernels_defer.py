@@ -11,14 +11,15 @@ import torch
 
 from kvarn.formats import get_format
 from kvarn.kernels import decode_attention, store_decode, store_tiles
-from kvarn.kernels.decode import DecodeConfig
+from kvarn.kernels.decode import DEFAULT_CONFIG, DecodeConfig
 from kvarn.kernels.store import flush_layers
 from tests.test_kernels import decode_reference, paged_setup, rel_err
 
 SINK = 16
 # padded; completes tile 0 (sink inside the tail tile); completes a later tile; mid-tile; one past a boundary
 LENS = [0, 64, 192, 100, 129]
-CONFIGS = [DecodeConfig(), DecodeConfig(layout=1), DecodeConfig(layout=2), DecodeConfig(layout=2, bn=8, pipe=1)]
+CONFIGS = [DecodeConfig(), DecodeConfig(layout=1), DecodeConfig(layout=2), DecodeConfig(layout=2, bn=8, pipe=1),
+           DEFAULT_CONFIG]  # pipe = 2
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)

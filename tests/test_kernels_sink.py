@@ -11,14 +11,15 @@ import torch
 from kvarn.errors import KvarnError
 from kvarn.formats import get_format
 from kvarn.kernels import decode_attention, prefill_attention, store_decode, store_tiles
-from kvarn.kernels.decode import DecodeConfig
+from kvarn.kernels.decode import DEFAULT_CONFIG, DecodeConfig
 from kvarn.method.reference import reference_attention
 from tests.test_kernels import decode_reference, paged_setup, prefill_reference, rel_err, request_kv
 
 SINK = 16
 # padded row, inside the sink, exactly the sink, past it in the first tile, one tile, tiles + tail
 LENS_G64 = [0, 5, SINK, 40, 64, 71, 197]
-CONFIGS = [DecodeConfig(), DecodeConfig(layout=1), DecodeConfig(layout=2), DecodeConfig(layout=2, bn=8, pipe=1)]
+CONFIGS = [DecodeConfig(), DecodeConfig(layout=1), DecodeConfig(layout=2), DecodeConfig(layout=2, bn=8, pipe=1),
+           DEFAULT_CONFIG]  # pipe = 2
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)

@@ -105,7 +105,7 @@ def test_decode_tokrows_unpack_variants(unpack):
 
 
 def test_tokrows_config_plumbing():
-    assert DEFAULT_CONFIG.name == "u2k2v1w2s5x1n8L2p1"  # the H200 sweep's best (session 14)
+    assert DEFAULT_CONFIG.name == "u2k2v1w2s5x1n8L2p2"  # the H200 sweep's best (session 15)
     tok = DecodeConfig(2, 2, 1, 4, 1, maxnreg=128, layout=1)
     assert tok.name != DecodeConfig(2, 2, 1, 4, 1, maxnreg=128).name and tok.name.endswith("L1")
     assert DecodeConfig().name == "u2k2v1w4s1x1"  # names of layout-0 entries are unchanged (sweep history)

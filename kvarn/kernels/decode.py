@@ -105,8 +105,10 @@ class DecodeConfig:
 # call, vLLM's FlashAttention as the baseline: that default (4 warps, 3 stages, r128) 0.604 ms vs FA 1.046 ms (0.58x).
 # Session 14 (CUDA graphs, each config timed in turn with it): the pipe kernel on 2 warps at 5 stages (a real double
 # buffer, see below) 0.843x at B=64 x 16K (0.3735 ms vs FA3 0.969: 0.385x), 0.840x at B=96, 0.882x at the Qwen3-32B
-# step (128 x 4K, 64/8 heads), 0.681x at D=64; 1.026x at B=8 x 16K (few programs: more splits win there)
-DEFAULT_CONFIG = DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=1)
+# step (128 x 4K, 64/8 heads), 0.681x at D=64; 1.026x at B=8 x 16K (few programs: more splits win there).
+# Session 15: pipe = 2 (no synchronous load left in the tile loop) 0.903x that at B=64 x 16K, 0.906x B=96, 0.903x the
+# 32B step, 0.904x B=8, 0.958x D=64; against FA3 in turn 0.362-0.370x (three runs); 7 stages no faster, caps slower
+DEFAULT_CONFIG = DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2)
 # the --sweep table (every entry a separate compile, ~5-10 s each on the device)
 # (offline sm_90 compile, k4v2_g128 D=128: stages 1 -> 168 registers, no spills; stages 2 -> 246: the pipeliner
 #  keeps the next tile in registers; 8 warps stages 2 -> 210)
@@ -159,10 +161,10 @@ SWEEP_CONFIGS = [
     DecodeConfig(2, 2, 1, 4, 5, maxnreg=128, layout=2, bn=8, pipe=1),
     DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=1),
     DecodeConfig(2, 2, 1, 2, 5, maxnreg=200, layout=2, bn=8, pipe=1),
-    # unmeasured: pipe = 2. On 2 warps pipe = 1's DP-wide key-scale loads (2 bytes per thread) stay synchronous
-    # global loads inside the loop, each tile waiting for them before its first MMA; offline sm_90 (triton 3.6,
-    # session 14), the default: 4 such loads, 21 barriers, 1,349 loop instructions per warp; pipe = 2: none, 17
-    # barriers, 1,314 (every load an async copy; one q . zK reduction instead of one per plane: 22 shuffles, not
+    # pipe = 2 (H200, session 15: the default above; s7 the same, r200 and the 4-warp one slower). On 2 warps
+    # pipe = 1's DP-wide key-scale loads (2 bytes per thread) stay synchronous global loads inside the loop, each
+    # tile waiting for them before its first MMA; offline sm_90 (triton 3.6, session 14), the session-14 default: 4
+    # such loads, 21 barriers, 1,349 loop instructions per warp; pipe = 2: none, 17 barriers, 1,314 (every load an async copy; one q . zK reduction instead of one per plane: 22 shuffles, not
     # 30). At 7 stages the loop keeps two tiles in flight (wait num = 16; 43.5 KB of shared memory per program, 4 per
     # SM fit); 6 compiles as 5. On 4 warps pipe = 1's loads were already async copies: 838 vs 844 instructions, the
     # same 15 barriers. At a 200-register cap (5 programs per SM) pipe = 2 has no spills (pipe = 1: 3 spill
