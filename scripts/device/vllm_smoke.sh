@@ -11,6 +11,9 @@
 #     a 16 x (4096 + 128) burst
 #   4 the other presets (g64, k4v4, k2v2), a preemption run, a prefix-cache-hit check
 # Logs: $OUT/<case>.log (full vLLM log), $OUT/<case>.json (results), $OUT/smoke_summary.txt. Last: a table.
+# A/B of a backend knob (token ids compared in full, e.g. the deferred flush under preemption):
+#   bash scripts/device/run.sh vllm_smoke:150@KVARN_SMOKE_CASES=smol_g128_preempt \
+#     vllm_smoke:150@KVARN_DEFER_FLUSH=1,KVARN_SMOKE_TAG=defer,KVARN_SMOKE_CASES=smol_g128_preempt
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 BUDGET="${KVARN_SMOKE_BUDGET:-390}"   # seconds for the whole script (engines are skipped once it is spent)
@@ -26,7 +29,7 @@ free_gpu() { bash "$(dirname "$0")/free_gpu.sh"; sleep 1; }
 cat > "$OUT/kvarn_case.py" <<'PY'
 import json, math, os, sys, time
 cfg = json.loads(sys.argv[1]); out_json = sys.argv[2]
-res = {"case": cfg["case"], "ok": False}
+res = {"case": cfg["case"], "ok": False, "tag": os.environ.get("KVARN_SMOKE_TAG", "")}
 def save():
     with open(out_json, "w") as f: json.dump(res, f, indent=1)
 t0 = time.time()
@@ -100,7 +103,8 @@ try:
         sp = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         t = time.time(); outs = llm.generate(prompts, sp, use_tqdm=False)
         res.update(preempt_s=round(time.time() - t, 1), preempt_done=sum(len(o.outputs[0].token_ids) == 200 for o in outs),
-                   preempt_text=[o.outputs[0].text[:60] for o in outs[:2]])
+                   preempt_text=[o.outputs[0].text[:60] for o in outs[:2]],
+                   preempt_ids=[list(o.outputs[0].token_ids) for o in outs])  # compared in full across tagged runs
         try:
             m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}
             res["num_preemptions"] = m.get("vllm:num_preemptions")
@@ -120,6 +124,9 @@ run_case() {  # name, env-prefix ("" or VAR=val ...), json config
   local name="$1" envs="$2" cfg="$3" rem
   # KVARN_SMOKE_CASES=name,name: only these cases (e.g. smol_g128_preempt in a short call); empty: all
   if [ -n "${KVARN_SMOKE_CASES:-}" ] && [[ ",$KVARN_SMOKE_CASES," != *",$name,"* ]]; then return; fi
+  # KVARN_SMOKE_TAG=t: an A/B's second run (e.g. with KVARN_DEFER_FLUSH=1) keeps its own files, <case>@t.*, beside the
+  # first run's in the same $OUT, and the table compares its token ids with the untagged run's in full
+  name="$name${KVARN_SMOKE_TAG:+@$KVARN_SMOKE_TAG}"
   rem=$(left)
   if [ "$rem" -lt 45 ]; then log "SKIP $name (budget spent)"; echo "{\"case\":\"$name\",\"skipped\":true}" > "$OUT/$name.json"; return; fi
   local to=$(( rem < CASE_TIMEOUT ? rem : CASE_TIMEOUT ))
@@ -196,7 +203,7 @@ out = sys.argv[1]; rows = {}
 for f in sorted(glob.glob(os.path.join(out, "*.json"))):
     try: r = json.load(open(f))
     except Exception: continue
-    if "case" in r: rows[r["case"]] = r
+    if "case" in r: rows[r["case"] + (f"@{r['tag']}" if r.get("tag") else "")] = r
 base = rows.get("smol_fp16_eager_v2", {})
 FP16_QWEN = 791792
 def agree(a, b):
@@ -220,6 +227,11 @@ for name, r in rows.items():
     if "preempt_done" in r: note.append(f"preempt {r['preempt_done']}/8 n={r.get('num_preemptions')}")
     if r.get("cudagraph_mode"): note.append(r["cudagraph_mode"].replace("CUDAGraphMode.", "cg="))
     if r.get("error"): note.append("ERR " + r["error"][:90])
+    first = rows.get(name.split("@")[0]) if "@" in name else None  # the A/B's untagged run of this case
+    for key in ("gen_ids", "preempt_ids"):
+        if first and r.get(key) and first.get(key):
+            same = sum(x == y for x, y in zip(r[key], first[key]))
+            note.append(f"{key} = untagged run's: {same}/{len(r[key])}")
     print(f"{name:24} {str(r.get('ok')):4} {str(r.get('start_s','')):>6} {kv:>11,} {ref:>7} "
           f"{(f'{ppl:.3f}' if ppl else ''):>8} {dp:>7} {agree(r.get('gen_ids'), base.get('gen_ids')) if name != 'smol_fp16_eager_v2' else '':>22} {'; '.join(note)}")
 PY
