@@ -4,8 +4,10 @@ crashed engine cannot take the rest of the suite down) that all write into one r
 
 Groups: bench = one per (model, TP, workload) running every format x repeat, a workload being a burst (with the
 suite's output_len / requests) or an entry of bench.workloads ({burst, output_len, requests}: e.g. a reasoning-style
-burst and a decode-heavy one side by side); eval = one per (model, TP, task) running every format. A model with
-`weights: dummy` benchmarks with --dummy-weights (real shapes, random weights) and has no eval steps.
+burst and a decode-heavy one side by side; optional per entry: `models`, the names of the suite's models it runs on
+(default: all), and `args`, bench flags of its own, passed after bench.args); eval = one per (model, TP, task)
+running every format. A model with `weights: dummy` benchmarks with --dummy-weights (real shapes, random weights)
+and has no eval steps.
 `--resume` is handed to each command (they skip cells whose config hash and repeat are done).
 The exact flags each command receives are in BENCH_FLAGS / EVAL_FLAGS; `suite run` checks them against the
 command's `--help` before starting, so a CLI mismatch is one clear line, not a failure an hour in.
@@ -34,7 +36,7 @@ from .shapes import resolve_model
 TOP_KEYS = {"name", "description", "results", "models", "formats", "tp", "bench", "eval", "gate"}
 MODEL_KEYS = {"name", "weights", "tp", "dtype"}
 BENCH_KEYS = {"mode", "bursts", "output_len", "requests", "repeats", "timeout_min", "args", "workloads"}
-WORKLOAD_KEYS = {"burst", "output_len", "requests"}
+WORKLOAD_KEYS = {"burst", "output_len", "requests", "models", "args"}
 EVAL_KEYS = {"tasks", "samples", "limit", "timeout_min", "args"}
 TASK_KEYS = {"name", "samples", "limit", "context", "args"}
 GATE_KEYS = {"baseline", "policy"}
@@ -80,13 +82,19 @@ class Suite:
     def bench_cells(self) -> int:
         if not self.bench:
             return 0
-        return sum(len(m["tp"]) for m in self.models) * len(self.formats) * len(self.bench["workloads"])
+        return len(self.formats) * sum(len(m["tp"]) for m in self.models for w in self.bench["workloads"]
+                                       if runs_on(w, m))
 
     def eval_cells(self) -> int:
         if not self.eval:
             return 0
         return (sum(len(m["tp"]) for m in self.models if m["weights"] != "dummy") * len(self.formats)
                 * len(self.eval["tasks"]))
+
+
+def runs_on(workload: dict, model: dict) -> bool:
+    """Whether a bench workload runs on a model of the suite (its `models` list, default: every model)."""
+    return "models" not in workload or model["name"] in workload["models"]
 
 
 # ---- loading & validation -------------------------------------------------------------------------------------------
@@ -237,12 +245,28 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
                     raise KvarnError(f"{where}: bench.workloads[{i}] needs a burst "
                                      "(and optionally output_len, requests)")
                 _check_keys(w, WORKLOAD_KEYS, f"{where}: bench.workloads[{i}]")
+                names = [m["name"] for m in models]
+                only = w.get("models")
+                if only is not None:
+                    only = [only] if isinstance(only, str) else only
+                    if not isinstance(only, list) or not only:
+                        raise KvarnError(f"{where}: bench.workloads[{i}].models must be a non-empty list of this "
+                                         f"suite's model names ({choices(names)}), got {only!r}")
+                    bad = [str(x) for x in only if str(x) not in names]
+                    if bad:
+                        raise KvarnError(f"{where}: bench.workloads[{i}].models: {bad[0]!r} is not a model of this "
+                                         f"suite; accepted: {choices(names)}")
+                wargs = w.get("args", []) or []
+                if not isinstance(wargs, list):
+                    raise KvarnError(f"{where}: bench.workloads[{i}].args must be a list of flags, got {wargs!r}")
                 bench["workloads"].append({
                     "burst": _pos_int(w["burst"], f"{where}: bench.workloads[{i}].burst"),
                     "output_len": _pos_int(w.get("output_len", bench["output_len"]),
                                            f"{where}: bench.workloads[{i}].output_len"),
                     "requests": _pos_int(w.get("requests", bench["requests"]),
-                                         f"{where}: bench.workloads[{i}].requests")})
+                                         f"{where}: bench.workloads[{i}].requests"),
+                    **({"models": [str(x) for x in only]} if only is not None else {}),
+                    **({"args": [str(a) for a in wargs]} if wargs else {})})
             bench["bursts"] = [w["burst"] for w in bench["workloads"]]
         else:
             bench["workloads"] = [{"burst": x, "output_len": bench["output_len"], "requests": bench["requests"]}
@@ -250,6 +274,8 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
         for m in models:
             ctx = resolve_model(m["name"]).max_context
             for w in bench["workloads"]:  # a burst is the whole context per request (prompt + output), as in bench
+                if not runs_on(w, m):
+                    continue
                 if w["burst"] > ctx:
                     raise KvarnError(f"{where}: bench burst {w['burst']} exceeds {m['name']}'s context of {ctx} tokens")
                 if w["output_len"] >= w["burst"]:
@@ -300,6 +326,8 @@ def plan(suite: Suite, out: str | Path | None = None, *, resume: bool = False, o
             if suite.bench and only in (None, "bench"):
                 b = suite.bench
                 for w in b["workloads"]:
+                    if not runs_on(w, m):
+                        continue
                     f = BENCH_FLAGS
                     argv = ["bench", f["model"], m["name"]]
                     if m["weights"] == "dummy":
@@ -309,7 +337,7 @@ def plan(suite: Suite, out: str | Path | None = None, *, resume: bool = False, o
                     argv += [f["kv_dtype"], kvs, f["tp"], str(tp), f["mode"], b["mode"], f["burst"], str(w["burst"]),
                              f["output_len"], str(w["output_len"]), f["requests"], str(w["requests"]),
                              f["repeats"], str(b["repeats"]), f["out"], out]
-                    argv += b["args"]
+                    argv += b["args"] + w.get("args", [])  # the workload's own flags last: they win
                     title = f"bench {m['name']} TP={tp} burst {w['burst']}"
                     if "workloads" in (suite.raw.get("bench") or {}):
                         title += f" ({w['requests']} x {w['burst'] - w['output_len']}+{w['output_len']})"

@@ -44,19 +44,34 @@ def test_workloads_and_dummy_weights():
     # issue 9's two bursts side by side (same context, different prompt/output split) on dummy weights
     perf = load_suite("performance")
     steps = plan(perf, "out")
-    assert len(steps) == 2 * 2 and all(x.kind == "bench" for x in steps)  # dummy weights: no eval steps
+    # the showcase on both shapes, the 8B decode-heavy burst, the 32B shape's two: workloads name their models
+    assert len(steps) == 2 + 1 + 2 and all(x.kind == "bench" for x in steps)  # dummy weights: no eval steps
     first = steps[0].argv
     assert "--dummy-weights" in first and "--weights" not in first
     assert [first[first.index(k) + 1] for k in ("--burst", "--output-len", "--requests")] == ["16384", "2048", "96"]
     assert steps[1].argv[steps[1].argv.index("--output-len") + 1] == "15360" and "1024+15360" in steps[1].title
-    assert perf.bench_cells() == 2 * 5 * 2 and perf.eval_cells() == 0
+    big = [x for x in steps if x.argv[x.argv.index("--model") + 1] == "qwen3-32b"]
+    assert [x.argv[x.argv.index("--requests") + 1] for x in big] == ["96", "32", "128"]
+    assert [x.argv[-2:] for x in big] == [["--max-num-seqs", n] for n in ("96", "32", "128")]  # workload args last
+    assert perf.bench_cells() == 5 * len(steps) and perf.eval_cells() == 0
     data = {**GOOD, "models": [{"name": "qwen3-8b", "weights": "dummy"}],
             "bench": {"workloads": [{"burst": 4096}, {"burst": 8192, "output_len": 4096, "requests": 8}]}}
     s = validate_suite(data, "w.yaml")
     assert s.bench["workloads"] == [{"burst": 4096, "output_len": 256, "requests": 64},
                                     {"burst": 8192, "output_len": 4096, "requests": 8}]
     assert s.eval_cells() == 0 and not [x for x in plan(s, "o") if x.kind == "eval"]
+    wls = [{"burst": 4096, "models": ["qwen3-8b"], "args": ["--max-num-seqs", 8]}, {"burst": 2048}]
+    only = validate_suite({**data, "models": ["qwen3-0.6b", {"name": "qwen3-8b", "weights": "dummy"}],
+                           "bench": {"workloads": wls}}, "w.yaml")
+    got = [(x.argv[x.argv.index("--model") + 1], x.argv[x.argv.index("--burst") + 1], x.argv[-2:])
+           for x in plan(only, "o") if x.kind == "bench"]
+    assert got == [("qwen3-0.6b", "2048", ["--out", "o"]), ("qwen3-8b", "4096", ["--max-num-seqs", "8"]),
+                   ("qwen3-8b", "2048", ["--out", "o"])]
+    assert only.bench_cells() == 3 * 3
     for bad, msg in (([{"output_len": 8}], r"workloads\[0\] needs a burst"),
+                     ([{"burst": 4096, "models": ["qwen3-32b"]}], r"models: 'qwen3-32b' is not a model of this suite"),
+                     ([{"burst": 4096, "models": []}], r"models must be a non-empty list"),
+                     ([{"burst": 4096, "args": "--max-num-seqs 8"}], r"args must be a list of flags"),
                      ([{"burst": 4096, "reqs": 1}], r"workloads\[0\]: unknown key 'reqs'"),
                      ([{"burst": 4096, "output_len": 4096}], "leaves no prompt in burst 4096"), ([], "non-empty list")):
         with pytest.raises(KvarnError, match=msg):
