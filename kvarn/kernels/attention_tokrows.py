@@ -372,7 +372,7 @@ def _pair_tile_load(rec16, rec32, u, v, dp, bt, G2: tl.constexpr, D2: tl.constex
     split of the pair tiles (and 4 bytes wide, so the pipeliner can make them async copies)."""
     pk = tl.load(rec16 + OFF_PK // 2 + dp[None, :] * G2 + u[:, None])
     pv = tl.load(rec16 + OFF_PV // 2 + bt[None, :] * D2 + v[:, None])
-    if SKV == 1:
+    if SKV >= 1:
         # the key scales and zero points of every plane (sK then zK, D halves each, adjacent in the record) in one
         # load of 2D halves: >= 4 bytes per thread where the DP-wide loads below have 2, so the pipeliner makes it an
         # async copy like the tiles instead of a synchronous load inside the loop
@@ -448,7 +448,8 @@ def kvarn_attention_pair_pipe_kernel(
     TTGIR, tests/test_kernels_pipelining.py). The softmax denominator is kept per token row and reduced across
     warps once after the loop (one cross-warp reduction fewer per tile). SKV = 1 (DecodeConfig.pipe = 2) reads the
     key scales and zero points in one load wide enough to become an async copy on 2 warps too, and sums q . zK of
-    all planes in one reduction. Same math and partials as the pair kernel."""
+    all planes in one reduction; SKV = 2 (pipe = 3) also makes every plane's q . sK operands before the first key
+    dot. Same math and partials as the pair kernel."""
     PERK: tl.constexpr = 8 // KB
     DP: tl.constexpr = D // PERK
     PERV: tl.constexpr = 8 // VB
@@ -477,7 +478,25 @@ def kvarn_attention_pair_pipe_kernel(
         pki = pk.to(tl.int16, bitcast=True)
         s_e = tl.zeros([G2, BN], dtype=tl.float32)
         s_o = tl.zeros([G2, BN], dtype=tl.float32)
-        if SKV == 1:
+        if SKV == 2:
+            # pipe = 3: as 2, with the q . sK operands of every plane made before the first key dot, so their
+            # shared-memory stores share the barriers before the dots (offline sm_90, k4v2_g128, D = 128, 2 warps:
+            # 17 -> 15 barriers per tile, the same instructions)
+            zq = q0 * zk0.to(tl.float32)[:, None] + q1 * zk1.to(tl.float32)[:, None]
+            if PERK == 4:
+                zq += q2 * zk2.to(tl.float32)[:, None] + q3 * zk3.to(tl.float32)[:, None]
+            qz = tl.sum(zq, axis=0)
+            b_hi, b_lo = _split16(q0 * sk0.to(tl.float32)[:, None], KSPLIT)
+            b_hi1, b_lo1 = _split16(q1 * sk1.to(tl.float32)[:, None], KSPLIT)
+            if PERK == 4:
+                b_hi2, b_lo2 = _split16(q2 * sk2.to(tl.float32)[:, None], KSPLIT)
+                b_hi3, b_lo3 = _split16(q3 * sk3.to(tl.float32)[:, None], KSPLIT)
+            s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+            s_e, s_o = _pair_key_dot(pki, 1, b_hi1, b_lo1, s_e, s_o, KB, UNPACK, KSPLIT)
+            if PERK == 4:
+                s_e, s_o = _pair_key_dot(pki, 2, b_hi2, b_lo2, s_e, s_o, KB, UNPACK, KSPLIT)
+                s_e, s_o = _pair_key_dot(pki, 3, b_hi3, b_lo3, s_e, s_o, KB, UNPACK, KSPLIT)
+        elif SKV == 1:
             # q . zK of every plane in one cross-warp reduction (pipe = 1: one per plane)
             zq = q0 * zk0.to(tl.float32)[:, None] + q1 * zk1.to(tl.float32)[:, None]
             if PERK == 4:

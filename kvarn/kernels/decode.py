@@ -54,7 +54,7 @@ from .attention_tokrows import (kvarn_attention_pair_kernel, kvarn_attention_pai
 from .common import as_format, check_cache, check_tail, defer_flag, f16_view, layout
 
 
-_NAME = re.compile(r"u([012])k([12])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:n(\d+))?(?:L([012]))?(?:p([012]))?")
+_NAME = re.compile(r"u([012])k([12])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:n(\d+))?(?:L([012]))?(?:p([0-3]))?")
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,8 @@ class DecodeConfig:
     pipe: int = 0  # layout 2: 1 = kvarn_attention_pair_pipe_kernel (all tile loads pipelineable: scale runs as
     #                int32 pairs, cp.async with num_stages >= 2; softmax denominator per row); 2 = the same with
     #                the key scales and zero points in one 2D-half load (an async copy on 2 warps too, where the
-    #                DP-wide loads of 1 stay synchronous inside the loop) and q . zK of all planes in one reduction
+    #                DP-wide loads of 1 stay synchronous inside the loop) and q . zK of all planes in one reduction;
+    #                3 = 2 with every key plane's q . sK operands made before the first key dot
 
     @property
     def name(self) -> str:
@@ -172,6 +173,11 @@ SWEEP_CONFIGS = [
     DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2), DecodeConfig(2, 2, 1, 2, 7, layout=2, bn=8, pipe=2),
     DecodeConfig(2, 2, 1, 2, 5, maxnreg=200, layout=2, bn=8, pipe=2),
     DecodeConfig(2, 2, 1, 4, 5, maxnreg=128, layout=2, bn=8, pipe=2),
+    # unmeasured: pipe = 3, the default with every key plane's q . sK operands made before the first key dot (their
+    # shared-memory stores then share barriers). Offline sm_90 (triton 3.6), per warp and tile: k4v2_g128 D=128 17 ->
+    # 15 barriers, 1,314 -> 1,312 instructions, +2 KB shared memory; D=64 17 -> 15, 885 -> 878; k2v2 21 -> 15, 1,279
+    # -> 1,273, 250 -> 226 registers. Bit-identical output (the same operations in another order)
+    DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=3),
     # the default at a 96-register cap, 5 programs per SM instead of 4: offline sm_90 (session 12) s3 1,736
     # instructions (+6%), 160 B of stack, 47 LDL / 63 STL in all (r128: 1,640, 24 B, 6 / 10); s2 1,688, the same
     # spills. H200, session 13 (call-by-call timing, one sweep): s3 0.7221, s2 0.7606 ms against the default's 0.5736
@@ -391,7 +397,7 @@ def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, gr
             qr, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,
             block_table.stride(0), cache.stride(0) // 2, cache.stride(1) // 2, Hq,
             num_warps=min(cfg.num_warps, max(4, min(lay.g, lay.d) // 32)),
-            **({"SKV": 1} if pipe and cfg.pipe == 2 else {}), **common)
+            **({"SKV": cfg.pipe - 1} if pipe and cfg.pipe >= 2 else {}), **common)
     else:
         compiled = kvarn_attention_tok_kernel[(B, 1, Hk * splits)](
             qr, cache, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,
