@@ -478,39 +478,35 @@ def kvarn_attention_pair_pipe_kernel(
         pki = pk.to(tl.int16, bitcast=True)
         s_e = tl.zeros([G2, BN], dtype=tl.float32)
         s_o = tl.zeros([G2, BN], dtype=tl.float32)
-        if SKV == 2:
-            # pipe = 3: as 2, with the q . sK operands of every plane made before the first key dot, so their
-            # shared-memory stores share the barriers before the dots (offline sm_90, k4v2_g128, D = 128, 2 warps:
-            # 17 -> 15 barriers per tile, the same instructions)
-            zq = q0 * zk0.to(tl.float32)[:, None] + q1 * zk1.to(tl.float32)[:, None]
-            if PERK == 4:
-                zq += q2 * zk2.to(tl.float32)[:, None] + q3 * zk3.to(tl.float32)[:, None]
-            qz = tl.sum(zq, axis=0)
-            b_hi, b_lo = _split16(q0 * sk0.to(tl.float32)[:, None], KSPLIT)
-            b_hi1, b_lo1 = _split16(q1 * sk1.to(tl.float32)[:, None], KSPLIT)
-            if PERK == 4:
-                b_hi2, b_lo2 = _split16(q2 * sk2.to(tl.float32)[:, None], KSPLIT)
-                b_hi3, b_lo3 = _split16(q3 * sk3.to(tl.float32)[:, None], KSPLIT)
-            s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
-            s_e, s_o = _pair_key_dot(pki, 1, b_hi1, b_lo1, s_e, s_o, KB, UNPACK, KSPLIT)
-            if PERK == 4:
-                s_e, s_o = _pair_key_dot(pki, 2, b_hi2, b_lo2, s_e, s_o, KB, UNPACK, KSPLIT)
-                s_e, s_o = _pair_key_dot(pki, 3, b_hi3, b_lo3, s_e, s_o, KB, UNPACK, KSPLIT)
-        elif SKV == 1:
+        if SKV >= 1:
             # q . zK of every plane in one cross-warp reduction (pipe = 1: one per plane)
             zq = q0 * zk0.to(tl.float32)[:, None] + q1 * zk1.to(tl.float32)[:, None]
             if PERK == 4:
                 zq += q2 * zk2.to(tl.float32)[:, None] + q3 * zk3.to(tl.float32)[:, None]
             qz = tl.sum(zq, axis=0)
             b_hi, b_lo = _split16(q0 * sk0.to(tl.float32)[:, None], KSPLIT)
-            s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
-            b_hi, b_lo = _split16(q1 * sk1.to(tl.float32)[:, None], KSPLIT)
-            s_e, s_o = _pair_key_dot(pki, 1, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
-            if PERK == 4:
-                b_hi, b_lo = _split16(q2 * sk2.to(tl.float32)[:, None], KSPLIT)
-                s_e, s_o = _pair_key_dot(pki, 2, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
-                b_hi, b_lo = _split16(q3 * sk3.to(tl.float32)[:, None], KSPLIT)
-                s_e, s_o = _pair_key_dot(pki, 3, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+            if SKV == 2:
+                # pipe = 3: every plane's q . sK operands before the first key dot, so their shared-memory stores
+                # share the barriers before the dots (offline sm_90, k4v2_g128, D = 128, 2 warps: 17 -> 15 barriers
+                # per tile, the same instructions)
+                b_hi1, b_lo1 = _split16(q1 * sk1.to(tl.float32)[:, None], KSPLIT)
+                if PERK == 4:
+                    b_hi2, b_lo2 = _split16(q2 * sk2.to(tl.float32)[:, None], KSPLIT)
+                    b_hi3, b_lo3 = _split16(q3 * sk3.to(tl.float32)[:, None], KSPLIT)
+                s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+                s_e, s_o = _pair_key_dot(pki, 1, b_hi1, b_lo1, s_e, s_o, KB, UNPACK, KSPLIT)
+                if PERK == 4:
+                    s_e, s_o = _pair_key_dot(pki, 2, b_hi2, b_lo2, s_e, s_o, KB, UNPACK, KSPLIT)
+                    s_e, s_o = _pair_key_dot(pki, 3, b_hi3, b_lo3, s_e, s_o, KB, UNPACK, KSPLIT)
+            else:
+                s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+                b_hi, b_lo = _split16(q1 * sk1.to(tl.float32)[:, None], KSPLIT)
+                s_e, s_o = _pair_key_dot(pki, 1, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+                if PERK == 4:
+                    b_hi, b_lo = _split16(q2 * sk2.to(tl.float32)[:, None], KSPLIT)
+                    s_e, s_o = _pair_key_dot(pki, 2, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+                    b_hi, b_lo = _split16(q3 * sk3.to(tl.float32)[:, None], KSPLIT)
+                    s_e, s_o = _pair_key_dot(pki, 3, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
         else:  # each plane's reduction beside its dot (the measured schedule; hoisting them: +4 barriers per tile)
             b_hi, b_lo, qz = _key_plane_p(q0, sk0, zk0, KSPLIT)
             s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)

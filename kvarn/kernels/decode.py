@@ -165,11 +165,12 @@ SWEEP_CONFIGS = [
     # pipe = 2 (H200, session 15: the default above; s7 the same, r200 and the 4-warp one slower). On 2 warps
     # pipe = 1's DP-wide key-scale loads (2 bytes per thread) stay synchronous global loads inside the loop, each
     # tile waiting for them before its first MMA; offline sm_90 (triton 3.6, session 14), the session-14 default: 4
-    # such loads, 21 barriers, 1,349 loop instructions per warp; pipe = 2: none, 17 barriers, 1,314 (every load an async copy; one q . zK reduction instead of one per plane: 22 shuffles, not
-    # 30). At 7 stages the loop keeps two tiles in flight (wait num = 16; 43.5 KB of shared memory per program, 4 per
-    # SM fit); 6 compiles as 5. On 4 warps pipe = 1's loads were already async copies: 838 vs 844 instructions, the
-    # same 15 barriers. At a 200-register cap (5 programs per SM) pipe = 2 has no spills (pipe = 1: 3 spill
-    # instructions, 7% slower than uncapped): 1,339 instructions
+    # such loads, 21 barriers, 1,349 loop instructions per warp; pipe = 2: none, 17 barriers, 1,314 (every load an
+    # async copy; one q . zK reduction instead of one per plane: 22 shuffles, not 30). At 7 stages the loop keeps
+    # two tiles in flight (wait num = 16; 43.5 KB of shared memory per program, 4 per SM fit); 6 compiles as 5. On 4
+    # warps pipe = 1's loads were already async copies: 838 vs 844 instructions, the same 15 barriers. At a
+    # 200-register cap (5 programs per SM) pipe = 2 has no spills (pipe = 1: 3 spill instructions, 7% slower than
+    # uncapped): 1,339 instructions
     DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2), DecodeConfig(2, 2, 1, 2, 7, layout=2, bn=8, pipe=2),
     DecodeConfig(2, 2, 1, 2, 5, maxnreg=200, layout=2, bn=8, pipe=2),
     DecodeConfig(2, 2, 1, 4, 5, maxnreg=128, layout=2, bn=8, pipe=2),
