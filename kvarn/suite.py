@@ -240,12 +240,12 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
                 raise KvarnError(f"{where}: bench.workloads must be a non-empty list of "
                                  "{burst, output_len, requests}")
             bench["workloads"] = []
+            names = [m["name"] for m in models]  # what a workload's `models` may name
             for i, w in enumerate(raw):
                 if not isinstance(w, dict) or "burst" not in w:
                     raise KvarnError(f"{where}: bench.workloads[{i}] needs a burst "
                                      "(and optionally output_len, requests)")
                 _check_keys(w, WORKLOAD_KEYS, f"{where}: bench.workloads[{i}]")
-                names = [m["name"] for m in models]
                 only = w.get("models")
                 if only is not None:
                     only = [only] if isinstance(only, str) else only

@@ -382,10 +382,6 @@ def _pair_tile_load(rec16, rec32, u, v, dp, bt, G2: tl.constexpr, D2: tl.constex
             sk, zk = tl.split(tl.permute(tl.reshape(skz, [2, 2, DP]), (2, 1, 0)))  # [DP, plane] each
             sk0, sk1 = tl.split(sk)
             zk0, zk1 = tl.split(zk)
-            sk2 = sk0
-            zk2 = zk0
-            sk3 = sk0
-            zk3 = zk0
         else:
             tl.static_assert(PERK == 4, "codes are 2 or 4 bits")
             sk, zk = tl.split(tl.permute(tl.reshape(skz, [2, 2, 2, DP]), (3, 2, 1, 0)))  # [DP, plane % 2, plane // 2]
@@ -405,11 +401,11 @@ def _pair_tile_load(rec16, rec32, u, v, dp, bt, G2: tl.constexpr, D2: tl.constex
             zk2 = tl.load(rec16 + OFF_ZK // 2 + 2 * DP + dp)
             sk3 = tl.load(rec16 + OFF_SK // 2 + 3 * DP + dp)
             zk3 = tl.load(rec16 + OFF_ZK // 2 + 3 * DP + dp)
-        else:
-            sk2 = sk0
-            zk2 = zk0
-            sk3 = sk0
-            zk3 = zk0
+    if PERK == 2:  # 4-bit keys have planes 0 and 1 only; 2 and 3 are unused placeholders
+        sk2 = sk0
+        zk2 = zk0
+        sk3 = sk0
+        zk3 = zk0
     rk = tl.load(rec32 + OFF_RK // 4 + u)
     sv = tl.load(rec32 + OFF_SV // 4 + u)
     zv = tl.load(rec32 + OFF_ZV // 4 + u)
@@ -418,9 +414,15 @@ def _pair_tile_load(rec16, rec32, u, v, dp, bt, G2: tl.constexpr, D2: tl.constex
 
 
 @triton.jit
+def _key_operands(qT, sk, KSPLIT: tl.constexpr):
+    # (q_j * sK_j)^T [DP, BN], hi / lo: the B operand of plane j's key dots, from the (prefetched) fp16 scales
+    return _split16(qT * sk.to(tl.float32)[:, None], KSPLIT)
+
+
+@triton.jit
 def _key_plane_p(qT, sk, zk, KSPLIT: tl.constexpr):
     # _key_plane_t with the (prefetched) fp16 scale vectors as values
-    hi, lo = _split16(qT * sk.to(tl.float32)[:, None], KSPLIT)
+    hi, lo = _key_operands(qT, sk, KSPLIT)
     return hi, lo, tl.sum(qT * zk.to(tl.float32)[:, None], axis=0)
 
 
@@ -484,15 +486,15 @@ def kvarn_attention_pair_pipe_kernel(
             if PERK == 4:
                 zq += q2 * zk2.to(tl.float32)[:, None] + q3 * zk3.to(tl.float32)[:, None]
             qz = tl.sum(zq, axis=0)
-            b_hi, b_lo = _split16(q0 * sk0.to(tl.float32)[:, None], KSPLIT)
+            b_hi, b_lo = _key_operands(q0, sk0, KSPLIT)
             if SKV == 2:
                 # pipe = 3: every plane's q . sK operands before the first key dot, so their shared-memory stores
                 # share the barriers before the dots (offline sm_90, k4v2_g128, D = 128, 2 warps: 17 -> 15 barriers
                 # per tile, the same instructions)
-                b_hi1, b_lo1 = _split16(q1 * sk1.to(tl.float32)[:, None], KSPLIT)
+                b_hi1, b_lo1 = _key_operands(q1, sk1, KSPLIT)
                 if PERK == 4:
-                    b_hi2, b_lo2 = _split16(q2 * sk2.to(tl.float32)[:, None], KSPLIT)
-                    b_hi3, b_lo3 = _split16(q3 * sk3.to(tl.float32)[:, None], KSPLIT)
+                    b_hi2, b_lo2 = _key_operands(q2, sk2, KSPLIT)
+                    b_hi3, b_lo3 = _key_operands(q3, sk3, KSPLIT)
                 s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
                 s_e, s_o = _pair_key_dot(pki, 1, b_hi1, b_lo1, s_e, s_o, KB, UNPACK, KSPLIT)
                 if PERK == 4:
@@ -500,12 +502,12 @@ def kvarn_attention_pair_pipe_kernel(
                     s_e, s_o = _pair_key_dot(pki, 3, b_hi3, b_lo3, s_e, s_o, KB, UNPACK, KSPLIT)
             else:
                 s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
-                b_hi, b_lo = _split16(q1 * sk1.to(tl.float32)[:, None], KSPLIT)
+                b_hi, b_lo = _key_operands(q1, sk1, KSPLIT)
                 s_e, s_o = _pair_key_dot(pki, 1, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
                 if PERK == 4:
-                    b_hi, b_lo = _split16(q2 * sk2.to(tl.float32)[:, None], KSPLIT)
+                    b_hi, b_lo = _key_operands(q2, sk2, KSPLIT)
                     s_e, s_o = _pair_key_dot(pki, 2, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
-                    b_hi, b_lo = _split16(q3 * sk3.to(tl.float32)[:, None], KSPLIT)
+                    b_hi, b_lo = _key_operands(q3, sk3, KSPLIT)
                     s_e, s_o = _pair_key_dot(pki, 3, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
         else:  # each plane's reduction beside its dot (the measured schedule; hoisting them: +4 barriers per tile)
             b_hi, b_lo, qz = _key_plane_p(q0, sk0, zk0, KSPLIT)
