@@ -6,6 +6,7 @@ tests (test_kernels_gpu.py) reuse them at real sizes.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -398,6 +399,7 @@ def test_microbench_cli_exit_codes():
                      (["prefill", "--device", "cpu", "--chunk", "-3"], "--chunk must be >= 1, got -3"),
                      (["store", "--device", "cpu", "--context", "-1"], "--context must be >= 1, got -1"),
                      (["prefill", "--device", "cpu", "--num-splits", "2"], "--num-splits is a `microbench decode` "),
+                     (["store", "--device", "cpu", "--breakdown"], "--breakdown is a `microbench decode` "),
                      (["decode", "--device", "cuda:x"], "--device cuda:x")):
         r = run_cli("microbench", *bad, env={"CUDA_VISIBLE_DEVICES": ""})
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)
@@ -421,6 +423,40 @@ def test_microbench_sweep_rows_carry_their_ratio_to_the_default():
         assert x["rel_err"] < 1e-3
     assert json.loads(r.stdout.strip().splitlines()[-1])["extra"]["timing"] == (
         "ours: call by call (CPU); baseline: call by call (CPU)")  # the GPU: graphs (test_kernels_gpu)
+
+
+def test_microbench_breakdown_times_each_launch():
+    """--breakdown: each of the call's four launches alone, in turn with the whole call, and the remainder; a config
+    that runs the tail inside the records launch has no tail launch left to time (decode_attention(launches=...))."""
+    import json
+
+    from tests.helpers import run_cli
+
+    from kvarn.kernels.decode import LAUNCHES
+
+    r = run_cli("microbench", "decode", "--device", "cpu", "--breakdown", "--json", "--iters", "1", "--batch", "1",
+                "--context", "130", "--q-heads", "2", "--kv-heads", "1", "--head-dim", "64")
+    assert r.returncode == 0, r.stderr
+    bd = json.loads(r.stdout.strip().splitlines()[-1])["extra"]["breakdown"]
+    assert list(bd) == [*LAUNCHES, "call", "between"] and all(bd[k] > 0 for k in (*LAUNCHES, "call"))
+    assert bd["between"] == pytest.approx(bd["call"] - sum(bd[k] for k in LAUNCHES))
+
+
+def test_decode_launches_subset():
+    from kvarn.kernels.decode import DEFAULT_CONFIG
+
+    fmt = get_format("kvarn_k4v2_g64")
+    st = paged_setup(fmt, 64, 1, [70], torch.float32, gen=torch.Generator().manual_seed(3))
+    q = torch.randn(1, 2, 64)
+    args = (q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"], st["tail_slots"], fmt, 0.125)
+    full = decode_attention(*args)
+    out = torch.full_like(q, 7.0)
+    decode_attention(*args, out=out, launches=("rotate", "records", "tail"))
+    assert torch.equal(out, torch.full_like(q, 7.0))  # no merge: out untouched
+    decode_attention(*args, out=out, config=replace(DEFAULT_CONFIG, tail=1))
+    assert torch.allclose(out, full, rtol=0, atol=1e-6)
+    with pytest.raises(KvarnError, match="launches .*'nope'.* each must be one of"):
+        decode_attention(*args, launches=("rotate", "nope"))
 
 
 def test_microbench_env_lists_fail_fast_with_one_line():

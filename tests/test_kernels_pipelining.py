@@ -28,11 +28,15 @@ cfg = DecodeConfig.from_name(sys.argv[1])
 lay = layout(get_format("kvarn_k4v2_g128"), 128)
 sig = {"qr_ptr": "*fp32", "cache16_ptr": "*fp16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "sink_lens_ptr": "*i32",
        "defer_ptr": "*i32", "po_r_ptr": "*fp32", "plse_ptr": "*fp32", "num_splits": "i32", "stride_btb": "i32",
-       "stride_cb16": "i32", "stride_ch16": "i32", "HQ": "i32"}
+       "stride_cb16": "i32", "stride_ch16": "i32", "HQ": "i32", "q_ptr": "*bf16", "tail_k_ptr": "*bf16",
+       "tail_v_ptr": "*bf16", "tail_slots_ptr": "*i32", "po_t_ptr": "*fp32", "qk_scale": "fp32",
+       **{n: "i32" for n in ("stride_qn", "stride_qh", "stride_tks", "stride_tkh", "stride_tkg", "stride_tvs",
+                             "stride_tvh", "stride_tvg")}}
 const = dict(GROUP=4, BN=cfg.bn, G=lay.g, D=128, KB=lay.kb, VB=lay.vb, OFF_PK=lay.pk, OFF_SK=lay.sk,
              OFF_ZK=lay.zk, OFF_RK=lay.rk, OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
              UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=16, DEFER=0,
-             SKV=max(cfg.pipe - 1, 0))  # as kvarn.kernels.decode._launch_tok passes them (offsets in bytes)
+             SKV=max(cfg.pipe - 1, 0), TAIL=cfg.tail, GP=4, TBM=16, TT=64, MMA_BF16=1, TAIL16=1, Q_AS_TAIL=1)
+# (as kvarn.kernels.decode._launch_tok passes them; offsets in bytes)
 sig.update({n: "constexpr" for n in const})
 names = k.arg_names
 aligned = ("qr_ptr", "cache16_ptr", "bt_ptr", "seq_lens_ptr", "sink_lens_ptr", "defer_ptr", "po_r_ptr", "plse_ptr",
@@ -86,8 +90,7 @@ def test_pipe2_leaves_no_synchronous_load_in_the_tile_loop():
     from kvarn.kernels.decode import DEFAULT_CONFIG
 
     p2 = replace(DEFAULT_CONFIG, pipe=2)
-    for cfg in (p2, replace(p2, pipe=3)):
-        got = _loop(cfg.name)
-        assert got["loads"] == 0 and got["copies"] > 0 and max(got["waits"]) > 0, (cfg.name, got)
+    got = _loop(p2.name)
+    assert got["loads"] == 0 and got["copies"] > 0 and max(got["waits"]) > 0, (p2.name, got)
     if re.match(r"3\.[69]\.", __import__("triton").__version__) and DEFAULT_CONFIG.num_warps == 2:
         assert _loop(replace(p2, pipe=1).name)["loads"] > 0  # the reason pipe = 2 exists (triton 3.6 and 3.9)

@@ -403,13 +403,14 @@ def kvarn_attention_kernel(
 @triton.jit
 def _tail_run(qa, qb, tk_base, tv_base, stride_tkg, stride_tvg, n, pos0, L, m_i, l_i, acc_t, qk_scale,
               D: tl.constexpr, TT: tl.constexpr, MMA_BF16: tl.constexpr, TAIL16: tl.constexpr,
-              Q_AS_TAIL: tl.constexpr):
+              Q_AS_TAIL: tl.constexpr, STAGES: tl.constexpr):
     """Online softmax of the rows over n consecutive 16-bit buffer rows holding positions pos0, pos0 + 1, ...
     (visible where pos < L). qa / qb: the 16-bit query hi / lo parts (tensor-core path), or the
-    fp32 scaled query twice."""
+    fp32 scaled query twice. STAGES: the loop's pipeline depth (inside the records kernel 1: its num_stages = 5
+    would give these [TT, D] tiles 5 buffers, 136 KB of shared memory, one program per SM)."""
     di = tl.arange(0, D)
     ti = tl.arange(0, TT)
-    for c0 in range(0, n, TT):
+    for c0 in tl.range(0, n, TT, num_stages=STAGES):
         tmask = (c0 + ti) < n
         if MMA_BF16 and TAIL16:
             tk = tl.load(tk_base + (c0 + ti)[:, None] * stride_tkg + di[None, :], mask=tmask[:, None],
@@ -464,9 +465,22 @@ def tail_attention_kernel(
     dot(q, k) on the 16-bit operands (exact products; q in the tail's dtype, or split hi + lo in it when q has
     another dtype, Q_AS_TAIL false), scaled by qk_scale afterwards; p @ v is dot(p_hi, v) + dot(p_lo, v) with
     p = p_hi + p_lo in the value dtype (~1e-6 relative). Otherwise (interpreter, fp32 tail) fp32 ieee dots."""
-    b = tl.program_id(0)
-    qblk = tl.program_id(1)
-    kvh = tl.program_id(2)
+    _tail_partial(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, seq_lens_ptr, qsl_ptr, tail_k_ptr,
+                  tail_v_ptr, tail_slots_ptr, sink_lens_ptr, defer_ptr, po_t_ptr, plse_ptr, qk_scale, num_splits,
+                  stride_qn, stride_qh, stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg, HQ,
+                  GROUP, GP, BQ, BM, G, D, IS_PREFILL, TT, MMA_BF16, TAIL16, Q_AS_TAIL, SINK, DEFER, 3)
+
+
+@triton.jit
+def _tail_partial(b, qblk, kvh, q_ptr, seq_lens_ptr, qsl_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, sink_lens_ptr,
+                  defer_ptr, po_t_ptr, plse_ptr, qk_scale, num_splits,
+                  stride_qn, stride_qh, stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg, HQ,
+                  GROUP: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr, G: tl.constexpr,
+                  D: tl.constexpr, IS_PREFILL: tl.constexpr, TT: tl.constexpr, MMA_BF16: tl.constexpr,
+                  TAIL16: tl.constexpr, Q_AS_TAIL: tl.constexpr, SINK: tl.constexpr, DEFER: tl.constexpr,
+                  STAGES: tl.constexpr):
+    # tail_attention_kernel's program (b, qblk, kvh); also run by the decode records kernel's extra programs
+    # (kvarn_attention_pair_pipe_kernel with TAIL = 1)
     S = tl.load(seq_lens_ptr + b)
     if IS_PREFILL:
         q0 = tl.load(qsl_ptr + b)
@@ -509,9 +523,9 @@ def tail_attention_kernel(
         if SINK > 0:
             m_i, l_i, acc_t = _tail_run(qa, qb, tk_base + G * stride_tkg, tv_base + G * stride_tvg, stride_tkg,
                                         stride_tvg, n_sink, 0, L, m_i, l_i, acc_t, qk_scale, D, TT, MMA_BF16,
-                                        TAIL16, Q_AS_TAIL)
+                                        TAIL16, Q_AS_TAIL, STAGES)
         m_i, l_i, acc_t = _tail_run(qa, qb, tk_base, tv_base, stride_tkg, stride_tvg, n_tail, n_full * G, L,
-                                    m_i, l_i, acc_t, qk_scale, D, TT, MMA_BF16, TAIL16, Q_AS_TAIL)
+                                    m_i, l_i, acc_t, qk_scale, D, TT, MMA_BF16, TAIL16, Q_AS_TAIL, STAGES)
     has = l_i > 0.0
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     tl.store(po_t_ptr + row[:, None] * D + di[None, :], acc_t / tl.where(has, l_i, 1.0)[:, None],

@@ -15,7 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention import _partial_stats, _plane, _query_planes, _records_end, _sink_lo, _split16, _split_tiles
+from .attention import (_partial_stats, _plane, _query_planes, _records_end, _sink_lo, _split16, _split_tiles,
+                        _tail_partial)
 from .common import serving_jit
 
 
@@ -431,12 +432,17 @@ def kvarn_attention_pair_pipe_kernel(
     qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, defer_ptr,
     po_r_ptr, plse_ptr,
     num_splits, stride_btb, stride_cb16, stride_ch16, HQ,
+    # the 16-bit tail (tail_attention_kernel's arguments; read only by the TAIL programs)
+    q_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, po_t_ptr, qk_scale,
+    stride_qn, stride_qh, stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg,
     GROUP: tl.constexpr, BN: tl.constexpr,
     G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
     SINK: tl.constexpr = 0, DEFER: tl.constexpr = 0, SKV: tl.constexpr = 0,
+    TAIL: tl.constexpr = 0, GP: tl.constexpr = 4, TBM: tl.constexpr = 16, TT: tl.constexpr = 64,
+    MMA_BF16: tl.constexpr = 1, TAIL16: tl.constexpr = 1, Q_AS_TAIL: tl.constexpr = 1,
 ):
     """kvarn_attention_pair_kernel restructured for the pipeliner (DecodeConfig.pipe = 1; use with num_stages >= 2).
 
@@ -450,8 +456,36 @@ def kvarn_attention_pair_pipe_kernel(
     TTGIR, tests/test_kernels_pipelining.py). The softmax denominator is kept per token row and reduced across
     warps once after the loop (one cross-warp reduction fewer per tile). SKV = 1 (DecodeConfig.pipe = 2) reads the
     key scales and zero points in one load wide enough to become an async copy on 2 warps too, and sums q . zK of
-    all planes in one reduction; SKV = 2 (pipe = 3) also makes every plane's q . sK operands before the first key
-    dot. Same math and partials as the pair kernel."""
+    all planes in one reduction. Same math and partials as the pair kernel.
+
+    TAIL = 1 (DecodeConfig.tail): the grid has Hk more programs along axis 2, after the Hk * num_splits record
+    programs, and each runs tail_attention_kernel's program for its (request, KV head), which is then not launched.
+    Last in the grid, they fill the resident slots the record programs' last wave leaves free instead of a launch
+    of their own (H200, session 16: the tail kernel alone 10 us of the 341 us call at B=64 x 16K, latency-bound)."""
+    if TAIL and tl.program_id(2) >= (HQ // GROUP) * num_splits:
+        _tail_partial(tl.program_id(0), 0, tl.program_id(2) - (HQ // GROUP) * num_splits, q_ptr, seq_lens_ptr,
+                      seq_lens_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, sink_lens_ptr, defer_ptr, po_t_ptr,
+                      plse_ptr, qk_scale, num_splits, stride_qn, stride_qh, stride_tks, stride_tkh, stride_tkg,
+                      stride_tvs, stride_tvh, stride_tvg, HQ, GROUP, GP, 1, TBM, G, D, False, TT, MMA_BF16,
+                      TAIL16, Q_AS_TAIL, SINK, DEFER, 1)
+    else:
+        _pair_pipe_records(qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, defer_ptr, po_r_ptr, plse_ptr,
+                           num_splits, stride_btb, stride_cb16, stride_ch16, HQ, GROUP, BN, G, D, KB, VB,
+                           OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV,
+                           UNPACK, KSPLIT, VSPLIT, STAGES, SINK, DEFER, SKV)
+
+
+@triton.jit
+def _pair_pipe_records(
+    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, defer_ptr, po_r_ptr, plse_ptr,
+    num_splits, stride_btb, stride_cb16, stride_ch16, HQ,
+    GROUP: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+    OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
+    OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
+    UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
+    SINK: tl.constexpr, DEFER: tl.constexpr, SKV: tl.constexpr,
+):
+    # kvarn_attention_pair_pipe_kernel's record programs (program ids as in kvarn_attention_pair_kernel)
     PERK: tl.constexpr = 8 // KB
     DP: tl.constexpr = D // PERK
     PERV: tl.constexpr = 8 // VB
@@ -487,28 +521,14 @@ def kvarn_attention_pair_pipe_kernel(
                 zq += q2 * zk2.to(tl.float32)[:, None] + q3 * zk3.to(tl.float32)[:, None]
             qz = tl.sum(zq, axis=0)
             b_hi, b_lo = _key_operands(q0, sk0, KSPLIT)
-            if SKV == 2:
-                # pipe = 3: every plane's q . sK operands before the first key dot, so their shared-memory stores
-                # share the barriers before the dots (offline sm_90, k4v2_g128, D = 128, 2 warps: 17 -> 15 barriers
-                # per tile, the same instructions)
-                b_hi1, b_lo1 = _key_operands(q1, sk1, KSPLIT)
-                if PERK == 4:
-                    b_hi2, b_lo2 = _key_operands(q2, sk2, KSPLIT)
-                    b_hi3, b_lo3 = _key_operands(q3, sk3, KSPLIT)
-                s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
-                s_e, s_o = _pair_key_dot(pki, 1, b_hi1, b_lo1, s_e, s_o, KB, UNPACK, KSPLIT)
-                if PERK == 4:
-                    s_e, s_o = _pair_key_dot(pki, 2, b_hi2, b_lo2, s_e, s_o, KB, UNPACK, KSPLIT)
-                    s_e, s_o = _pair_key_dot(pki, 3, b_hi3, b_lo3, s_e, s_o, KB, UNPACK, KSPLIT)
-            else:
-                s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
-                b_hi, b_lo = _key_operands(q1, sk1, KSPLIT)
-                s_e, s_o = _pair_key_dot(pki, 1, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
-                if PERK == 4:
-                    b_hi, b_lo = _key_operands(q2, sk2, KSPLIT)
-                    s_e, s_o = _pair_key_dot(pki, 2, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
-                    b_hi, b_lo = _key_operands(q3, sk3, KSPLIT)
-                    s_e, s_o = _pair_key_dot(pki, 3, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+            s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+            b_hi, b_lo = _key_operands(q1, sk1, KSPLIT)
+            s_e, s_o = _pair_key_dot(pki, 1, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+            if PERK == 4:
+                b_hi, b_lo = _key_operands(q2, sk2, KSPLIT)
+                s_e, s_o = _pair_key_dot(pki, 2, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
+                b_hi, b_lo = _key_operands(q3, sk3, KSPLIT)
+                s_e, s_o = _pair_key_dot(pki, 3, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
         else:  # each plane's reduction beside its dot (the measured schedule; hoisting them: +4 barriers per tile)
             b_hi, b_lo, qz = _key_plane_p(q0, sk0, zk0, KSPLIT)
             s_e, s_o = _pair_key_dot(pki, 0, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)

@@ -298,15 +298,18 @@ def _baseline_decode(B, ctx, Hq, Hk, D, dtype, dev, scale, q):
 
 
 def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="auto", check=False, iters=None,
-                 num_splits=None, dtype=torch.bfloat16, sweep=False) -> BenchResult:
+                 num_splits=None, dtype=torch.bfloat16, sweep=False, breakdown=False) -> BenchResult:
     """Time decode_attention (tuned/default config) against the 16-bit baseline. sweep=True also times every
     entry of kvarn.kernels.decode.SWEEP_CONFIGS (each checked against the reference when check=True) and, for the
-    fastest, a few split counts; the rows go to extra['sweep'] (ms, GB/s, rel. error, splits)."""
+    fastest, a few split counts; the rows go to extra['sweep'] (ms, GB/s, rel. error, splits). breakdown=True
+    also times each of the call's launches alone (kvarn.kernels.decode.LAUNCHES), in turn with the whole call:
+    extra['breakdown'] = {launch: ms, ..., 'call': ms, 'between': call - sum of the launches (the gaps between
+    dependent kernels in a graph)}."""
     dev = resolve_device(device)
     _check_heads(q_heads, kv_heads, head_dim)
     _check_sizes(batch, context, iters=iters, num_splits=num_splits)
     fmt = _kv_format(kv_dtype)
-    from .decode import SWEEP_CONFIGS, DecodeConfig, decode_attention
+    from .decode import LAUNCHES, SWEEP_CONFIGS, DecodeConfig, decode_attention
 
     # KVARN_SWEEP_CONFIGS="name,name,...": only these (any DecodeConfig name, e.g. one not in SWEEP_CONFIGS); parsed
     # first, so a bad name is one line before anything runs
@@ -349,6 +352,14 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
     check_extra["tuned"] = str(tuned_entries()) if dev.type == "cuda" else None
     check_extra["heuristic_splits"] = heuristic_splits(DEFAULT_CONFIG, B, Hk, st["block_table"].shape[1],
                                                        layout(fmt, D), group_geometry(Hq, Hk)[1], dev)
+    if breakdown:
+        def part(name):
+            return lambda: decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"],
+                                            st["tail_v"], st["tail_slots"], fmt, scale, num_splits=num_splits,
+                                            out=out, sink_lens=st["sink_lens"], launches=(name,))
+        times = paired_ms([ours] + [part(n) for n in LAUNCHES], dev, iters, warmup=2)
+        parts = dict(zip(LAUNCHES, times[1:]))
+        check_extra["breakdown"] = {**parts, "call": times[0], "between": times[0] - sum(parts.values())}
     if sweep:
         rows_out = []
         ref_rows = torch.stack(_reference_out(st, fmt, D, q, scale, min(B, 4))) if check else None

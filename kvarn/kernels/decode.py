@@ -19,6 +19,7 @@ Public API (stable; the vLLM backend calls exactly this):
         sink_lens   optional int32 [B]: sink rows row b may read (<= sink, larger values read as sink; 0 where
                     they hold another request's tokens); None: all of them, from a tensor made per call (a CUDA
                     graph captured that way keeps "all": pass a persistent buffer, as the backend does)
+        launches    profiling only: a subset of LAUNCHES to run (the output is then not the attention)
         defer       True: a tile that fills at this step (seq_len % g == 0) is still in the tail (its record is
                     written later, by store.flush_layers): (seq_len - 1) // g tiles from records, the rest (up to g
                     rows) from the tail. False (default): seq_len // g from records. An int32 [1] tensor: the same,
@@ -54,7 +55,8 @@ from .attention_tokrows import (kvarn_attention_pair_kernel, kvarn_attention_pai
 from .common import as_format, check_cache, check_tail, defer_flag, f16_view, layout
 
 
-_NAME = re.compile(r"u([012])k([12])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:n(\d+))?(?:L([012]))?(?:p([0-3]))?")
+_NAME = re.compile(r"u([012])k([12])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:n(\d+))?(?:L([012]))?(?:p([0-2]))?"
+                   r"(?:t(1))?")
 
 
 @dataclass(frozen=True)
@@ -77,15 +79,16 @@ class DecodeConfig:
     pipe: int = 0  # layout 2: 1 = kvarn_attention_pair_pipe_kernel (all tile loads pipelineable: scale runs as
     #                int32 pairs, cp.async with num_stages >= 2; softmax denominator per row); 2 = the same with
     #                the key scales and zero points in one 2D-half load (an async copy on 2 warps too, where the
-    #                DP-wide loads of 1 stay synchronous inside the loop) and q . zK of all planes in one reduction;
-    #                3 = 2 with every key plane's q . sK operands made before the first key dot
+    #                DP-wide loads of 1 stay synchronous inside the loop) and q . zK of all planes in one reduction
+    tail: int = 0  # pipe >= 1: 1 = the 16-bit tail's attention in Hk extra programs of the records kernel's grid
+    #                (after the record programs, so they fill the last wave's free slots) instead of its own launch
 
     @property
     def name(self) -> str:
         return (f"u{self.unpack}k{self.ksplit}v{self.vsplit}w{self.num_warps}s{self.num_stages}"
                 f"x{self.split_mult:g}" + (f"r{self.maxnreg}" if self.maxnreg else "")
                 + (f"n{self.bn}" if self.bn else "") + (f"L{self.layout}" if self.layout else "")
-                + (f"p{self.pipe}" if self.pipe else ""))
+                + (f"p{self.pipe}" if self.pipe else "") + (f"t{self.tail}" if self.tail else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "DecodeConfig":
@@ -93,10 +96,11 @@ class DecodeConfig:
         m = _NAME.fullmatch(name.strip())
         if not m:
             raise KvarnError(f"decode config {name!r} is not a name like 'u2k2v1w4s1x1r128' or 'u2k2v1w4s2x1L1' "
-                             "(unpack, ksplit, vsplit, warps, stages, split multiplier, [register cap], [N], [layout], [pipe])")
-        u, k, v, w, st, x, r, bn, lay, pipe = m.groups()
+                             "(unpack, ksplit, vsplit, warps, stages, split multiplier, [register cap], [N], [layout], [pipe], "
+                             "[tail])")
+        u, k, v, w, st, x, r, bn, lay, pipe, tail = m.groups()
         return cls(int(u), int(k), int(v), int(w), int(st), float(x), int(r) if r else None, int(lay) if lay else 0,
-                   int(bn) if bn else 0, int(pipe) if pipe else 0)
+                   int(bn) if bn else 0, int(pipe) if pipe else 0, int(tail) if tail else 0)
 
 
 # H200 sweeps (B=64, ctx 16384, 32/8 heads, D=128, k4v2_g128; BENCHMARKS.md). Session 5: query-row kernel (layout 0)
@@ -174,11 +178,13 @@ SWEEP_CONFIGS = [
     DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2), DecodeConfig(2, 2, 1, 2, 7, layout=2, bn=8, pipe=2),
     DecodeConfig(2, 2, 1, 2, 5, maxnreg=200, layout=2, bn=8, pipe=2),
     DecodeConfig(2, 2, 1, 4, 5, maxnreg=128, layout=2, bn=8, pipe=2),
-    # unmeasured: pipe = 3, the default with every key plane's q . sK operands made before the first key dot (their
-    # shared-memory stores then share barriers). Offline sm_90 (triton 3.6), per warp and tile: k4v2_g128 D=128 17 ->
-    # 15 barriers, 1,314 -> 1,312 instructions, +2 KB shared memory; D=64 17 -> 15, 885 -> 878; k2v2 21 -> 15, 1,279
-    # -> 1,273, 250 -> 226 registers. Bit-identical output (the same operations in another order)
-    DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=3),
+    # (Measured and dropped, session 16: "pipe = 3", every key plane's q . sK operands made before the first key
+    # dot, 17 -> 15 barriers per tile offline, was 1.046x the default at B=64 x 16K, 1.046x B=96, 1.03x B=8.)
+    # tail = 1: the 16-bit tail's attention in Hk extra programs at the end of the records kernel's grid, not a
+    # launch of its own (H200, session 16, the default's call at B=64 x 16K: records 319.8 us, tail 10.4 us alone,
+    # latency-bound: 1.3 waves of 4-warp programs each waiting on three dependent loads). Offline sm_90: the record
+    # loop 1,314 -> 1,330 instructions per warp and tile (integer index math), the same 17 barriers and shared memory
+    DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2, tail=1),
     # the default at a 96-register cap, 5 programs per SM instead of 4: offline sm_90 (session 12) s3 1,736
     # instructions (+6%), 160 B of stack, 47 LDL / 63 STL in all (r128: 1,640, 24 B, 6 / 10); s2 1,688, the same
     # spills. H200, session 13 (call-by-call timing, one sweep): s3 0.7221, s2 0.7606 ms against the default's 0.5736
@@ -306,12 +312,24 @@ def asm_unpack_ok(device: torch.device) -> bool:
     return ok
 
 
+LAUNCHES = ("rotate", "records", "tail", "merge")  # run_attention's kernels, in launch order
+# warps of the query rotation and the merge (each program builds the +-1 Hadamard in registers and rotates 16 rows):
+# at B=64 x 32 heads one program per SM, so its instruction chain is the kernel's time (H200, session 16, 4 warps:
+# rotate 4.8 us, merge 6.0 us of a 341 us call); offline sm_90, D=128, per thread: 4 warps 1,048 / 1,536
+# instructions, 8 warps 664 / 968 (with the popc-built Hadamard; 1,632 / 2,176 before it)
+ROT_WARPS = 8
+
+
 def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slots, out, lay, group, gp, scale,
                   splits, cfg: DecodeConfig, *, prefill: bool, bq: int = 1, q_blocks: int = 1, sink_lens=None,
-                  defer=False):
+                  defer=False, launches=LAUNCHES):
     """The four launches shared by decode and prefill: rotate the query rows (fp32), the attention over the
     records (partials per split, rotated basis), the attention over the 16-bit tail (unrotated partial), the
-    merge + rotate-back. Grids from shapes only; scratch from torch's caching allocator (graph-safe)."""
+    merge + rotate-back. Grids from shapes only; scratch from torch's caching allocator (graph-safe).
+    launches: the subset of LAUNCHES to run (profiling: `kvarn microbench decode --breakdown` times each alone;
+    the others' scratch is then left unwritten, so out is not the attention)."""
+    if not set(launches) <= set(LAUNCHES):
+        raise KvarnError(f"launches {tuple(launches)!r}: each must be one of {LAUNCHES}")
     N, Hq, D = q.shape
     B = seq_lens.shape[0]
     Hk = cache.shape[1]
@@ -331,26 +349,32 @@ def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slo
     po_r = torch.empty(R * splits * D, dtype=torch.float32, device=dev)
     po_t = torch.empty(R * D, dtype=torch.float32, device=dev)
     plse = torch.empty(R * (splits + 1), dtype=torch.float32, device=dev)
-    rotate_rows_kernel[(triton.cdiv(R, 16),)](q, qr, R, qk, q.stride(0), q.stride(1), HQ=Hq, D=D, BR=16,
-                                               MMA_BF16=mma, num_warps=4)
+    if "rotate" in launches:
+        rotate_rows_kernel[(triton.cdiv(R, 16),)](q, qr, R, qk, q.stride(0), q.stride(1), HQ=Hq, D=D, BR=16,
+                                                   MMA_BF16=mma, num_warps=ROT_WARPS)
     bm = max(16, bq * gp)
-    if not prefill and cfg.layout in (1, 2):
-        _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma,
-                    sink, dargs)
-    else:
-        _launch_rows(qr, cache, block_table, seq_lens, qsl, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq,
-                     qk, mma, prefill, bq, bm, q_blocks, sink, dargs)
     # tail on tensor cores (16-bit q.k, hi/lo p.v) when compiled and the tail buffers are 16-bit (both fp16/bf16)
     tail16 = all(t.dtype in (torch.float16, torch.bfloat16) for t in (tail_k, tail_v))
     tt = (64 if D <= 128 else 32) if mma and tail16 else 16
-    tail_attention_kernel[(B, q_blocks, Hk)](
-        q, seq_lens, qsl, tail_k, tail_v, tail_slots, sink_lens, dargs[0], po_t, plse, qk, splits,
-        q.stride(0), q.stride(1), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
-        tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), Hq,
-        GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, IS_PREFILL=prefill, TT=tt, MMA_BF16=mma,
-        TAIL16=tail16, Q_AS_TAIL=q.dtype == tail_k.dtype, SINK=sink, DEFER=dargs[1], num_warps=4)
-    finish_kernel[(triton.cdiv(R, 16),)](po_r, po_t, plse, out, R, splits, out.stride(0), out.stride(1), HQ=Hq, D=D,
-                                         BR=16, MMA_BF16=mma, num_warps=4)
+    tail = dict(args=(q, tail_k, tail_v, tail_slots, po_t, qk, q.stride(0), q.stride(1), *tail_k.stride()[:3],
+                      *tail_v.stride()[:3]),
+                consts=dict(GP=gp, TBM=bm, TT=tt, MMA_BF16=mma, TAIL16=tail16, Q_AS_TAIL=q.dtype == tail_k.dtype))
+    if "records" in launches and not prefill and cfg.layout in (1, 2):
+        _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma,
+                    sink, dargs, tail)
+    elif "records" in launches:
+        _launch_rows(qr, cache, block_table, seq_lens, qsl, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq,
+                     qk, mma, prefill, bq, bm, q_blocks, sink, dargs)
+    if "tail" in launches and not _fuses_tail(cfg, cache, lay, prefill):  # else part of the records launch
+        tail_attention_kernel[(B, q_blocks, Hk)](
+            q, seq_lens, qsl, tail_k, tail_v, tail_slots, sink_lens, dargs[0], po_t, plse, qk, splits,
+            q.stride(0), q.stride(1), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
+            tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), Hq,
+            GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, IS_PREFILL=prefill, TT=tt, MMA_BF16=mma,
+            TAIL16=tail16, Q_AS_TAIL=q.dtype == tail_k.dtype, SINK=sink, DEFER=dargs[1], num_warps=4)
+    if "merge" in launches:
+        finish_kernel[(triton.cdiv(R, 16),)](po_r, po_t, plse, out, R, splits, out.stride(0), out.stride(1), HQ=Hq,
+                                             D=D, BR=16, MMA_BF16=mma, num_warps=ROT_WARPS)
     return out
 
 
@@ -377,9 +401,23 @@ def tok_warps(lay, num_warps: int) -> int:
     return min(num_warps, max(4, min(lay.g, lay.d) // 16))
 
 
+def _pipe_ok(cfg: DecodeConfig, cache, lay) -> bool:
+    """Layout 2 with pipe >= 1 runs kvarn_attention_pair_pipe_kernel, which reads the scale runs as int32: it needs
+    4-byte aligned records (always, for torch-allocated caches and the record sizes of docs/format.md; else the plain
+    pair kernel runs)."""
+    return bool(cfg.layout == 2 and cfg.pipe and cache.data_ptr() % 4 == 0 and cache.stride(0) % 4 == 0
+                and cache.stride(1) % 4 == 0 and all(o % 4 == 0 for o in (lay.rk, lay.sv, lay.zv, lay.cv)))
+
+
+def _fuses_tail(cfg: DecodeConfig, cache, lay, prefill: bool) -> bool:
+    """Whether the records launch also runs the tail's programs (DecodeConfig.tail on the pipe kernel, decode)."""
+    return bool(cfg.tail and not prefill and _pipe_ok(cfg, cache, lay))
+
+
 def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma,
-                sink, dargs):
-    """Layouts 1 / 2 (decode only): M = tokens (keys) / channels (values), the group's query heads as N."""
+                sink, dargs, tail):
+    """Layouts 1 / 2 (decode only): M = tokens (keys) / channels (values), the group's query heads as N. tail:
+    run_attention's tail arguments, for a config that runs the tail in this launch (_fuses_tail)."""
     B, Hk = seq_lens.shape[0], cache.shape[1]
     bn = max(cfg.bn, gp) if cfg.bn else max(16, gp)
     common = dict(GROUP=group, BN=bn, G=lay.g, D=lay.d, KB=lay.kb, VB=lay.vb,
@@ -388,17 +426,18 @@ def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, gr
                   UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=sink,
                   DEFER=dargs[1], num_stages=cfg.num_stages,
                   **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}))
-    if cfg.layout == 2:  # int16 pairs: M = g/2 token pairs, d/2 channel pairs; offsets in 2-byte units
-        # the pipe kernel reads the scale runs as int32: needs 4-byte aligned records (always, for torch-allocated
-        # caches and the record sizes of docs/format.md; else the plain pair kernel)
-        pipe = (cfg.pipe and cache.data_ptr() % 4 == 0 and cache.stride(0) % 4 == 0 and cache.stride(1) % 4 == 0
-                and all(o % 4 == 0 for o in (lay.rk, lay.sv, lay.zv, lay.cv)))
-        kern = kvarn_attention_pair_pipe_kernel if pipe else kvarn_attention_pair_kernel
-        compiled = kern[(B, 1, Hk * splits)](
+    if cfg.layout == 2 and _pipe_ok(cfg, cache, lay):  # int16 pairs: M = g/2 token pairs, d/2 channel pairs
+        fused = bool(cfg.tail)
+        compiled = kvarn_attention_pair_pipe_kernel[(B, 1, Hk * (splits + fused))](
+            qr, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,
+            block_table.stride(0), cache.stride(0) // 2, cache.stride(1) // 2, Hq, *tail["args"],
+            num_warps=min(cfg.num_warps, max(4, min(lay.g, lay.d) // 32)), SKV=max(cfg.pipe - 1, 0),
+            TAIL=int(fused), **tail["consts"], **common)
+    elif cfg.layout == 2:  # offsets in 2-byte units
+        compiled = kvarn_attention_pair_kernel[(B, 1, Hk * splits)](
             qr, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,
             block_table.stride(0), cache.stride(0) // 2, cache.stride(1) // 2, Hq,
-            num_warps=min(cfg.num_warps, max(4, min(lay.g, lay.d) // 32)),
-            **({"SKV": cfg.pipe - 1} if pipe and cfg.pipe >= 2 else {}), **common)
+            num_warps=min(cfg.num_warps, max(4, min(lay.g, lay.d) // 32)), **common)
     else:
         compiled = kvarn_attention_tok_kernel[(B, 1, Hk * splits)](
             qr, cache, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,
@@ -412,9 +451,9 @@ def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, gr
 
 
 def _launch(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, out, lay, group, gp, scale, splits,
-            cfg: DecodeConfig, sink_lens=None, defer=False):
+            cfg: DecodeConfig, sink_lens=None, defer=False, launches=LAUNCHES):
     return run_attention(q, cache, block_table, seq_lens, seq_lens, tail_k, tail_v, tail_slots, out, lay, group, gp,
-                         scale, splits, cfg, prefill=False, sink_lens=sink_lens, defer=defer)
+                         scale, splits, cfg, prefill=False, sink_lens=sink_lens, defer=defer, launches=launches)
 
 
 def _tune_key(q, cache, block_table, lay, group):
@@ -481,7 +520,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
                      tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor, fmt: KVFormat | str,
                      scale: float, num_splits: int | None = None, out: torch.Tensor | None = None, *,
                      config: DecodeConfig | None = None, sink_lens: torch.Tensor | None = None,
-                     defer=False) -> torch.Tensor:
+                     defer=False, launches=LAUNCHES) -> torch.Tensor:
     B = q.shape[0] if q.dim() == 3 else -1
     q, out, lay, Hk, group, gp = check_attention_args(q, cache, block_table, tail_k, tail_v, fmt, B, out, "B")
     if B == 0:
@@ -504,4 +543,5 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
         splits = int(max(1, min(64, max_blocks, round(base_splits * cfg.split_mult))))
     if num_splits is not None:
         splits = int(max(1, num_splits))
-    return _launch(*args, out, lay, group, gp, scale, splits, effective_config(cfg, q.device), sink_lens, defer)
+    return _launch(*args, out, lay, group, gp, scale, splits, effective_config(cfg, q.device), sink_lens, defer,
+                   launches)

@@ -32,12 +32,15 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option("qwen3-8b", "--model", help="store: the model whose layer count a flush spans."),
         sweep: bool = typer.Option(False, "--sweep", help="decode: also time every kernel config (table; with "
                                                          "--check each is checked) and split counts for the best."),
+        breakdown: bool = typer.Option(False, "--breakdown", help="decode: also time each of the call's launches "
+                                                                  "(rotate, records, tail, merge) alone."),
     ) -> None:
         """Time the KVarN store / decode / prefill kernel and the FP16 baseline in the same run."""
         if target not in TARGET_NAMES:
             raise KvarnError(f"unknown microbench target {target!r}; accepted: {choices(TARGET_NAMES)}")
         # a flag of another target is not silently dropped (sizes are checked by kvarn.kernels.bench)
         only = {"--num-splits": ("decode", num_splits is not None), "--sweep": ("decode", sweep),
+                "--breakdown": ("decode", breakdown),
                 "--chunk": ("prefill", chunk is not None), "--model": ("store", model != "qwen3-8b")}
         for flag, (owner, given) in only.items():
             if given and target != owner:
@@ -51,7 +54,7 @@ def register(app: typer.Typer) -> None:
                     kv_heads=pick(kv_heads, "kv_heads"), head_dim=pick(head_dim, "head_dim"), kv_dtype=kv_dtype,
                     device=str(dev), check=check, iters=iters)
         if target == "decode":
-            r = bench.bench_decode(**args, num_splits=num_splits, sweep=sweep)
+            r = bench.bench_decode(**args, num_splits=num_splits, sweep=sweep, breakdown=breakdown)
         elif target == "prefill":
             r = bench.bench_prefill(**args, chunk=chunk)
         else:
@@ -76,7 +79,9 @@ def _print(r) -> None:
     if r.rel_err is not None:
         t.add_row("rel. error vs reference", f"{r.rel_err:.2e}")
     for k, v in r.extra.items():
-        if v is not None and k not in ("sweep", "variants"):
+        if k == "breakdown" and v:  # ms of each launch alone, the whole call, and the rest (gaps between kernels)
+            t.add_row("breakdown (ms)", ", ".join(f"{n} {ms:.4f}" for n, ms in v.items()))
+        elif v is not None and k not in ("sweep", "variants"):
             t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
     out.print(t)
     if r.extra.get("sweep"):

@@ -33,6 +33,8 @@ mb() {  # name, seconds, autotune(0/1), args...
 H200="--batch 64 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --kv-dtype kvarn_k4v2_g128"
 # 1. the acceptance shape first (default config, heuristic splits, checked against the fp32 reference)
 mb decode 30 0 decode $H200 --check
+# 1b. where the call's time goes: each of its four launches alone, in turn with the whole call (CUDA graphs)
+mb breakdown 25 0 decode $H200 --breakdown
 # 2. every kernel config + split counts for the best one, each checked (compiles ~3-6 s per config; the Triton
 #    disk cache then serves the run-time tuner's candidates below, which are a subset)
 [ "${KVARN_SWEEP:-1}" != 0 ] && mb sweep "${KVARN_SWEEP_SECS:-200}" 0 decode $H200 --check --sweep --iters 20
@@ -120,6 +122,11 @@ if var:
     for v in var:
         print(f"{v['balance']:<9} {v['decode_grid']:<8} "
               + " ".join(f"{v[c]:15.4g}" if c in v else f"{'-':>15}" for c in cols) + " " + v.get("error", ""))
+for name, r in rows.items():
+    bd = r.get("extra", {}).get("breakdown")
+    if bd:
+        print(f"\n{name}: ms per call, each launch alone / the whole call / call - sum of launches: "
+              + ", ".join(f"{k} {v:.4f}" for k, v in bd.items()))
 print(f"\n{'target':<11} {'ours ms':>9} {'base ms':>9} {'ratio':>7} {'GB/s':>7} {'%copy':>6} {'rel err':>9}  note")
 for name, r in rows.items():
     e = r["extra"]
