@@ -21,7 +21,7 @@ SINK = 16
 # padded; completes tile 0 (sink inside the tail tile); completes a later tile; mid-tile; one past a boundary
 LENS = [0, 64, 192, 100, 129]
 CONFIGS = [DecodeConfig(), DecodeConfig(layout=1), DecodeConfig(layout=2), DecodeConfig(layout=2, bn=8, pipe=1),
-           DEFAULT_CONFIG, replace(DEFAULT_CONFIG, tail=1)]  # pipe = 2; the tail in the records launch
+           replace(DEFAULT_CONFIG, tail=0, pdl=0), DEFAULT_CONFIG]  # pipe = 2; + the tail in the records launch
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)

@@ -92,7 +92,8 @@ def test_gpu_store_decode_equals_store_tiles_and_captures():
 
 
 # the default and the previous one (token-row kernel), named: no run-time tuning, one compile per config and case
-DECODE_CONFIGS = ["default", "u2k2v1w4s1x1r128L1", "u2k2v1w2s5x1n8L2p1", "u2k2v1w2s5x1n8L2p2t1"]  # + pipe 1, tail
+# + pipe 1, the tail in the records launch, and that with programmatic dependent launches
+DECODE_CONFIGS = ["default", "u2k2v1w4s1x1r128L1", "u2k2v1w2s5x1n8L2p1", "u2k2v1w2s5x1n8L2p2t1", "u2k2v1w2s5x1n8L2p2t1g1"]
 
 
 @pytest.mark.parametrize("cfg_name", DECODE_CONFIGS)
@@ -133,19 +134,26 @@ def test_gpu_decode_notes_its_occupancy_for_the_split_heuristic():
     assert n is not None and 1 <= n <= 32, n  # H200, triton 3.6: 4 (254 registers on 2 warps)
 
 
-def test_gpu_decode_cuda_graph_capture():
+@pytest.mark.parametrize("cfg_name", [None, "u2k2v1w2s5x1n8L2p2t1g1"])
+def test_gpu_decode_cuda_graph_capture(cfg_name):
+    """A captured step follows the per-step seq_lens; three calls back to back in one graph (scratch reused from
+    call to call) each match the reference: with programmatic dependent launches (g1) every kernel waits for the
+    previous one before it touches memory."""
     from kvarn.kernels import decode_attention, prepare
+    from kvarn.kernels.decode import DecodeConfig
 
+    cfg = DecodeConfig.from_name(cfg_name) if cfg_name else None
     fmt = get_format("kvarn_k4v2_g128")
     D, Hq, Hk = 128, 32, 8
     st = paged_setup(fmt, D, Hk, [700, 300, 0, 129], torch.bfloat16, device=DEV)
-    q = torch.randn(4, Hq, D, device=DEV, dtype=torch.bfloat16)
-    out = torch.empty_like(q)
+    qs = [torch.randn(4, Hq, D, device=DEV, dtype=torch.bfloat16) for _ in range(3)]
+    outs = [torch.empty_like(q) for q in qs]
     prepare(D, DEV)
 
     def step():
-        decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                         st["tail_slots"], fmt, 1 / math.sqrt(D), num_splits=4, out=out)
+        for q, out in zip(qs, outs):
+            decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                             st["tail_slots"], fmt, 1 / math.sqrt(D), num_splits=4, out=out, config=cfg)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -155,11 +163,14 @@ def test_gpu_decode_cuda_graph_capture():
     # per-step change; every full tile a row now covers has a block (the table was built for the first lengths:
     # row 2 had none, so it stays empty, as a graph-padding row)
     st["seq_lens"].copy_(torch.tensor([650, 0, 0, 250], dtype=torch.int32, device=DEV))
+    for o in outs:
+        o.fill_(float("nan"))
     g.replay()
     torch.cuda.synchronize()
-    ref = decode_reference(q, st, fmt, D, 1 / math.sqrt(D))
-    assert rel_err(out, ref) < 8e-3
-    assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[2]) == 0
+    for q, out in zip(qs, outs):
+        ref = decode_reference(q, st, fmt, D, 1 / math.sqrt(D))
+        assert rel_err(out, ref) < 8e-3
+        assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[2]) == 0
 
 
 @pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v2_g64"])

@@ -21,7 +21,7 @@ SINK = 16
 # padded row, inside the sink, exactly the sink, past it in the first tile, one tile, tiles + tail
 LENS_G64 = [0, 5, SINK, 40, 64, 71, 197]
 CONFIGS = [DecodeConfig(), DecodeConfig(layout=1), DecodeConfig(layout=2), DecodeConfig(layout=2, bn=8, pipe=1),
-           DEFAULT_CONFIG, replace(DEFAULT_CONFIG, tail=1)]  # pipe = 2; the tail in the records launch
+           replace(DEFAULT_CONFIG, tail=0, pdl=0), DEFAULT_CONFIG]  # pipe = 2; + the tail in the records launch
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)

@@ -63,7 +63,9 @@ VARIANTS = [DecodeConfig(layout=1, bn=8), DecodeConfig(layout=2), DecodeConfig(l
             # the same with the key scales / zero points in one load (an async copy on 2 warps too); and with the
             # 16-bit tail's programs in the same launch
             DecodeConfig(num_warps=2, num_stages=5, layout=2, bn=8, pipe=2),
-            DecodeConfig(num_warps=2, num_stages=5, layout=2, bn=8, pipe=2, tail=1)]
+            DecodeConfig(num_warps=2, num_stages=5, layout=2, bn=8, pipe=2, tail=1),
+            # programmatic dependent launches (GPU only: the interpreter runs it as pdl = 0; its name round-trips)
+            DecodeConfig(num_warps=2, num_stages=5, layout=2, bn=8, pipe=2, tail=1, pdl=1)]
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: c.name)
@@ -109,7 +111,7 @@ def test_decode_tokrows_unpack_variants(unpack):
 
 
 def test_tokrows_config_plumbing():
-    assert DEFAULT_CONFIG.name == "u2k2v1w2s5x1n8L2p2"  # the H200 sweep's best (session 15)
+    assert DEFAULT_CONFIG.name == "u2k2v1w2s5x1n8L2p2t1g1"  # the H200 sweep's best (session 16)
     tok = DecodeConfig(2, 2, 1, 4, 1, maxnreg=128, layout=1)
     assert tok.name != DecodeConfig(2, 2, 1, 4, 1, maxnreg=128).name and tok.name.endswith("L1")
     assert DecodeConfig().name == "u2k2v1w4s1x1"  # names of layout-0 entries are unchanged (sweep history)

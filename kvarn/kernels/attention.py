@@ -234,24 +234,41 @@ def _partial_stats(m_i, l_i):
     return 1.0 / tl.where(has, l_i, 1.0), tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
 
 
+@triton.jit
+def pdl_sync(PDL: tl.constexpr):
+    """Programmatic dependent launch (DecodeConfig.pdl; sm_90+): a kernel launched with launch_pdl=True may start
+    while the previous kernel in the stream still runs; here it waits until that kernel has finished and its writes
+    are visible, then lets the next kernel's programs start (they wait likewise before touching memory). What comes
+    before this call may only compute (the Hadamard), not read or write global memory."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 @serving_jit(ints=["R"])
 def rotate_rows_kernel(x_ptr, y_ptr, R, scale, stride_xn, stride_xh, HQ: tl.constexpr, D: tl.constexpr,
-                       BR: tl.constexpr, MMA_BF16: tl.constexpr):
-    """y[r] = (x[n, h] * scale) @ Hn for the R = N*HQ rows r = n*HQ + h; y fp32 [R, D] contiguous."""
+                       BR: tl.constexpr, MMA_BF16: tl.constexpr, PDL: tl.constexpr = 0):
+    """y[r] = (x[n, h] * scale) @ Hn for the R = N*HQ rows r = n*HQ + h; y fp32 [R, D] contiguous. PDL: launched
+    as a programmatic dependent launch (pdl_sync): the Hadamard is built before waiting for the previous kernel."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     di = tl.arange(0, D)
     ok = r < R
     off = (r // HQ).to(tl.int64) * stride_xn + (r % HQ) * stride_xh
+    h = hadamard_pm1(D, MMA_BF16)
+    pdl_sync(PDL)
     x = tl.load(x_ptr + off[:, None] + di[None, :], mask=ok[:, None], other=0.0).to(tl.float32) * scale
-    y = x_times_h(x, hadamard_pm1(D, MMA_BF16), D, MMA_BF16)
+    y = x_times_h(x, h, D, MMA_BF16)
     tl.store(y_ptr + r.to(tl.int64)[:, None] * D + di[None, :], y, mask=ok[:, None])
 
 
 @serving_jit(ints=["R", "num_splits"])
 def finish_kernel(po_r_ptr, po_t_ptr, plse_ptr, out_ptr, R, num_splits, stride_on, stride_oh, HQ: tl.constexpr,
-                  D: tl.constexpr, BR: tl.constexpr, MMA_BF16: tl.constexpr):
+                  D: tl.constexpr, BR: tl.constexpr, MMA_BF16: tl.constexpr, PDL: tl.constexpr = 0):
     """Merge the record-split partials (rotated basis) and the tail partial (unrotated) of R rows with
-    log2-sum-exp weights, rotating back once: out = (sum_s w_s o_s) @ Hn + w_t o_t; all-empty rows give zeros."""
+    log2-sum-exp weights, rotating back once: out = (sum_s w_s o_s) @ Hn + w_t o_t; all-empty rows give zeros.
+    PDL: as rotate_rows_kernel's (the Hadamard built while the records kernel finishes)."""
+    h = hadamard_pm1(D, MMA_BF16)
+    pdl_sync(PDL)
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     di = tl.arange(0, D)
     ok = r < R
@@ -270,7 +287,7 @@ def finish_kernel(po_r_ptr, po_t_ptr, plse_ptr, out_ptr, R, num_splits, stride_o
         den += w
     w = tl.exp2(tl.load(plse_ptr + lbase + num_splits, mask=ok, other=float("-inf")) - m_safe)
     den += w
-    o = x_times_h(acc_r, hadamard_pm1(D, MMA_BF16), D, MMA_BF16)
+    o = x_times_h(acc_r, h, D, MMA_BF16)
     o += w[:, None] * tl.load(po_t_ptr + r64[:, None] * D + di[None, :], mask=ok[:, None], other=0.0)
     o = o / tl.where(den > 0.0, den, 1.0)[:, None]
     o_off = (r // HQ).to(tl.int64) * stride_on + (r % HQ) * stride_oh
@@ -453,7 +470,7 @@ def tail_attention_kernel(
     stride_qn, stride_qh, stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg, HQ,
     GROUP: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     IS_PREFILL: tl.constexpr, TT: tl.constexpr, MMA_BF16: tl.constexpr, TAIL16: tl.constexpr,
-    Q_AS_TAIL: tl.constexpr, SINK: tl.constexpr = 0, DEFER: tl.constexpr = 0,
+    Q_AS_TAIL: tl.constexpr, SINK: tl.constexpr = 0, DEFER: tl.constexpr = 0, TS: tl.constexpr = 16,
 ):
     """Attention of the same rows over the 16-bit tail buffer (unrotated, TT tokens at a time): the unfinished
     tile's rows and, once the first tile is in the records, the sink rows [G, G + sink_lens[b]) (positions
@@ -468,7 +485,7 @@ def tail_attention_kernel(
     _tail_partial(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, seq_lens_ptr, qsl_ptr, tail_k_ptr,
                   tail_v_ptr, tail_slots_ptr, sink_lens_ptr, defer_ptr, po_t_ptr, plse_ptr, qk_scale, num_splits,
                   stride_qn, stride_qh, stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg, HQ,
-                  GROUP, GP, BQ, BM, G, D, IS_PREFILL, TT, MMA_BF16, TAIL16, Q_AS_TAIL, SINK, DEFER, 3)
+                  GROUP, GP, BQ, BM, G, D, IS_PREFILL, TT, MMA_BF16, TAIL16, Q_AS_TAIL, SINK, DEFER, 3, TS)
 
 
 @triton.jit
@@ -478,9 +495,9 @@ def _tail_partial(b, qblk, kvh, q_ptr, seq_lens_ptr, qsl_ptr, tail_k_ptr, tail_v
                   GROUP: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr, G: tl.constexpr,
                   D: tl.constexpr, IS_PREFILL: tl.constexpr, TT: tl.constexpr, MMA_BF16: tl.constexpr,
                   TAIL16: tl.constexpr, Q_AS_TAIL: tl.constexpr, SINK: tl.constexpr, DEFER: tl.constexpr,
-                  STAGES: tl.constexpr):
+                  STAGES: tl.constexpr, TS: tl.constexpr):
     # tail_attention_kernel's program (b, qblk, kvh); also run by the decode records kernel's extra programs
-    # (kvarn_attention_pair_pipe_kernel with TAIL = 1)
+    # (kvarn_attention_pair_pipe_kernel with TAIL = 1). TS: rows per step over the sink's (<= SINK) rows
     S = tl.load(seq_lens_ptr + b)
     if IS_PREFILL:
         q0 = tl.load(qsl_ptr + b)
@@ -522,7 +539,7 @@ def _tail_partial(b, qblk, kvh, q_ptr, seq_lens_ptr, qsl_ptr, tail_k_ptr, tail_v
             qb = qa
         if SINK > 0:
             m_i, l_i, acc_t = _tail_run(qa, qb, tk_base + G * stride_tkg, tv_base + G * stride_tvg, stride_tkg,
-                                        stride_tvg, n_sink, 0, L, m_i, l_i, acc_t, qk_scale, D, TT, MMA_BF16,
+                                        stride_tvg, n_sink, 0, L, m_i, l_i, acc_t, qk_scale, D, TS, MMA_BF16,
                                         TAIL16, Q_AS_TAIL, STAGES)
         m_i, l_i, acc_t = _tail_run(qa, qb, tk_base, tv_base, stride_tkg, stride_tvg, n_tail, n_full * G, L,
                                     m_i, l_i, acc_t, qk_scale, D, TT, MMA_BF16, TAIL16, Q_AS_TAIL, STAGES)

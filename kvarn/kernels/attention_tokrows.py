@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .attention import (_partial_stats, _plane, _query_planes, _records_end, _sink_lo, _split16, _split_tiles,
-                        _tail_partial)
+                        _tail_partial, pdl_sync)
 from .common import serving_jit
 
 
@@ -442,7 +442,8 @@ def kvarn_attention_pair_pipe_kernel(
     UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
     SINK: tl.constexpr = 0, DEFER: tl.constexpr = 0, SKV: tl.constexpr = 0,
     TAIL: tl.constexpr = 0, GP: tl.constexpr = 4, TBM: tl.constexpr = 16, TT: tl.constexpr = 64,
-    MMA_BF16: tl.constexpr = 1, TAIL16: tl.constexpr = 1, Q_AS_TAIL: tl.constexpr = 1,
+    MMA_BF16: tl.constexpr = 1, TAIL16: tl.constexpr = 1, Q_AS_TAIL: tl.constexpr = 1, TS: tl.constexpr = 16,
+    PDL: tl.constexpr = 0,
 ):
     """kvarn_attention_pair_kernel restructured for the pipeliner (DecodeConfig.pipe = 1; use with num_stages >= 2).
 
@@ -462,12 +463,13 @@ def kvarn_attention_pair_pipe_kernel(
     programs, and each runs tail_attention_kernel's program for its (request, KV head), which is then not launched.
     Last in the grid, they fill the resident slots the record programs' last wave leaves free instead of a launch
     of their own (H200, session 16: the tail kernel alone 10 us of the 341 us call at B=64 x 16K, latency-bound)."""
+    pdl_sync(PDL)  # (DecodeConfig.pdl) the query rotation's output, qr, is read below
     if TAIL and tl.program_id(2) >= (HQ // GROUP) * num_splits:
         _tail_partial(tl.program_id(0), 0, tl.program_id(2) - (HQ // GROUP) * num_splits, q_ptr, seq_lens_ptr,
                       seq_lens_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, sink_lens_ptr, defer_ptr, po_t_ptr,
                       plse_ptr, qk_scale, num_splits, stride_qn, stride_qh, stride_tks, stride_tkh, stride_tkg,
                       stride_tvs, stride_tvh, stride_tvg, HQ, GROUP, GP, 1, TBM, G, D, False, TT, MMA_BF16,
-                      TAIL16, Q_AS_TAIL, SINK, DEFER, 1)
+                      TAIL16, Q_AS_TAIL, SINK, DEFER, 1, TS)
     else:
         _pair_pipe_records(qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, defer_ptr, po_r_ptr, plse_ptr,
                            num_splits, stride_btb, stride_cb16, stride_ch16, HQ, GROUP, BN, G, D, KB, VB,

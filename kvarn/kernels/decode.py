@@ -56,7 +56,7 @@ from .common import as_format, check_cache, check_tail, defer_flag, f16_view, la
 
 
 _NAME = re.compile(r"u([012])k([12])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:n(\d+))?(?:L([012]))?(?:p([0-2]))?"
-                   r"(?:t(1))?")
+                   r"(?:t(1))?(?:g(1))?")
 
 
 @dataclass(frozen=True)
@@ -82,13 +82,16 @@ class DecodeConfig:
     #                DP-wide loads of 1 stay synchronous inside the loop) and q . zK of all planes in one reduction
     tail: int = 0  # pipe >= 1: 1 = the 16-bit tail's attention in Hk extra programs of the records kernel's grid
     #                (after the record programs, so they fill the last wave's free slots) instead of its own launch
+    pdl: int = 0  # 1: rotation, records (pipe kernel) and merge launched as programmatic dependent launches (sm_90+):
+    #               each kernel's programs start while the previous one finishes, building the Hadamard meanwhile
 
     @property
     def name(self) -> str:
         return (f"u{self.unpack}k{self.ksplit}v{self.vsplit}w{self.num_warps}s{self.num_stages}"
                 f"x{self.split_mult:g}" + (f"r{self.maxnreg}" if self.maxnreg else "")
                 + (f"n{self.bn}" if self.bn else "") + (f"L{self.layout}" if self.layout else "")
-                + (f"p{self.pipe}" if self.pipe else "") + (f"t{self.tail}" if self.tail else ""))
+                + (f"p{self.pipe}" if self.pipe else "") + (f"t{self.tail}" if self.tail else "")
+                + (f"g{self.pdl}" if self.pdl else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "DecodeConfig":
@@ -97,10 +100,10 @@ class DecodeConfig:
         if not m:
             raise KvarnError(f"decode config {name!r} is not a name like 'u2k2v1w4s1x1r128' or 'u2k2v1w4s2x1L1' "
                              "(unpack, ksplit, vsplit, warps, stages, split multiplier, [register cap], [N], [layout], [pipe], "
-                             "[tail])")
-        u, k, v, w, st, x, r, bn, lay, pipe, tail = m.groups()
+                             "[tail], [pdl])")
+        u, k, v, w, st, x, r, bn, lay, pipe, tail, pdl = m.groups()
         return cls(int(u), int(k), int(v), int(w), int(st), float(x), int(r) if r else None, int(lay) if lay else 0,
-                   int(bn) if bn else 0, int(pipe) if pipe else 0, int(tail) if tail else 0)
+                   int(bn) if bn else 0, int(pipe) if pipe else 0, int(tail) if tail else 0, int(pdl) if pdl else 0)
 
 
 # H200 sweeps (B=64, ctx 16384, 32/8 heads, D=128, k4v2_g128; BENCHMARKS.md). Session 5: query-row kernel (layout 0)
@@ -113,7 +116,10 @@ class DecodeConfig:
 # step (128 x 4K, 64/8 heads), 0.681x at D=64; 1.026x at B=8 x 16K (few programs: more splits win there).
 # Session 15: pipe = 2 (no synchronous load left in the tile loop) 0.903x that at B=64 x 16K, 0.906x B=96, 0.903x the
 # 32B step, 0.904x B=8, 0.958x D=64; against FA3 in turn 0.362-0.370x (three runs); 7 stages no faster, caps slower
-DEFAULT_CONFIG = DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2)
+# Session 16: tail = 1 (the 16-bit tail's programs in the records launch) and pdl = 1 (programmatic dependent launches
+# of rotation, records and merge), each timed in turn with pipe = 2 alone: 0.992-0.994x at B=64 x 16K, 0.994x B=96,
+# 0.915-0.919x the 32B step, 0.950x B=8, 0.933x D=64 (tail alone: 0.995 / 0.998 / 0.936 / 0.961 / 0.940)
+DEFAULT_CONFIG = DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2, tail=1, pdl=1)
 # the --sweep table (every entry a separate compile, ~5-10 s each on the device)
 # (offline sm_90 compile, k4v2_g128 D=128: stages 1 -> 168 registers, no spills; stages 2 -> 246: the pipeliner
 #  keeps the next tile in registers; 8 warps stages 2 -> 210)
@@ -185,6 +191,9 @@ SWEEP_CONFIGS = [
     # latency-bound: 1.3 waves of 4-warp programs each waiting on three dependent loads). Offline sm_90: the record
     # loop 1,314 -> 1,330 instructions per warp and tile (integer index math), the same 17 barriers and shared memory
     DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2, tail=1),
+    # pdl = 1: that with the rotation, records and merge kernels as programmatic dependent launches (each builds
+    # its Hadamard while the previous kernel finishes); with tail = 1 the default since session 16
+    DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2, tail=1, pdl=1),
     # the default at a 96-register cap, 5 programs per SM instead of 4: offline sm_90 (session 12) s3 1,736
     # instructions (+6%), 160 B of stack, 47 LDL / 63 STL in all (r128: 1,640, 24 B, 6 / 10); s2 1,688, the same
     # spills. H200, session 13 (call-by-call timing, one sweep): s3 0.7221, s2 0.7606 ms against the default's 0.5736
@@ -268,9 +277,17 @@ def group_geometry(hq: int, hk: int) -> tuple[int, int]:
 def effective_config(cfg: DecodeConfig, device: torch.device) -> DecodeConfig:
     """The interpreter has no inline PTX (and no pipelining): use the pure-Triton unpack there; on a GPU whose
     inline-PTX self-check failed, too."""
+    if cfg.pdl and not _pdl_ok(device):
+        cfg = replace(cfg, pdl=0)
     if cfg.unpack == 2 and (not mma_bf16() or device.type != "cuda" or not asm_unpack_ok(device)):
         return replace(cfg, unpack=1)
     return cfg
+
+
+def _pdl_ok(device: torch.device) -> bool:
+    # programmatic dependent launch: sm_90+ hardware, not the interpreter (KVARN_PDL=0 turns it off everywhere)
+    return (device.type == "cuda" and mma_bf16() and os.environ.get("KVARN_PDL", "1") != "0"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def asm_unpack_ok(device: torch.device) -> bool:
@@ -351,14 +368,16 @@ def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slo
     plse = torch.empty(R * (splits + 1), dtype=torch.float32, device=dev)
     if "rotate" in launches:
         rotate_rows_kernel[(triton.cdiv(R, 16),)](q, qr, R, qk, q.stride(0), q.stride(1), HQ=Hq, D=D, BR=16,
-                                                   MMA_BF16=mma, num_warps=ROT_WARPS)
+                                                   MMA_BF16=mma, num_warps=ROT_WARPS, **_pdl(cfg))
     bm = max(16, bq * gp)
     # tail on tensor cores (16-bit q.k, hi/lo p.v) when compiled and the tail buffers are 16-bit (both fp16/bf16)
     tail16 = all(t.dtype in (torch.float16, torch.bfloat16) for t in (tail_k, tail_v))
     tt = (64 if D <= 128 else 32) if mma and tail16 else 16
+    ts = min(tt, max(16, triton.next_power_of_2(max(1, sink))))  # the sink's <= sink rows: one step of their size
     tail = dict(args=(q, tail_k, tail_v, tail_slots, po_t, qk, q.stride(0), q.stride(1), *tail_k.stride()[:3],
                       *tail_v.stride()[:3]),
-                consts=dict(GP=gp, TBM=bm, TT=tt, MMA_BF16=mma, TAIL16=tail16, Q_AS_TAIL=q.dtype == tail_k.dtype))
+                consts=dict(GP=gp, TBM=bm, TT=tt, TS=ts, MMA_BF16=mma, TAIL16=tail16,
+                            Q_AS_TAIL=q.dtype == tail_k.dtype))
     if "records" in launches and not prefill and cfg.layout in (1, 2):
         _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, group, gp, splits, cfg, Hq, mma,
                     sink, dargs, tail)
@@ -371,10 +390,10 @@ def run_attention(q, cache, block_table, seq_lens, qsl, tail_k, tail_v, tail_slo
             q.stride(0), q.stride(1), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
             tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), Hq,
             GROUP=group, GP=gp, BQ=bq, BM=bm, G=lay.g, D=D, IS_PREFILL=prefill, TT=tt, MMA_BF16=mma,
-            TAIL16=tail16, Q_AS_TAIL=q.dtype == tail_k.dtype, SINK=sink, DEFER=dargs[1], num_warps=4)
+            TAIL16=tail16, Q_AS_TAIL=q.dtype == tail_k.dtype, SINK=sink, DEFER=dargs[1], TS=ts, num_warps=4)
     if "merge" in launches:
         finish_kernel[(triton.cdiv(R, 16),)](po_r, po_t, plse, out, R, splits, out.stride(0), out.stride(1), HQ=Hq,
-                                             D=D, BR=16, MMA_BF16=mma, num_warps=ROT_WARPS)
+                                             D=D, BR=16, MMA_BF16=mma, num_warps=ROT_WARPS, **_pdl(cfg))
     return out
 
 
@@ -399,6 +418,11 @@ def tok_warps(lay, num_warps: int) -> int:
     """Warps of a layout-1 program: every warp owns >= 16 distinct M rows of its dots (M = g tokens for keys, D
     channels for values; more warps would broadcast warpgroups over the same rows, cf. prefill.max_warps_for_rows)."""
     return min(num_warps, max(4, min(lay.g, lay.d) // 16))
+
+
+def _pdl(cfg: DecodeConfig) -> dict:
+    # a PDL-aware kernel's launch arguments (cfg already through effective_config: pdl only where it runs)
+    return {"PDL": 1, "launch_pdl": True} if cfg.pdl else {}
 
 
 def _pipe_ok(cfg: DecodeConfig, cache, lay) -> bool:
@@ -432,7 +456,7 @@ def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, gr
             qr, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,
             block_table.stride(0), cache.stride(0) // 2, cache.stride(1) // 2, Hq, *tail["args"],
             num_warps=min(cfg.num_warps, max(4, min(lay.g, lay.d) // 32)), SKV=max(cfg.pipe - 1, 0),
-            TAIL=int(fused), **tail["consts"], **common)
+            TAIL=int(fused), **tail["consts"], **_pdl(cfg), **common)
     elif cfg.layout == 2:  # offsets in 2-byte units
         compiled = kvarn_attention_pair_kernel[(B, 1, Hk * splits)](
             qr, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,

@@ -2,7 +2,7 @@
 # Nsight Compute profile of one decode_attention call per config (scripts/device/ncu_decode.py): every launch's
 # duration, occupancy, issue activity and warp-stall reasons, and the records kernel's per-instruction stall samples.
 # Firecracker machines only (gVisor has no counters); clocks left alone (--clock-control none).
-#   KVARN_NCU_CONFIGS=u2k2v1w2s5x1n8L2p2,u2k2v1w2s5x1n8L2p3 bash scripts/device/ncu.sh
+#   KVARN_NCU_CONFIGS=u2k2v1w2s5x1n8L2p2,u2k2v1w2s5x1n8L2p2t1g1 bash scripts/device/ncu.sh
 # Writes $OUT/decode.ncu-rep (open in the Nsight Compute GUI), raw.csv (every metric), source_<i>.csv (SASS with
 # samples per records-kernel launch) and prints a short table last.
 set -u
