@@ -37,6 +37,23 @@ def test_splits_fill_the_last_wave(h200, batch, kv_heads, max_blocks, per_sm, wa
     assert decode.default_num_splits(batch, kv_heads, max_blocks, h200, per_sm) == want
 
 
+@pytest.mark.parametrize("batch,kv_heads,max_blocks,want", [
+    (64, 8, 128, 1),      # the issue's shape: one split fills as well as two (H200: 0.988-0.992x their time)
+    (128, 8, 32, 1),      # the Qwen3-32B step (0.906-0.970x)
+    (96, 8, 128, 2),      # 1 split = 1.45 waves (1.11x two splits' time)
+    (32, 8, 128, 2),      # 256 programs: half a wave at 1
+    (8, 8, 128, 8),
+])
+def test_default_config_may_take_one_split(h200, batch, kv_heads, max_blocks, want):
+    """The 2-warp pipe kernels (the default) take one split where it fills the resident slots as well; older
+    configs keep at least two (14-25% slower at one for the 4-warp 3-stage kernel)."""
+    lay = layout(get_format("kvarn_k4v2_g128"), 128)
+    got = decode.heuristic_splits(decode.DEFAULT_CONFIG, batch, kv_heads, max_blocks, lay, 4, h200)
+    assert got == want
+    old = decode.DecodeConfig(2, 2, 1, 4, 3, maxnreg=128, layout=2, bn=8, pipe=1)
+    assert decode.heuristic_splits(old, batch, kv_heads, max_blocks, lay, 4, h200) == max(want, 2)
+
+
 @pytest.mark.parametrize("regs,warps,shared,want", [
     (254, 2, 28808, 4),   # the default (2-warp pipe kernel, D=128): registers allow 8 warps
     (168, 2, 16648, 6),   # the same at D=64: 12 warps

@@ -100,7 +100,10 @@ def time_ms(fn, dev: torch.device, iters: int, warmup: int = 3) -> float:
     return statistics.median(_once_ms(fn, dev) for _ in range(max(1, iters)))
 
 
-GRAPH_CALLS = 8  # calls per captured graph in paired_ms (8 x ~0.6 ms at the acceptance shape)
+# calls per captured graph in paired_ms: as many as one decode step of Qwen3-8B has layers (vLLM replays one graph
+# per step, so a graph launch's ~30 us of GPU-side latency is shared by every layer's attention call; at 8 calls it
+# added ~3.7 us to each call of ours and of the baseline, H200, session 16)
+GRAPH_CALLS = 36
 
 
 def paired_ms(fns, dev: torch.device, iters: int, calls: int = GRAPH_CALLS, warmup: int = 2,

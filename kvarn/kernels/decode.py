@@ -216,20 +216,23 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_num_splits(batch: int, kv_heads: int, max_blocks: int, device: torch.device, per_sm: int = 4) -> int:
-    """Splits per (request, KV head) from wave quantization: of the split counts from 2 (at most 64, >= 4 tiles per
-    split), the smallest whose programs fill their last wave of resident slots (per_sm x SMs) to >= 95% of the best
-    fill. per_sm: programs of the kernel resident per SM (occupancy, from the compiled kernel: programs_per_sm).
+def default_num_splits(batch: int, kv_heads: int, max_blocks: int, device: torch.device, per_sm: int = 4,
+                       min_splits: int = 2) -> int:
+    """Splits per (request, KV head) from wave quantization: of the split counts from min_splits (at most 64, >= 4
+    tiles per split), the smallest whose programs fill their last wave of resident slots (per_sm x SMs) to >= 95% of
+    the best fill. per_sm: programs of the kernel resident per SM (occupancy, from the compiled kernel: programs_per_sm).
     H200, 2-warp pipe kernel (4 per SM), session 14, each x the old heuristic's choice (ceil(4 x SMs / programs),
     at least 2): B=8 x 16K, 8 heads: 8 splits (0.97 of one wave) 0.837x, 9 (1.09 waves) ~1.0x; B=96 x 16K: 2 (2.9
     waves) 0.840x, 1 (1.45) 0.958x; D=64 (6 per SM), B=64 x 8K, 3 heads: 4 splits (0.97) 0.586x, 3 (0.73) 0.681x,
     2 0.759x. One split can fill as well (B=64 x 16K: 1 and 2 within 1%; the Qwen3-32B step, B=128 x 4K: 0.853x vs
-    0.883x) but was 14-25% slower for the 3-stage 4-warp kernel at B=64 (session 6): not taken. Host-only."""
+    0.883x) but was 14-25% slower for the 3-stage 4-warp kernel at B=64 (session 6): min_splits 2 for it; the 2-warp
+    pipe kernels (pipe >= 2) take 1 where it fills as well (heuristic_splits): sessions 15-16, 1 split x 2 splits
+    at B=64 x 16K 0.988-0.992, at the 32B step 0.906-0.970. Host-only."""
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
     programs = max(1, batch * kv_heads)
     slots = max(1, per_sm) * sms
     cap = int(max(1, min(64, max_blocks // 4)))
-    fill = {s: (programs * s / slots) / math.ceil(programs * s / slots) for s in range(min(2, cap), cap + 1)}
+    fill = {s: (programs * s / slots) / math.ceil(programs * s / slots) for s in range(min(min_splits, cap), cap + 1)}
     best = max(fill.values())
     return next(s for s, f in fill.items() if f >= 0.95 * best)
 
@@ -264,7 +267,8 @@ def heuristic_splits(cfg: DecodeConfig, batch: int, kv_heads: int, max_blocks: i
                      device: torch.device) -> int:
     """default_num_splits at the occupancy of cfg's compiled kernel (4 per SM until its first launch)."""
     per_sm = _PER_SM.get(_per_sm_key(effective_config(cfg, device), lay, gp), 4)
-    return default_num_splits(batch, kv_heads, max_blocks, device, per_sm)
+    one_ok = cfg.layout == 2 and cfg.pipe >= 2 and cfg.num_warps == 2  # see default_num_splits
+    return default_num_splits(batch, kv_heads, max_blocks, device, per_sm, 1 if one_ok else 2)
 
 
 def group_geometry(hq: int, hk: int) -> tuple[int, int]:
