@@ -400,6 +400,7 @@ def test_microbench_cli_exit_codes():
                      (["store", "--device", "cpu", "--context", "-1"], "--context must be >= 1, got -1"),
                      (["prefill", "--device", "cpu", "--num-splits", "2"], "--num-splits is a `microbench decode` "),
                      (["store", "--device", "cpu", "--breakdown"], "--breakdown is a `microbench decode` "),
+                     (["decode", "--device", "cpu", "--graph-calls", "0"], "--graph-calls must be >= 1, got 0"),
                      (["decode", "--device", "cuda:x"], "--device cuda:x")):
         r = run_cli("microbench", *bad, env={"CUDA_VISIBLE_DEVICES": ""})
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)

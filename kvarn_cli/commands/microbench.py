@@ -34,13 +34,15 @@ def register(app: typer.Typer) -> None:
                                                          "--check each is checked) and split counts for the best."),
         breakdown: bool = typer.Option(False, "--breakdown", help="decode: also time each of the call's launches "
                                                                   "(rotate, records, tail, merge) alone."),
+        graph_calls: int = typer.Option(None, "--graph-calls", help="decode: calls per captured CUDA graph (default "
+                                                                    "8; more = a longer burst, a loaded GPU's clocks)."),
     ) -> None:
         """Time the KVarN store / decode / prefill kernel and the FP16 baseline in the same run."""
         if target not in TARGET_NAMES:
             raise KvarnError(f"unknown microbench target {target!r}; accepted: {choices(TARGET_NAMES)}")
         # a flag of another target is not silently dropped (sizes are checked by kvarn.kernels.bench)
         only = {"--num-splits": ("decode", num_splits is not None), "--sweep": ("decode", sweep),
-                "--breakdown": ("decode", breakdown),
+                "--breakdown": ("decode", breakdown), "--graph-calls": ("decode", graph_calls is not None),
                 "--chunk": ("prefill", chunk is not None), "--model": ("store", model != "qwen3-8b")}
         for flag, (owner, given) in only.items():
             if given and target != owner:
@@ -54,7 +56,8 @@ def register(app: typer.Typer) -> None:
                     kv_heads=pick(kv_heads, "kv_heads"), head_dim=pick(head_dim, "head_dim"), kv_dtype=kv_dtype,
                     device=str(dev), check=check, iters=iters)
         if target == "decode":
-            r = bench.bench_decode(**args, num_splits=num_splits, sweep=sweep, breakdown=breakdown)
+            r = bench.bench_decode(**args, num_splits=num_splits, sweep=sweep, breakdown=breakdown,
+                                   graph_calls=graph_calls)
         elif target == "prefill":
             r = bench.bench_prefill(**args, chunk=chunk)
         else:

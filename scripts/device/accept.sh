@@ -9,3 +9,6 @@ $KVARN microbench decode --batch 64 --context 16384 --q-heads 32 --kv-heads 8 --
   --kv-dtype kvarn_k4v2_g128 --check
 $KVARN microbench decode --batch 128 --context 4096 --q-heads 64 --kv-heads 8 --head-dim 128 \
   --kv-dtype kvarn_k4v2_g128 --check
+# the same in longer bursts (36 calls per graph: one Qwen3-8B step's layers): session 16 read 0.385x there
+$KVARN microbench decode --batch 64 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 \
+  --kv-dtype kvarn_k4v2_g128 --graph-calls 36
