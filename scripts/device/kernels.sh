@@ -32,7 +32,7 @@ mb() {  # name, seconds, autotune(0/1), args...
 }
 H200="--batch 64 --context 16384 --q-heads 32 --kv-heads 8 --head-dim 128 --kv-dtype kvarn_k4v2_g128"
 # 1. the acceptance shape first (default config, heuristic splits, checked against the fp32 reference)
-mb decode 30 0 decode $H200 --check
+mb decode 60 0 decode $H200 --check  # 60 s: a fresh machine compiles every kernel here (30 was cut, session 16)
 # 1b. where the call's time goes: each of its four launches alone, in turn with the whole call (CUDA graphs)
 mb breakdown 25 0 decode $H200 --breakdown
 # 2. every kernel config + split counts for the best one, each checked (compiles ~3-6 s per config; the Triton
@@ -125,7 +125,8 @@ if var:
 for name, r in rows.items():
     bd = r.get("extra", {}).get("breakdown")
     if bd:
-        print(f"\n{name}: ms per call, each launch alone / the whole call / call - sum of launches: "
+        print(f"\n{name}: ms per call, each launch alone (less the graph launch's share) / that share / the whole "
+              "call / the rest (gaps): "
               + ", ".join(f"{k} {v:.4f}" for k, v in bd.items()))
 print(f"\n{'target':<11} {'ours ms':>9} {'base ms':>9} {'ratio':>7} {'GB/s':>7} {'%copy':>6} {'rel err':>9}  note")
 for name, r in rows.items():
