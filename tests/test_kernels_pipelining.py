@@ -36,7 +36,7 @@ const = dict(GROUP=4, BN=cfg.bn, G=lay.g, D=128, KB=lay.kb, VB=lay.vb, OFF_PK=la
              OFF_ZK=lay.zk, OFF_RK=lay.rk, OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
              UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=16, DEFER=0,
              SKV=max(cfg.pipe - 1, 0), TAIL=cfg.tail, GP=4, TBM=16, TT=64, MMA_BF16=1, TAIL16=1, Q_AS_TAIL=1,
-             TS=16, PDL=cfg.pdl)
+             TS=16, PDL=cfg.pdl, VOFF=cfg.voff)
 # (as kvarn.kernels.decode._launch_tok passes them; offsets in bytes)
 sig.update({n: "constexpr" for n in const})
 names = k.arg_names

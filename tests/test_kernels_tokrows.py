@@ -65,7 +65,9 @@ VARIANTS = [DecodeConfig(layout=1, bn=8), DecodeConfig(layout=2), DecodeConfig(l
             DecodeConfig(num_warps=2, num_stages=5, layout=2, bn=8, pipe=2),
             DecodeConfig(num_warps=2, num_stages=5, layout=2, bn=8, pipe=2, tail=1),
             # programmatic dependent launches (GPU only: the interpreter runs it as pdl = 0; its name round-trips)
-            DecodeConfig(num_warps=2, num_stages=5, layout=2, bn=8, pipe=2, tail=1, pdl=1)]
+            DecodeConfig(num_warps=2, num_stages=5, layout=2, bn=8, pipe=2, tail=1, pdl=1),
+            # value codes into the dots as E + code, E * sum(p * sV) out with the zero-point term
+            DecodeConfig(num_warps=2, num_stages=5, layout=2, bn=8, pipe=2, tail=1, pdl=1, voff=1)]
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: c.name)

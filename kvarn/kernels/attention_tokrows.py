@@ -192,6 +192,44 @@ def _pair_plane(x, SHIFT: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr
 
 
 @triton.jit
+def _pair_plane_off(x, J: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr):
+    """_pair_plane's (even, odd) codes of value plane J with an offset left in: E + code as exact fp16, E =
+    _plane_offset(J, BITS). Each half's code is moved into a window of bits 6.. (E = 16) or 8.. (E = 4) of the
+    mantissa by one shift of the register (shl for the even rows' byte, shr for the odd rows'), and one lop3 masks it
+    and sets the exponent: the shifted copies serve two planes each (2-bit codes), so per 2 codes it is one lop3 and
+    half a shift instead of a lop3 and a sub.f16x2. E's share, E * sum(p * sV) per query column, is taken out with
+    the zero-point term (kvarn_attention_pair_pipe_kernel, VOFF). E <= 16 should keep the tensor cores' fp32 sums
+    exact enough: the codes and p * sV are >= 0, so nothing cancels (the dropped "offset codes" of an earlier
+    session, offsets up to 1024 on keys and values, lost the codes' bits: rel. err 2.2e-2; up to 256: 2.1e-3)."""
+    PAIR: tl.constexpr = J * BITS // 4  # 2-bit codes: planes 0-1 / 2-3 share a shift; 4-bit: one plane each
+    KE: tl.constexpr = 6 - 4 * PAIR  # even rows: bits BITS*J -> the window
+    KO: tl.constexpr = 2 + 4 * PAIR  # odd rows: bits 8 + BITS*J -> the window
+    W: tl.constexpr = 6 + BITS * J - 4 * PAIR  # the window's low bit (6 or 8)
+    MASK: tl.constexpr = ((1 << BITS) - 1) << W
+    EXP: tl.constexpr = (25 - W) << 10  # fp16 2^(10 - W): the code then counts in units of 1
+    if UNPACK == 2:
+        M2: tl.constexpr = MASK * 0x10001
+        E2: tl.constexpr = EXP * 0x10001
+        return tl.inline_asm_elementwise(
+            f"{{ .reg .b32 t0, t1; shl.b32 t0, $2, {KE}; shr.b32 t1, $2, {KO}; "
+            f"lop3.b32 $0, t0, {M2}, {E2}, 0xEA; lop3.b32 $1, t1, {M2}, {E2}, 0xEA; }}",
+            "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        e = (((x >> (BITS * J)) & ((1 << BITS) - 1)) << W) | EXP
+        o = (((x >> (8 + BITS * J)) & ((1 << BITS) - 1)) << W) | EXP
+        return e.to(tl.float16, bitcast=True), o.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _plane_offset(J, BITS: tl.constexpr):
+    # _pair_plane_off's E of value plane J (J may be a tensor of planes): 16, or 4 for the odd planes of 2-bit codes
+    if BITS == 2:
+        return tl.where(J % 2 == 0, 16.0, 4.0)
+    else:
+        return tl.full(J.shape, 16.0, tl.float32)
+
+
+@triton.jit
 def _pair_key_dot(pk, J: tl.constexpr, b_hi, b_lo, s_e, s_o, KB: tl.constexpr, UNPACK: tl.constexpr,
                   KSPLIT: tl.constexpr):
     # scores^T of the even / odd tokens += Kcodes_J^T [G/2, DP] x (q_J * sK_J)^T [DP, BN]
@@ -314,33 +352,37 @@ def kvarn_attention_pair_kernel(
 
 
 @triton.jit
-def _pair_values(pv, ps, o_e, o_o, J: tl.constexpr, VB: tl.constexpr, UNPACK: tl.constexpr, VSPLIT: tl.constexpr):
-    # o^T of the even / odd channels += Vcodes_J^T [D/2, BT] x (p * sV)_J^T [BT, BN]
+def _pair_values(pv, ps, o_e, o_o, J: tl.constexpr, VB: tl.constexpr, UNPACK: tl.constexpr, VSPLIT: tl.constexpr,
+                 VOFF: tl.constexpr = 0):
+    # o^T of the even / odd channels += Vcodes_J^T [D/2, BT] x (p * sV)_J^T [BT, BN] (VOFF: + E_J * sum of ps)
     hi, lo = _split16(ps, VSPLIT)
-    c_e, c_o = _pair_plane(pv, J * VB, VB, UNPACK)
+    if VOFF:
+        c_e, c_o = _pair_plane_off(pv, J, VB, UNPACK)
+    else:
+        c_e, c_o = _pair_plane(pv, J * VB, VB, UNPACK)
     return _dot16_t(c_e, hi, lo, o_e, VSPLIT), _dot16_t(c_o, hi, lo, o_o, VSPLIT)
 
 
 @triton.jit
 def _pair_value_planes(pv, ps, D2: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, VB: tl.constexpr,
-                       UNPACK: tl.constexpr, VSPLIT: tl.constexpr):
+                       UNPACK: tl.constexpr, VSPLIT: tl.constexpr, VOFF: tl.constexpr = 0):
     # o^T of the even / odd channels of one tile: every value byte plane J against its BT rows of p * sV [G, BN]
     PERV: tl.constexpr = 8 // VB
     o_e = tl.zeros([D2, BN], dtype=tl.float32)
     o_o = tl.zeros([D2, BN], dtype=tl.float32)
     if PERV == 2:
         ps0, ps1 = _halves(ps, BT, BN)
-        o_e, o_o = _pair_values(pv, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT)
-        o_e, o_o = _pair_values(pv, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT)
+        o_e, o_o = _pair_values(pv, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT, VOFF)
+        o_e, o_o = _pair_values(pv, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT, VOFF)
     else:
         tl.static_assert(PERV == 4, "codes are 2 or 4 bits")
         h0, h1 = _halves(ps, 2 * BT, BN)
         ps0, ps1 = _halves(h0, BT, BN)
         ps2, ps3 = _halves(h1, BT, BN)
-        o_e, o_o = _pair_values(pv, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT)
-        o_e, o_o = _pair_values(pv, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT)
-        o_e, o_o = _pair_values(pv, ps2, o_e, o_o, 2, VB, UNPACK, VSPLIT)
-        o_e, o_o = _pair_values(pv, ps3, o_e, o_o, 3, VB, UNPACK, VSPLIT)
+        o_e, o_o = _pair_values(pv, ps0, o_e, o_o, 0, VB, UNPACK, VSPLIT, VOFF)
+        o_e, o_o = _pair_values(pv, ps1, o_e, o_o, 1, VB, UNPACK, VSPLIT, VOFF)
+        o_e, o_o = _pair_values(pv, ps2, o_e, o_o, 2, VB, UNPACK, VSPLIT, VOFF)
+        o_e, o_o = _pair_values(pv, ps3, o_e, o_o, 3, VB, UNPACK, VSPLIT, VOFF)
     return o_e, o_o
 
 
@@ -443,7 +485,7 @@ def kvarn_attention_pair_pipe_kernel(
     SINK: tl.constexpr = 0, DEFER: tl.constexpr = 0, SKV: tl.constexpr = 0,
     TAIL: tl.constexpr = 0, GP: tl.constexpr = 4, TBM: tl.constexpr = 16, TT: tl.constexpr = 64,
     MMA_BF16: tl.constexpr = 1, TAIL16: tl.constexpr = 1, Q_AS_TAIL: tl.constexpr = 1, TS: tl.constexpr = 16,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0, VOFF: tl.constexpr = 0,
 ):
     """kvarn_attention_pair_kernel restructured for the pipeliner (DecodeConfig.pipe = 1; use with num_stages >= 2).
 
@@ -462,7 +504,8 @@ def kvarn_attention_pair_pipe_kernel(
     TAIL = 1 (DecodeConfig.tail): the grid has Hk more programs along axis 2, after the Hk * num_splits record
     programs, and each runs tail_attention_kernel's program for its (request, KV head), which is then not launched.
     Last in the grid, they fill the resident slots the record programs' last wave leaves free instead of a launch
-    of their own (H200, session 16: the tail kernel alone 10 us of the 341 us call at B=64 x 16K, latency-bound)."""
+    of their own (H200, session 16: the tail kernel alone 10 us of the 341 us call at B=64 x 16K, latency-bound).
+    VOFF = 1 (DecodeConfig.voff): the value codes reach the dots as E + code (_pair_plane_off)."""
     pdl_sync(PDL)  # (DecodeConfig.pdl) the query rotation's output, qr, is read below
     if TAIL and tl.program_id(2) >= (HQ // GROUP) * num_splits:
         _tail_partial(tl.program_id(0), 0, tl.program_id(2) - (HQ // GROUP) * num_splits, q_ptr, seq_lens_ptr,
@@ -474,7 +517,7 @@ def kvarn_attention_pair_pipe_kernel(
         _pair_pipe_records(qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, defer_ptr, po_r_ptr, plse_ptr,
                            num_splits, stride_btb, stride_cb16, stride_ch16, HQ, GROUP, BN, G, D, KB, VB,
                            OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV,
-                           UNPACK, KSPLIT, VSPLIT, STAGES, SINK, DEFER, SKV)
+                           UNPACK, KSPLIT, VSPLIT, STAGES, SINK, DEFER, SKV, VOFF)
 
 
 @triton.jit
@@ -485,7 +528,7 @@ def _pair_pipe_records(
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     UNPACK: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, STAGES: tl.constexpr,
-    SINK: tl.constexpr, DEFER: tl.constexpr, SKV: tl.constexpr,
+    SINK: tl.constexpr, DEFER: tl.constexpr, SKV: tl.constexpr, VOFF: tl.constexpr,
 ):
     # kvarn_attention_pair_pipe_kernel's record programs (program ids as in kvarn_attention_pair_kernel)
     PERK: tl.constexpr = 8 // KB
@@ -557,11 +600,24 @@ def _pair_pipe_records(
         m_i = m_new
         sv_e, sv_o = _pair_scales(sv)
         zv_e, zv_o = _pair_scales(zv)
-        pz = tl.sum(p_e * zv_e[:, None] + p_o * zv_o[:, None], axis=0)
-        ps = tl.reshape(tl.permute(tl.join(p_e * sv_e[:, None], p_o * sv_o[:, None]), (0, 2, 1)), [G, BN])
+        if VOFF:
+            # the value dots read E_J + code (_pair_plane_off): take E_J * p * sV, with p * sV rounded to fp16 as
+            # the dots read it, out of the zero-point term (tokens 2u, 2u + 1 are in plane 2u // BT)
+            tl.static_assert(VSPLIT == 1, "offset value codes need the fp16-only p * sV operand")
+            ps_e = p_e * sv_e[:, None]
+            ps_o = p_o * sv_o[:, None]
+            w = _plane_offset((2 * u) // BT, VB)
+            pz = tl.sum(p_e * zv_e[:, None] + p_o * zv_o[:, None]
+                        - w[:, None] * (ps_e.to(tl.float16).to(tl.float32) + ps_o.to(tl.float16).to(tl.float32)),
+                        axis=0)
+        else:
+            pz = tl.sum(p_e * zv_e[:, None] + p_o * zv_o[:, None], axis=0)
+            ps_e = p_e * sv_e[:, None]
+            ps_o = p_o * sv_o[:, None]
+        ps = tl.reshape(tl.permute(tl.join(ps_e, ps_o), (0, 2, 1)), [G, BN])
         # ---- values
         pvi = pv.to(tl.int16, bitcast=True)
-        o_e, o_o = _pair_value_planes(pvi, ps, D2, BT, BN, VB, UNPACK, VSPLIT)
+        o_e, o_o = _pair_value_planes(pvi, ps, D2, BT, BN, VB, UNPACK, VSPLIT, VOFF)
         cv_e, cv_o = _pair_scales(cv)
         acc_e = acc_e * alpha[None, :] + (o_e + pz[None, :]) * cv_e[:, None]
         acc_o = acc_o * alpha[None, :] + (o_o + pz[None, :]) * cv_o[:, None]

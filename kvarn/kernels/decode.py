@@ -56,7 +56,7 @@ from .common import as_format, check_cache, check_tail, defer_flag, f16_view, la
 
 
 _NAME = re.compile(r"u([012])k([12])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:n(\d+))?(?:L([012]))?(?:p([0-2]))?"
-                   r"(?:t(1))?(?:g(1))?")
+                   r"(?:t(1))?(?:g(1))?(?:o(1))?")
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,8 @@ class DecodeConfig:
     #                (after the record programs, so they fill the last wave's free slots) instead of its own launch
     pdl: int = 0  # 1: rotation, records (pipe kernel) and merge launched as programmatic dependent launches (sm_90+):
     #               each kernel's programs start while the previous one finishes, building the Hadamard meanwhile
+    voff: int = 0  # pipe kernel, vsplit 1: 1 = value codes into the dots as E + code (E 16 or 4; a shift and a lop3
+    #                per 2 codes, no sub.f16x2), E * sum(p * sV) taken out with the zero-point term
 
     @property
     def name(self) -> str:
@@ -91,7 +93,7 @@ class DecodeConfig:
                 f"x{self.split_mult:g}" + (f"r{self.maxnreg}" if self.maxnreg else "")
                 + (f"n{self.bn}" if self.bn else "") + (f"L{self.layout}" if self.layout else "")
                 + (f"p{self.pipe}" if self.pipe else "") + (f"t{self.tail}" if self.tail else "")
-                + (f"g{self.pdl}" if self.pdl else ""))
+                + (f"g{self.pdl}" if self.pdl else "") + (f"o{self.voff}" if self.voff else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "DecodeConfig":
@@ -100,10 +102,11 @@ class DecodeConfig:
         if not m:
             raise KvarnError(f"decode config {name!r} is not a name like 'u2k2v1w4s1x1r128' or 'u2k2v1w4s2x1L1' "
                              "(unpack, ksplit, vsplit, warps, stages, split multiplier, [register cap], [N], [layout], [pipe], "
-                             "[tail], [pdl])")
-        u, k, v, w, st, x, r, bn, lay, pipe, tail, pdl = m.groups()
+                             "[tail], [pdl], [value offsets])")
+        u, k, v, w, st, x, r, bn, lay, pipe, tail, pdl, voff = m.groups()
         return cls(int(u), int(k), int(v), int(w), int(st), float(x), int(r) if r else None, int(lay) if lay else 0,
-                   int(bn) if bn else 0, int(pipe) if pipe else 0, int(tail) if tail else 0, int(pdl) if pdl else 0)
+                   int(bn) if bn else 0, int(pipe) if pipe else 0, int(tail) if tail else 0, int(pdl) if pdl else 0,
+                   int(voff) if voff else 0)
 
 
 # H200 sweeps (B=64, ctx 16384, 32/8 heads, D=128, k4v2_g128; BENCHMARKS.md). Session 5: query-row kernel (layout 0)
@@ -194,6 +197,10 @@ SWEEP_CONFIGS = [
     # pdl = 1: that with the rotation, records and merge kernels as programmatic dependent launches (each builds
     # its Hadamard while the previous kernel finishes); with tail = 1 the default since session 16
     DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2, tail=1, pdl=1),
+    # unmeasured: voff = 1, the value codes as E + code (see DecodeConfig.voff). Offline sm_90 (triton 3.6), per warp
+    # and tile: 1,330 -> 1,295 loop instructions (HADD2 320 -> 208, shifts +48, the correction's FFMA / FADD +16),
+    # the same 17 barriers and shared memory; matches the reference in the interpreter (tests/test_kernels_tokrows)
+    DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2, tail=1, pdl=1, voff=1),
     # the default at a 96-register cap, 5 programs per SM instead of 4: offline sm_90 (session 12) s3 1,736
     # instructions (+6%), 160 B of stack, 47 LDL / 63 STL in all (r128: 1,640, 24 B, 6 / 10); s2 1,688, the same
     # spills. H200, session 13 (call-by-call timing, one sweep): s3 0.7221, s2 0.7606 ms against the default's 0.5736
@@ -283,6 +290,8 @@ def effective_config(cfg: DecodeConfig, device: torch.device) -> DecodeConfig:
     inline-PTX self-check failed, too."""
     if cfg.pdl and not _pdl_ok(device):
         cfg = replace(cfg, pdl=0)
+    if cfg.voff and cfg.vsplit != 1:  # the offsets' correction reads the fp16-only p * sV operand
+        cfg = replace(cfg, voff=0)
     if cfg.unpack == 2 and (not mma_bf16() or device.type != "cuda" or not asm_unpack_ok(device)):
         return replace(cfg, unpack=1)
     return cfg
@@ -460,7 +469,7 @@ def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, gr
             qr, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,
             block_table.stride(0), cache.stride(0) // 2, cache.stride(1) // 2, Hq, *tail["args"],
             num_warps=min(cfg.num_warps, max(4, min(lay.g, lay.d) // 32)), SKV=max(cfg.pipe - 1, 0),
-            TAIL=int(fused), **tail["consts"], **_pdl(cfg), **common)
+            TAIL=int(fused), VOFF=cfg.voff, **tail["consts"], **_pdl(cfg), **common)
     elif cfg.layout == 2:  # offsets in 2-byte units
         compiled = kvarn_attention_pair_kernel[(B, 1, Hk * splits)](
             qr, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,
