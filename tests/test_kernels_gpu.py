@@ -135,6 +135,14 @@ def test_gpu_decode_notes_its_occupancy_for_the_split_heuristic():
     assert n is not None and 1 <= n <= 32, n  # H200, triton 3.6: 4 (254 registers on 2 warps)
 
 
+def test_gpu_inline_ptx_self_checks_pass():
+    """The code unpacks' inline PTX against the pure-Triton formula on every byte pattern: the default kernel's
+    planes and DecodeConfig.voff's offset ones (E + code); a failure would silently fall back to slower paths."""
+    from kvarn.kernels.decode import asm_offset_ok, asm_unpack_ok
+
+    assert asm_unpack_ok(torch.device(DEV)) and asm_offset_ok(torch.device(DEV))
+
+
 @pytest.mark.parametrize("cfg_name", [None, "u2k2v1w2s5x1n8L2p2t1g1"])
 def test_gpu_decode_cuda_graph_capture(cfg_name):
     """A captured step follows the per-step seq_lens; three calls back to back in one graph (scratch reused from

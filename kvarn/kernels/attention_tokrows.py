@@ -627,9 +627,14 @@ def _pair_pipe_records(
 
 
 @triton.jit
-def pair_selftest_kernel(src_ptr, even_ptr, odd_ptr, N: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr):
-    """Inline-PTX unpack of N int16 pairs (kvarn_attention_pair_kernel's), for the same self-check."""
+def pair_selftest_kernel(src_ptr, even_ptr, odd_ptr, N: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
+                         OFF: tl.constexpr = 0):
+    """Inline-PTX unpack of N int16 pairs (kvarn_attention_pair_kernel's), for the same self-check. OFF = 1: the
+    offset planes (_pair_plane_off, plane SHIFT // BITS), E + code."""
     i = tl.arange(0, N)
-    e, o = _pair_plane(tl.load(src_ptr + i), SHIFT, BITS, 2)
+    if OFF:
+        e, o = _pair_plane_off(tl.load(src_ptr + i), SHIFT // BITS, BITS, 2)
+    else:
+        e, o = _pair_plane(tl.load(src_ptr + i), SHIFT, BITS, 2)
     tl.store(even_ptr + i, e)
     tl.store(odd_ptr + i, o)

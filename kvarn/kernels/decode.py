@@ -215,6 +215,7 @@ TUNE_CONFIGS = [DEFAULT_CONFIG, DecodeConfig(2, 2, 1, 4, 5, maxnreg=128, layout=
 TUNE_SPLIT_MULTS = (0.5, 1.0, 2.0)
 
 _ASM_OK: dict[int, bool] = {}  # device index -> inline-PTX unpack verified
+_ASM_OFF_OK: dict[int, bool] = {}  # device index -> DecodeConfig.voff's offset planes verified
 _TUNED: dict[tuple, tuple[DecodeConfig, int]] = {}
 
 
@@ -290,8 +291,8 @@ def effective_config(cfg: DecodeConfig, device: torch.device) -> DecodeConfig:
     inline-PTX self-check failed, too."""
     if cfg.pdl and not _pdl_ok(device):
         cfg = replace(cfg, pdl=0)
-    if cfg.voff and cfg.vsplit != 1:  # the offsets' correction reads the fp16-only p * sV operand
-        cfg = replace(cfg, voff=0)
+    if cfg.voff and (cfg.vsplit != 1 or (device.type == "cuda" and mma_bf16() and not asm_offset_ok(device))):
+        cfg = replace(cfg, voff=0)  # the correction reads the fp16-only p * sV; the offset planes' PTX self-checked
     if cfg.unpack == 2 and (not mma_bf16() or device.type != "cuda" or not asm_unpack_ok(device)):
         return replace(cfg, unpack=1)
     return cfg
@@ -301,6 +302,36 @@ def _pdl_ok(device: torch.device) -> bool:
     # programmatic dependent launch: sm_90+ hardware, not the interpreter (KVARN_PDL=0 turns it off everywhere)
     return (device.type == "cuda" and mma_bf16() and os.environ.get("KVARN_PDL", "1") != "0"
             and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def asm_offset_ok(device: torch.device) -> bool:
+    """Check DecodeConfig.voff's inline-PTX planes (E + code) on every int16 pair pattern, once per device (kept apart
+    from asm_unpack_ok: a failure turns voff off, not the default kernel's unpack; skipped while capturing)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx in _ASM_OFF_OK:
+        return _ASM_OFF_OK[idx]
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    from .attention_tokrows import pair_selftest_kernel
+
+    ok = True
+    try:
+        i = torch.arange(1024, dtype=torch.int32, device=device)
+        pairs = (i % 256) | ((i * 37 % 256) << 8)
+        pairs = torch.where(pairs >= 32768, pairs - 65536, pairs).to(torch.int16)
+        p32 = pairs.to(torch.int32) & 0xFFFF
+        even, odd = (torch.empty(pairs.shape, dtype=torch.float16, device=device) for _ in range(2))
+        for bits in (2, 4):
+            for shift in range(0, 8, bits):
+                pair_selftest_kernel[(1,)](pairs, even, odd, N=pairs.numel(), SHIFT=shift, BITS=bits, OFF=1)
+                e_off = 4.0 if bits == 2 and (shift // bits) % 2 else 16.0
+                for got, off in ((even, 0), (odd, 8)):
+                    want = ((p32 >> (shift + off)) & ((1 << bits) - 1)).to(torch.float16) + e_off
+                    ok = ok and bool(torch.equal(got, want))
+    except Exception:  # noqa: BLE001 - a PTX the driver rejects means: do not use it
+        ok = False
+    _ASM_OFF_OK[idx] = ok
+    return ok
 
 
 def asm_unpack_ok(device: torch.device) -> bool:
@@ -332,6 +363,7 @@ def asm_unpack_ok(device: torch.device) -> bool:
                 for got, off in ((even, 0), (odd, 8)):
                     want = ((p32 >> (shift + off)) & ((1 << bits) - 1)).to(torch.float16)
                     ok = ok and bool(torch.equal(got, want))
+
     except Exception:  # noqa: BLE001 - a PTX the driver rejects means: do not use it
         ok = False
     _ASM_OK[idx] = ok
