@@ -87,17 +87,15 @@ def hadamard_fp32(d: int, device) -> torch.Tensor:
 
 def prepare(head_dim: int, device) -> None:
     """Warm the per-device state for one head dim; call once before graph capture: the Hadamard matrix, and on a
-    GPU the once-per-device checks of the inline-PTX code unpack (kvarn.kernels.decode.asm_unpack_ok,
-    asm_offset_ok; they sync)."""
+    GPU the once-per-device check of the inline-PTX code unpack (kvarn.kernels.decode.asm_unpack_ok; it syncs)."""
     hadamard_fp32(head_dim, device)
     dev = torch.device(device)
     if dev.type == "cuda":
         from .attention import mma_bf16
-        from .decode import asm_offset_ok, asm_unpack_ok
+        from .decode import asm_unpack_ok
 
         if mma_bf16():
-            asm_unpack_ok(dev)
-            asm_offset_ok(dev)  # DecodeConfig.voff's planes: before a capture, where the check cannot run
+            asm_unpack_ok(dev)  # (DecodeConfig.voff's own check runs at a voff config's first eager call)
 
 
 def check_cache(cache: torch.Tensor, lay: RecordLayout, name: str = "cache") -> None:

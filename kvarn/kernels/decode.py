@@ -306,7 +306,9 @@ def _pdl_ok(device: torch.device) -> bool:
 
 def asm_offset_ok(device: torch.device) -> bool:
     """Check DecodeConfig.voff's inline-PTX planes (E + code) on every int16 pair pattern, once per device (kept apart
-    from asm_unpack_ok: a failure turns voff off, not the default kernel's unpack; skipped while capturing)."""
+    from asm_unpack_ok: a failure turns voff off, not the default kernel's unpack; run at a voff config's first
+    eager call, not by prepare(): its compiles would lengthen every engine start for a non-default config; skipped
+    while capturing)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx in _ASM_OFF_OK:
         return _ASM_OFF_OK[idx]
