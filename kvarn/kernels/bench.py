@@ -312,8 +312,8 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
     also times each of the call's launches alone (kvarn.kernels.decode.LAUNCHES), in turn with the whole call:
     extra['breakdown'] = {launch: ms less 'graph', ..., 'graph': ms per call of a graph of calls that launch
     nothing (the graph launch's share), 'call': ms, 'between': call - graph - the launches (the gaps between
-    dependent kernels; a launch a config folds into another one reads ~0)}. graph_calls: calls per captured graph (default GRAPH_CALLS; more calls = a longer
-    back-to-back burst, closer to a loaded GPU's clocks)."""
+    dependent kernels; a launch a config folds into another one reads ~0)}. graph_calls: calls per captured graph
+    (default GRAPH_CALLS; more calls = a longer back-to-back burst, closer to a loaded GPU's clocks)."""
     dev = resolve_device(device)
     _check_heads(q_heads, kv_heads, head_dim)
     _check_sizes(batch, context, iters=iters, num_splits=num_splits)

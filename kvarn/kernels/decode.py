@@ -101,8 +101,8 @@ class DecodeConfig:
         m = _NAME.fullmatch(name.strip())
         if not m:
             raise KvarnError(f"decode config {name!r} is not a name like 'u2k2v1w4s1x1r128' or 'u2k2v1w4s2x1L1' "
-                             "(unpack, ksplit, vsplit, warps, stages, split multiplier, [register cap], [N], [layout], [pipe], "
-                             "[tail], [pdl], [value offsets])")
+                             "(unpack, ksplit, vsplit, warps, stages, split multiplier, [register cap], [N], [layout], "
+                             "[pipe], [tail], [pdl], [value offsets])")
         u, k, v, w, st, x, r, bn, lay, pipe, tail, pdl, voff = m.groups()
         return cls(int(u), int(k), int(v), int(w), int(st), float(x), int(r) if r else None, int(lay) if lay else 0,
                    int(bn) if bn else 0, int(pipe) if pipe else 0, int(tail) if tail else 0, int(pdl) if pdl else 0,
@@ -228,7 +228,8 @@ def default_num_splits(batch: int, kv_heads: int, max_blocks: int, device: torch
                        min_splits: int = 2) -> int:
     """Splits per (request, KV head) from wave quantization: of the split counts from min_splits (at most 64, >= 4
     tiles per split), the smallest whose programs fill their last wave of resident slots (per_sm x SMs) to >= 95% of
-    the best fill. per_sm: programs of the kernel resident per SM (occupancy, from the compiled kernel: programs_per_sm).
+    the best fill. per_sm: programs of the kernel resident per SM (occupancy, from the compiled kernel:
+    programs_per_sm).
     H200, 2-warp pipe kernel (4 per SM), session 14, each x the old heuristic's choice (ceil(4 x SMs / programs),
     at least 2): B=8 x 16K, 8 heads: 8 splits (0.97 of one wave) 0.837x, 9 (1.09 waves) ~1.0x; B=96 x 16K: 2 (2.9
     waves) 0.840x, 1 (1.45) 0.958x; D=64 (6 per SM), B=64 x 8K, 3 heads: 4 splits (0.97) 0.586x, 3 (0.73) 0.681x,
@@ -304,76 +305,74 @@ def _pdl_ok(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def asm_offset_ok(device: torch.device) -> bool:
-    """Check DecodeConfig.voff's inline-PTX planes (E + code) on every int16 pair pattern, once per device (kept apart
-    from asm_unpack_ok: a failure turns voff off, not the default kernel's unpack; run at a voff config's first
-    eager call, not by prepare(): its compiles would lengthen every engine start for a non-default config; skipped
-    while capturing)."""
+def _once_per_device(cache: dict, device: torch.device, check, failed: str = "") -> bool:
+    """check(device) -> bool, once per device and kept in cache; False where it raises (a PTX the driver rejects
+    means: do not use it), with a warning `failed` when that run fails. It syncs, so while a stream is capturing it
+    is skipped (False unless already known)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx in _ASM_OFF_OK:
-        return _ASM_OFF_OK[idx]
+    if idx in cache:
+        return cache[idx]
     if torch.cuda.is_current_stream_capturing():
         return False
+    try:
+        ok = bool(check(device))
+    except Exception:  # noqa: BLE001
+        ok = False
+    cache[idx] = ok
+    if not ok and failed:
+        import warnings
+
+        warnings.warn(failed)
+    return ok
+
+
+def _pair_planes_match(device: torch.device, off: int) -> bool:
+    """pair_selftest_kernel's inline-PTX planes of every int16 pair pattern against the formula: the codes
+    (off = 0), or E + code (off = 1, DecodeConfig.voff: E = 16, or 4 for the odd planes of 2-bit codes)."""
     from .attention_tokrows import pair_selftest_kernel
 
+    i = torch.arange(1024, dtype=torch.int32, device=device)
+    pairs = (i % 256) | ((i * 37 % 256) << 8)  # every byte value in both bytes
+    pairs = torch.where(pairs >= 32768, pairs - 65536, pairs).to(torch.int16)
+    p32 = pairs.to(torch.int32) & 0xFFFF
+    even, odd = (torch.empty(pairs.shape, dtype=torch.float16, device=device) for _ in range(2))
     ok = True
-    try:
-        i = torch.arange(1024, dtype=torch.int32, device=device)
-        pairs = (i % 256) | ((i * 37 % 256) << 8)
-        pairs = torch.where(pairs >= 32768, pairs - 65536, pairs).to(torch.int16)
-        p32 = pairs.to(torch.int32) & 0xFFFF
-        even, odd = (torch.empty(pairs.shape, dtype=torch.float16, device=device) for _ in range(2))
-        for bits in (2, 4):
-            for shift in range(0, 8, bits):
-                pair_selftest_kernel[(1,)](pairs, even, odd, N=pairs.numel(), SHIFT=shift, BITS=bits, OFF=1)
-                e_off = 4.0 if bits == 2 and (shift // bits) % 2 else 16.0
-                for got, off in ((even, 0), (odd, 8)):
-                    want = ((p32 >> (shift + off)) & ((1 << bits) - 1)).to(torch.float16) + e_off
-                    ok = ok and bool(torch.equal(got, want))
-    except Exception:  # noqa: BLE001 - a PTX the driver rejects means: do not use it
-        ok = False
-    _ASM_OFF_OK[idx] = ok
+    for bits in (2, 4):
+        for shift in range(0, 8, bits):
+            pair_selftest_kernel[(1,)](pairs, even, odd, N=pairs.numel(), SHIFT=shift, BITS=bits, OFF=off)
+            e_off = (4.0 if bits == 2 and (shift // bits) % 2 else 16.0) if off else 0.0
+            for got, half in ((even, 0), (odd, 8)):
+                want = ((p32 >> (shift + half)) & ((1 << bits) - 1)).to(torch.float16) + e_off
+                ok = ok and bool(torch.equal(got, want))
     return ok
+
+
+def asm_offset_ok(device: torch.device) -> bool:
+    """Check DecodeConfig.voff's inline-PTX planes (E + code), once per device (kept apart from asm_unpack_ok: a
+    failure turns voff off, not the default kernel's unpack; run at a voff config's first eager call, not by
+    prepare(): its compiles would lengthen every engine start for a non-default config)."""
+    return _once_per_device(_ASM_OFF_OK, device, lambda dev: _pair_planes_match(dev, 1))
+
+
+def _unpack_matches(device: torch.device) -> bool:
+    from .attention import unpack_selftest_kernel
+
+    src = torch.arange(256, dtype=torch.uint8, device=device).repeat(4)
+    ok = True
+    for bits in (2, 4):
+        for shift in range(0, 8, bits):
+            got = torch.empty(src.shape, dtype=torch.float16, device=device)
+            unpack_selftest_kernel[(1,)](src, got, N=src.numel(), SHIFT=shift, BITS=bits)
+            want = ((src.to(torch.int32) >> shift) & ((1 << bits) - 1)).to(torch.float16)
+            ok = ok and bool(torch.equal(got, want))
+    return ok and _pair_planes_match(device, 0)
 
 
 def asm_unpack_ok(device: torch.device) -> bool:
     """Check the inline-PTX unpack against the pure-Triton one on every byte value (once per device; syncs, so it
     is skipped, and trusted only if already checked, while a stream is capturing)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx in _ASM_OK:
-        return _ASM_OK[idx]
-    if torch.cuda.is_current_stream_capturing():
-        return False
-    from .attention import unpack_selftest_kernel
-    from .attention_tokrows import pair_selftest_kernel
-
-    ok = True
-    try:
-        src = torch.arange(256, dtype=torch.uint8, device=device).repeat(4)
-        i = torch.arange(1024, dtype=torch.int32, device=device)
-        pairs = (i % 256) | ((i * 37 % 256) << 8)  # every byte value in both bytes
-        pairs = torch.where(pairs >= 32768, pairs - 65536, pairs).to(torch.int16)
-        for bits in (2, 4):
-            for shift in range(0, 8, bits):
-                got = torch.empty(src.shape, dtype=torch.float16, device=device)
-                unpack_selftest_kernel[(1,)](src, got, N=src.numel(), SHIFT=shift, BITS=bits)
-                want = ((src.to(torch.int32) >> shift) & ((1 << bits) - 1)).to(torch.float16)
-                ok = ok and bool(torch.equal(got, want))
-                even, odd = (torch.empty(pairs.shape, dtype=torch.float16, device=device) for _ in range(2))
-                pair_selftest_kernel[(1,)](pairs, even, odd, N=pairs.numel(), SHIFT=shift, BITS=bits)
-                p32 = pairs.to(torch.int32) & 0xFFFF
-                for got, off in ((even, 0), (odd, 8)):
-                    want = ((p32 >> (shift + off)) & ((1 << bits) - 1)).to(torch.float16)
-                    ok = ok and bool(torch.equal(got, want))
-
-    except Exception:  # noqa: BLE001 - a PTX the driver rejects means: do not use it
-        ok = False
-    _ASM_OK[idx] = ok
-    if not ok:
-        import warnings
-
-        warnings.warn("kvarn: inline-PTX code unpack failed its self-check; using the Triton unpack")
-    return ok
+    return _once_per_device(_ASM_OK, device, _unpack_matches,
+                            "kvarn: inline-PTX code unpack failed its self-check; using the Triton unpack")
 
 
 LAUNCHES = ("rotate", "records", "tail", "merge")  # run_attention's kernels, in launch order

@@ -34,8 +34,9 @@ def register(app: typer.Typer) -> None:
                                                          "--check each is checked) and split counts for the best."),
         breakdown: bool = typer.Option(False, "--breakdown", help="decode: also time each of the call's launches "
                                                                   "(rotate, records, tail, merge) alone."),
-        graph_calls: int = typer.Option(None, "--graph-calls", help="decode: calls per captured CUDA graph (default "
-                                                                    "8; more = a longer burst, a loaded GPU's clocks)."),
+        graph_calls: int = typer.Option(None, "--graph-calls",
+                                        help="decode: calls per captured CUDA graph (default 8; more = a longer "
+                                             "burst, a loaded GPU's clocks)."),
     ) -> None:
         """Time the KVarN store / decode / prefill kernel and the FP16 baseline in the same run."""
         if target not in TARGET_NAMES:
@@ -82,7 +83,7 @@ def _print(r) -> None:
     if r.rel_err is not None:
         t.add_row("rel. error vs reference", f"{r.rel_err:.2e}")
     for k, v in r.extra.items():
-        if k == "breakdown" and v:  # ms of each launch alone, the whole call, and the rest (gaps between kernels)
+        if k == "breakdown" and v:  # each launch alone, the graph launch's share, the whole call, the gaps
             t.add_row("breakdown (ms)", ", ".join(f"{n} {ms:.4f}" for n, ms in v.items()))
         elif v is not None and k not in ("sweep", "variants"):
             t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))

@@ -55,5 +55,6 @@ for r in data:
     vals = sorted(((float(g(r, n, "0") or 0), n) for n in stalls), reverse=True)[:12]
     print("\nstalls per issued instruction,", g(r, "Kernel Name")[:40], g(r, "gpu__time_duration.sum"), "us")
     for v, n in vals:
-        print(f"  {v:8.3f}  {n.replace('smsp__average_warps_issue_stalled_', '').replace('_per_issue_active.ratio', '')}")
+        short = n.replace("smsp__average_warps_issue_stalled_", "").replace("_per_issue_active.ratio", "")
+        print(f"  {v:8.3f}  {short}")
 PY
