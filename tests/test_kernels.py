@@ -401,6 +401,8 @@ def test_microbench_cli_exit_codes():
                      (["prefill", "--device", "cpu", "--num-splits", "2"], "--num-splits is a `microbench decode` "),
                      (["store", "--device", "cpu", "--breakdown"], "--breakdown is a `microbench decode` "),
                      (["decode", "--device", "cpu", "--graph-calls", "0"], "--graph-calls must be >= 1, got 0"),
+                     (["decode", "--device", "cpu", "--timing", "fast"], "unknown --timing 'fast'; accepted: in-turn"),
+                     (["store", "--device", "cpu", "--timing", "gap"], "--timing is a `microbench decode` "),
                      (["decode", "--device", "cuda:x"], "--device cuda:x")):
         r = run_cli("microbench", *bad, env={"CUDA_VISIBLE_DEVICES": ""})
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)
@@ -526,6 +528,22 @@ def test_microbench_prefill_times_the_dense_path_too():
     assert row["rel_err"] < 1e-3 and ex["dense_ms"] > 0 and "torch varlen" in ex["dense_path"]
     assert ex["dense_rel_err"] < 1e-2  # K/V rounded to the bf16 query dtype
     assert ex["dense_rot_ms"] > 0 and ex["dense_rot_rel_err"] < 1e-2  # the same path in the stored basis
+
+
+def test_microbench_decode_timing_all_reports_each_order():
+    """--timing all: ours and the baseline timed in each order, side by side; the headline is the in-turn pair."""
+    import json
+
+    from tests.helpers import run_cli
+
+    r = run_cli("microbench", "decode", "--device", "cpu", "--timing", "all", "--json", "--iters", "1", "--batch", "1",
+                "--context", "130")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout.strip().splitlines()[-1])
+    orders = row["extra"]["orders"]
+    assert list(orders) == ["in-turn", "blocks", "gap"]
+    assert orders["in-turn"]["ms"] == row["ms"] and orders["in-turn"]["baseline_ms"] == row["baseline_ms"]
+    assert all(o["ratio"] == pytest.approx(o["ms"] / o["baseline_ms"]) for o in orders.values())
 
 
 def test_paired_ms_on_cpu_times_each_fn_in_turn():

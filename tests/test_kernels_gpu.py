@@ -359,11 +359,26 @@ def test_gpu_paired_ms_replays_graphs_in_turn_and_falls_back_when_capture_fails(
                            warmup=2)
     torch.cuda.synchronize()
     ms = [t for t, _ in timed]
-    assert [h for _, h in timed] == ["CUDA graph of 4 calls, in turn"] * 2 + ["call by call (not capturable), in turn"]
+    assert [h for _, h in timed] == ["CUDA graph of 4 calls, in-turn"] * 2 + ["call by call (not capturable), in-turn"]
     assert x.item() == 2 + 4 * (1 + 5)  # 2 eager warm-ups, then (1 untimed + 5 timed) replays of 4 calls
     assert y.item() == 2 * (2 + 4 * (1 + 5))
     assert z.item() >= 2 + 1 + 5  # eager calls (plus whatever ran before the capture failed)
     assert len(ms) == 3 and all(0 < m < 5.0 for m in ms)
+
+
+@pytest.mark.parametrize("order", ["blocks", "gap"])
+def test_gpu_paired_timings_other_orders_replay_each_graph_as_often(order):
+    """--timing blocks (A-B-B-A blocks, iters // 2 replays each) and gap (in turn, idle before each): every fn is
+    still replayed the same number of times, and the order is named in how it was timed."""
+    from kvarn.kernels.bench import paired_timings
+
+    x, y = torch.zeros(1, device=DEV), torch.zeros(1, device=DEV)
+    timed = paired_timings([lambda: x.add_(1), lambda: y.add_(1)], torch.device(DEV), iters=6, calls=3, warmup=1,
+                           order=order)
+    torch.cuda.synchronize()
+    assert [h for _, h in timed] == [f"CUDA graph of 3 calls, {order}"] * 2
+    assert x.item() == y.item() == 1 + 3 * (1 + 6)  # blocks: two blocks of 3 timed replays
+    assert all(0 < t < 5.0 for t, _ in timed)
 
 
 # ------------------------------------------------------------------------------------------------ attention sink

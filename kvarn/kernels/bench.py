@@ -109,21 +109,43 @@ def time_ms(fn, dev: torch.device, iters: int, warmup: int = 3) -> float:
 GRAPH_CALLS = 8
 
 
+TIMING_ORDERS = ("in-turn", "blocks", "gap")
+GAP_S = 0.02  # "gap": host idle before each timed replay, long enough for the clocks to settle back (H200: ms scale)
+
+
+def _sm_clock_mhz(dev: torch.device) -> int | None:
+    """The SM clock now (NVML through torch; None without pynvml): read after a timed replay, it shows the clock
+    state each fn ran in (the H200's clock drops under load, and an issue-bound kernel feels it most)."""
+    try:
+        return int(torch.cuda.clock_rate(dev))
+    except Exception:  # noqa: BLE001 - pynvml absent or unsupported: no clock column
+        return None
+
+
 def paired_ms(fns, dev: torch.device, iters: int, calls: int = GRAPH_CALLS, warmup: int = 2,
-              fallback: bool = True) -> list[float]:
+              fallback: bool = True, order: str = "in-turn") -> list[float]:
     """paired_timings' milliseconds alone."""
-    return [ms for ms, _how in paired_timings(fns, dev, iters, calls, warmup, fallback)]
+    return [ms for ms, _how in paired_timings(fns, dev, iters, calls, warmup, fallback, order)]
 
 
 def paired_timings(fns, dev: torch.device, iters: int, calls: int = GRAPH_CALLS, warmup: int = 2,
-                   fallback: bool = True) -> list[tuple[float, str]]:
-    """(median milliseconds per call, how it was timed) of each fn in fns, measured in turn. GPU: each fn captured
-    `calls` times back to back in one CUDA graph (no host launch gaps, as vLLM replays a decode step), the graphs
-    replayed alternately (A, B, A, B, ...) so clock ramps and a neighbour's load hit every fn alike: call-by-call
-    timing let one config read 0.56-0.77 ms across three runs of one session while FlashAttention held 0.98-1.00
-    (session 13). A fn that cannot be captured is timed call by call in the same rotation (fallback=False: the
-    capture error is raised). CPU: time_ms of each."""
+                   fallback: bool = True, order: str = "in-turn",
+                   clocks: list | None = None) -> list[tuple[float, str]]:
+    """(median milliseconds per call, how it was timed) of each fn in fns. GPU: each fn captured `calls` times back
+    to back in one CUDA graph (no host launch gaps, as vLLM replays a decode step); a fn that cannot be captured is
+    timed call by call in the same order (fallback=False: the capture error is raised). CPU: time_ms of each.
+    order: "in-turn" replays the graphs alternately (A, B, A, B, ...) so clock ramps and a neighbour's load hit every
+    fn alike: call-by-call timing let one config read 0.56-0.77 ms across three runs of one session while
+    FlashAttention held 0.98-1.00 (session 13). But a fn then always starts in the power / clock state the previous
+    one left: "blocks" times each fn's replays back to back in A-B-B-A blocks (its own steady state, as
+    triton.testing.do_bench does; the mirrored order cancels a linear drift), "gap" keeps the alternation and idles
+    the host GAP_S before each timed replay (every fn starts from the same idle state). clocks: a list to receive
+    each fn's median SM clock (MHz, read after each of its timed replays; None where NVML is not there)."""
+    if order not in TIMING_ORDERS:
+        raise KvarnError(f"unknown timing order {order!r}; accepted: {', '.join(TIMING_ORDERS)}")
     if dev.type != "cuda":
+        if clocks is not None:
+            clocks.extend([None] * len(fns))
         return [(time_ms(f, dev, iters, warmup=min(warmup, 1)), "call by call (CPU)") for f in fns]
     runners, graphs = [], []
     for f in fns:
@@ -136,20 +158,40 @@ def paired_timings(fns, dev: torch.device, iters: int, calls: int = GRAPH_CALLS,
                 for _ in range(calls):
                     f()
             graphs.append(g)
-            runners.append((g.replay, calls, f"CUDA graph of {calls} calls, in turn"))
+            runners.append((g.replay, calls, f"CUDA graph of {calls} calls, {order}"))
         except Exception:  # noqa: BLE001 - e.g. a baseline that syncs: call by call instead
             if not fallback:
                 raise
             _sync(dev)
-            runners.append((f, 1, "call by call (not capturable), in turn"))
+            runners.append((f, 1, f"call by call (not capturable), {order}"))
     for run, _n, _how in runners:  # one untimed round: clocks up, graphs uploaded
         run()
     _sync(dev)
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(max(1, iters)):
-        for i, (run, n, _how) in enumerate(runners):
-            times[i].append(_once_ms(run, dev) / n)
+    mhz: list[list[int]] = [[] for _ in fns]
+
+    def timed(i):
+        run, n, _how = runners[i]
+        times[i].append(_once_ms(run, dev) / n)
+        if clocks is not None and (c := _sm_clock_mhz(dev)) is not None:
+            mhz[i].append(c)
+
+    n_iters = max(1, iters)
+    if order == "blocks":
+        half = max(1, n_iters // 2)
+        for block in (list(range(len(runners))), list(reversed(range(len(runners))))):
+            for i in block:
+                for _ in range(half):
+                    timed(i)
+    else:
+        for _ in range(n_iters):
+            for i in range(len(runners)):
+                if order == "gap":
+                    time.sleep(GAP_S)  # the previous replay has synchronized: the GPU idles meanwhile
+                timed(i)
     del graphs
+    if clocks is not None:
+        clocks.extend(int(statistics.median(m)) if m else None for m in mhz)
     return [(statistics.median(t), how) for t, (_run, _n, how) in zip(times, runners)]
 
 
@@ -305,7 +347,7 @@ def _baseline_decode(B, ctx, Hq, Hk, D, dtype, dev, scale, q):
 
 def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="auto", check=False, iters=None,
                  num_splits=None, dtype=torch.bfloat16, sweep=False, breakdown=False,
-                 graph_calls: int | None = None) -> BenchResult:
+                 graph_calls: int | None = None, timing: str = "in-turn") -> BenchResult:
     """Time decode_attention (tuned/default config) against the 16-bit baseline. sweep=True also times every
     entry of kvarn.kernels.decode.SWEEP_CONFIGS (each checked against the reference when check=True) and, for the
     fastest, a few split counts; the rows go to extra['sweep'] (ms, GB/s, rel. error, splits). breakdown=True
@@ -313,7 +355,11 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
     extra['breakdown'] = {launch: ms less 'graph', ..., 'graph': ms per call of a graph of calls that launch
     nothing (the graph launch's share), 'call': ms, 'between': call - graph - the launches (the gaps between
     dependent kernels; a launch a config folds into another one reads ~0)}. graph_calls: calls per captured graph
-    (default GRAPH_CALLS; more calls = a longer back-to-back burst, closer to a loaded GPU's clocks)."""
+    (default GRAPH_CALLS; more calls = a longer back-to-back burst, closer to a loaded GPU's clocks). timing: a
+    paired_timings order for ours against the baseline, or "all": each of them, in extra['orders'] (the headline
+    in turn)."""
+    if timing not in (*TIMING_ORDERS, "all"):
+        raise KvarnError(f"unknown --timing {timing!r}; accepted: {', '.join((*TIMING_ORDERS, 'all'))}")
     dev = resolve_device(device)
     _check_heads(q_heads, kv_heads, head_dim)
     _check_sizes(batch, context, iters=iters, num_splits=num_splits)
@@ -341,7 +387,13 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
     nbytes = B * Hk * ((ctx // g) * fmt.record_bytes(D) + (ctx % g) * D * 2 * 2) + q.numel() * 2 * 2
     bname, bfn, _bbytes = _baseline_decode(B, ctx, Hq, Hk, D, dtype, dev, scale, q)
     calls = graph_calls or GRAPH_CALLS
-    (ms, how), (bms, bhow) = paired_timings([ours, bfn], dev, iters, calls, warmup=3 if dev.type == "cuda" else 1)
+    orders = TIMING_ORDERS if timing == "all" else (timing,)
+    by_order, mhz = {}, {}
+    for o in orders:
+        mhz[o] = []
+        by_order[o] = paired_timings([ours, bfn], dev, iters, calls, warmup=3 if dev.type == "cuda" else 1, order=o,
+                                     clocks=mhz[o])
+    (ms, how), (bms, bhow) = by_order[orders[0]]  # "all": the headline stays in turn, the others beside it
     copy = copy_bandwidth_gbps(dev)
     gbps = nbytes / (ms * 1e-3) / 1e9
     err, check_extra = None, {}
@@ -361,6 +413,12 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
     from .decode import DEFAULT_CONFIG, group_geometry, heuristic_splits, tuned_entries
 
     check_extra["timing"] = f"ours: {how}; baseline: {bhow}"  # a baseline timed call by call carries its launch
+    if len(orders) > 1:
+        check_extra["orders"] = {o: {"ms": a, "baseline_ms": b, "ratio": a / b if b else None,
+                                     "sm_mhz": mhz[o][0], "baseline_sm_mhz": mhz[o][1]}
+                                 for o, ((a, _), (b, _)) in by_order.items()}
+    elif mhz[orders[0]] and mhz[orders[0]][0] is not None:
+        check_extra["sm_mhz"] = f"ours {mhz[orders[0]][0]}, baseline {mhz[orders[0]][1]} (median after each replay)"
     check_extra["tuned"] = str(tuned_entries()) if dev.type == "cuda" else None
     check_extra["heuristic_splits"] = heuristic_splits(DEFAULT_CONFIG, B, Hk, st["block_table"].shape[1],
                                                        layout(fmt, D), group_geometry(Hq, Hk)[1], dev)

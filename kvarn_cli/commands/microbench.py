@@ -37,6 +37,10 @@ def register(app: typer.Typer) -> None:
         graph_calls: int = typer.Option(None, "--graph-calls",
                                         help="decode: calls per captured CUDA graph (default 8; more = a longer "
                                              "burst, a loaded GPU's clocks)."),
+        timing: str = typer.Option("in-turn", "--timing",
+                                   help="decode: how ours and the baseline are timed: in-turn (A B A B), blocks "
+                                        "(each's replays back to back, A B B A), gap (in turn, the GPU idle 20 ms "
+                                        "before each) or all (each; the headline in turn)."),
     ) -> None:
         """Time the KVarN store / decode / prefill kernel and the FP16 baseline in the same run."""
         if target not in TARGET_NAMES:
@@ -44,6 +48,7 @@ def register(app: typer.Typer) -> None:
         # a flag of another target is not silently dropped (sizes are checked by kvarn.kernels.bench)
         only = {"--num-splits": ("decode", num_splits is not None), "--sweep": ("decode", sweep),
                 "--breakdown": ("decode", breakdown), "--graph-calls": ("decode", graph_calls is not None),
+                "--timing": ("decode", timing != "in-turn"),
                 "--chunk": ("prefill", chunk is not None), "--model": ("store", model != "qwen3-8b")}
         for flag, (owner, given) in only.items():
             if given and target != owner:
@@ -58,7 +63,7 @@ def register(app: typer.Typer) -> None:
                     device=str(dev), check=check, iters=iters)
         if target == "decode":
             r = bench.bench_decode(**args, num_splits=num_splits, sweep=sweep, breakdown=breakdown,
-                                   graph_calls=graph_calls)
+                                   graph_calls=graph_calls, timing=timing)
         elif target == "prefill":
             r = bench.bench_prefill(**args, chunk=chunk)
         else:
@@ -85,6 +90,11 @@ def _print(r) -> None:
     for k, v in r.extra.items():
         if k == "breakdown" and v:  # each launch alone, the graph launch's share, the whole call, the gaps
             t.add_row("breakdown (ms)", ", ".join(f"{n} {ms:.4f}" for n, ms in v.items()))
+        elif k == "orders" and v:  # --timing all: the same pair timed in each order
+            for o, m in v.items():
+                ratio = "-" if m["ratio"] is None else f"{m['ratio']:.3f}x"
+                mhz = f" (SM {m['sm_mhz']} / {m['baseline_sm_mhz']} MHz)" if m.get("sm_mhz") else ""
+                t.add_row(f"timed {o}: ours / baseline ms", f"{m['ms']:.4f} / {m['baseline_ms']:.4f} = {ratio}{mhz}")
         elif v is not None and k not in ("sweep", "variants"):
             t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
     out.print(t)
