@@ -103,9 +103,9 @@ def time_ms(fn, dev: torch.device, iters: int, warmup: int = 3) -> float:
 # calls per captured graph in paired_ms (8 x ~0.34 ms at the acceptance shape). A graph launch's GPU-side latency
 # (~30 us, H200) is shared by the 8 calls (~3.7 us each, ours and the baseline alike). At 36 calls per graph (one
 # Qwen3-8B step's layers) session 16 read 0.3743 ms for ours against FA3's 0.9710 (0.385x) where 8-call graphs on
-# another machine an hour earlier read 0.3357 / 0.9503 (0.353x): longer back-to-back bursts may slow our kernel
-# (issue-bound: SM clock) more than FlashAttention (DRAM-bound); not yet separated from the machine difference and
-# the one-split heuristic, new in that call
+# another machine an hour earlier read 0.3357 / 0.9503 (0.353x). Session 17 (--timing all, SM clock read per replay)
+# separated it: the longer and hotter the burst, the lower the SM clock (1,980 -> 1,365-1,850 MHz); FA3 (DRAM-bound)
+# keeps its time, ours (issue-bound) scales with the clock
 GRAPH_CALLS = 8
 
 
