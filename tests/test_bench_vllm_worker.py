@@ -151,7 +151,7 @@ def test_timeout_row_says_how_far_the_burst_got(fake_vllm, monkeypatch):
     res = VllmEngine().run(_cell(fake_vllm), timeout_s=10)
     assert res.status == "timeout", res.error
     assert res.error.startswith("no result after 10 s; process group killed")
-    assert "s into the burst, 1 of 3 requests done, 7 output tokens, engine start" in res.error, res.error
+    assert "s into the burst, 1 of 3 requests done, 7 output tokens" in res.error, res.error
     secs = float(res.error.split("reached: ")[1].split(" s into")[0])
     assert 2 <= secs <= 10  # counted to the kill, not to the progress file's last write (~0 s into the burst)
     m = res.metrics
@@ -175,7 +175,8 @@ def test_progress_describes_each_phase(tmp_path):
     assert read_progress(tmp_path)["phase"] == "warm-up"  # not yet written: at most every every_s seconds
     p.update(force=True)
     assert describe(read_progress(tmp_path)) == ("reached: 548 s into the burst, 79 of 96 requests done, "
-                                                 "171,520 output tokens, engine start 152.1 s")
+                                                 "171,520 output tokens (313 out tok/s over the burst so far), "
+                                                 "engine start 152.1 s")
     # at the kill: seconds from the burst's recorded start
     assert describe(read_progress(tmp_path), now=1600.0).startswith("reached: 600 s into the burst, 79 of 96")
     assert row_metrics(read_progress(tmp_path)) == {"engine_start_s": 152.1, "kv_tokens": 1129216.0,

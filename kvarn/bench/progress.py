@@ -3,7 +3,8 @@
 The worker (engines/vllm_worker.py) rewrites the file atomically at each phase and every few seconds of the burst;
 the orchestrator reads it only when it had to kill the worker. A timed-out row then carries the capacity vLLM
 reported and the partial counts (requests done, tokens generated, seconds into the burst), and its error says
-them: enough to bound the configuration's throughput (the burst took longer than that) instead of knowing nothing.
+them: enough to bound the configuration's throughput (the burst took longer than that) and, offline, to estimate it
+(tokens generated over the burst's seconds so far) instead of knowing nothing.
 """
 from __future__ import annotations
 
@@ -78,7 +79,11 @@ def describe(progress: dict, now: float | None = None) -> str:
     if not math.isnan(done) and not math.isnan(n):
         parts.append(f"{done:.0f} of {n:.0f} requests done")
     if not math.isnan(gen):
-        parts.append(f"{gen:,.0f} output tokens")
+        # the rate over the burst so far, from one write of the file (tokens and seconds alike): where every request
+        # decodes to the end together, what the finished cell would read within a few percent (session 17)
+        so_far = as_float(progress.get("burst_s"))
+        rate = f" ({gen / so_far:,.0f} out tok/s over the burst so far)" if so_far > 0 else ""
+        parts.append(f"{gen:,.0f} output tokens{rate}")
     elif not math.isnan(fin):
         parts.append(f"{fin:,.0f} output tokens of finished requests")
     if started:
