@@ -379,9 +379,12 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
     scale = 1 / math.sqrt(D)
     out = torch.empty_like(q)
 
-    def ours():
+    def run(dst=out, splits=num_splits, **kw):  # decode_attention on this cache (kw: config, launches)
         decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                         st["tail_slots"], fmt, scale, num_splits=num_splits, out=out, sink_lens=st["sink_lens"])
+                         st["tail_slots"], fmt, scale, num_splits=splits, out=dst, sink_lens=st["sink_lens"], **kw)
+
+    def ours():
+        run()
 
     g = fmt.group
     nbytes = B * Hk * ((ctx // g) * fmt.record_bytes(D) + (ctx % g) * D * 2 * 2) + q.numel() * 2 * 2
@@ -402,9 +405,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
         ours()
         ref = torch.stack(_reference_out(st, fmt, D, q, scale, rows))
         out32 = torch.empty(q.shape, dtype=torch.float32, device=dev)  # the kernel's own precision
-        decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                         st["tail_slots"], fmt, scale, num_splits=num_splits, out=out32,
-                         sink_lens=st["sink_lens"])
+        run(out32)
         err = _rel(out32[:rows], ref)
         check_extra = {"rel_err_in_q_dtype": _rel(out[:rows], ref)}
     from dataclasses import replace
@@ -424,9 +425,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
                                                        layout(fmt, D), group_geometry(Hq, Hk)[1], dev)
     if breakdown:
         def part(*names):
-            return lambda: decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"],
-                                            st["tail_v"], st["tail_slots"], fmt, scale, num_splits=num_splits,
-                                            out=out, sink_lens=st["sink_lens"], launches=names)
+            return lambda: run(launches=names)
         # every graph replay carries the graph launch's own latency once (~30 us on the H200, shared by its calls):
         # a graph of calls that launch nothing measures it, and it is taken out of each launch's time
         times = paired_ms([ours, part()] + [part(n) for n in LAUNCHES], dev, iters, calls, warmup=2)
@@ -440,9 +439,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
 
         def one(cfg, splits=None, again=False):
             def fn():
-                decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                                 st["tail_slots"], fmt, scale, num_splits=splits, out=out, config=cfg,
-                                 sink_lens=st["sink_lens"])
+                run(splits=splits, config=cfg)
             row = {"config": cfg.name, "splits": splits, **({"again": True} if again else {})}
             try:
                 t0 = time.perf_counter()
@@ -455,9 +452,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
                 row["gbps"] = nbytes / (row["ms"] * 1e-3) / 1e9
                 if ref_rows is not None:
                     o32 = torch.empty(q.shape, dtype=torch.float32, device=dev)
-                    decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                                     st["tail_slots"], fmt, scale, num_splits=splits, out=o32, config=cfg,
-                                     sink_lens=st["sink_lens"])
+                    run(o32, splits, config=cfg)
                     row["rel_err"] = _rel(o32[:ref_rows.shape[0]], ref_rows)
             except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
