@@ -94,7 +94,7 @@ def test_gpu_store_decode_equals_store_tiles_and_captures():
 # the default and the previous one (token-row kernel), named: no run-time tuning, one compile per config and case
 # + pipe 1, the tail in the records launch, that with programmatic dependent launches
 DECODE_CONFIGS = ["default", "u2k2v1w4s1x1r128L1", "u2k2v1w2s5x1n8L2p1", "u2k2v1w2s5x1n8L2p2t1",
-                  "u2k2v1w2s5x1n8L2p2t1g1", "u2k2v1w2s5x1n8L2p2t1g1o1"]  # + value codes offset (unmeasured on the GPU)
+                  "u2k2v1w2s5x1n8L2p2t1g1", "u2k2v1w2s5x1n8L2p2t1g1o1"]  # + value codes offset (a sweep candidate)
 
 
 @pytest.mark.parametrize("cfg_name", DECODE_CONFIGS)

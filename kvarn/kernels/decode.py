@@ -197,9 +197,10 @@ SWEEP_CONFIGS = [
     # pdl = 1: that with the rotation, records and merge kernels as programmatic dependent launches (each builds
     # its Hadamard while the previous kernel finishes); with tail = 1 the default since session 16
     DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2, tail=1, pdl=1),
-    # unmeasured: voff = 1, the value codes as E + code (see DecodeConfig.voff). Offline sm_90 (triton 3.6), per warp
-    # and tile: 1,330 -> 1,295 loop instructions (HADD2 320 -> 208, shifts +48, the correction's FFMA / FADD +16),
-    # the same 17 barriers and shared memory; matches the reference in the interpreter (tests/test_kernels_tokrows)
+    # voff = 1, the value codes as E + code (see DecodeConfig.voff). Offline sm_90 (triton 3.6), per warp and tile:
+    # 1,330 -> 1,295 loop instructions (HADD2 320 -> 208, shifts +48, the correction's FFMA / FADD +16), the same 17
+    # barriers and shared memory. H200, session 17, x default in turn: 1.002 at B=64 x 16K, 0.998 B=96, 1.025 the
+    # 32B step, 0.993 B=8, 1.029 D=64 (rel. error 4.2-5.2e-4): fewer instructions bought no time; not the default
     DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2, tail=1, pdl=1, voff=1),
     # the default at a 96-register cap, 5 programs per SM instead of 4: offline sm_90 (session 12) s3 1,736
     # instructions (+6%), 160 B of stack, 47 LDL / 63 STL in all (r128: 1,640, 24 B, 6 / 10); s2 1,688, the same
