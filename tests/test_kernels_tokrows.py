@@ -75,9 +75,8 @@ VARIANTS = [DecodeConfig(layout=1, bn=8), DecodeConfig(layout=2), DecodeConfig(l
 def test_decode_tok_variants_match_reference(name, D, Hq, Hk, dtype, seq_lens, cfg):
     fmt, st, q, scale, args = _args(name, D, Hq, Hk, dtype, seq_lens, seed=D + 10 * Hq + 5)
     ref = decode_reference(q, st, fmt, D, scale)
-    kw = dict(num_splits=3, out=torch.empty(q.shape, dtype=torch.float32))
-    out = decode_attention(*args, config=cfg, **kw)
-    out_tok = decode_attention(*args, config=DecodeConfig(layout=1), **kw)
+    out, out_tok = (decode_attention(*args, config=c, num_splits=3, out=torch.empty(q.shape, dtype=torch.float32))
+                    for c in (cfg, DecodeConfig(layout=1)))  # two out buffers: the check compares two kernels
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 1e-3, (rel_err(out, ref), rel_err(out_tok, ref))
     assert rel_err(out, out_tok) < 2e-5  # same fp16 operands and fp32 accumulation, other MMA shapes / order
