@@ -546,6 +546,26 @@ def test_microbench_decode_timing_all_reports_each_order():
     assert all(o["ratio"] == pytest.approx(o["ms"] / o["baseline_ms"]) for o in orders.values())
 
 
+def test_microbench_decode_config_times_the_named_kernel():
+    """--config NAME: that kernel config is "ours" (checked against the reference); a bad name or another target is
+    one line naming what is accepted."""
+    import json
+
+    from tests.helpers import run_cli
+
+    base = ("microbench", "decode", "--device", "cpu", "--json", "--iters", "1", "--batch", "1", "--context", "130",
+            "--check")
+    r = run_cli(*base, "--config", "u2k3v1w2s5x1n8L2p2t1g1")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout.strip().splitlines()[-1])
+    assert row["extra"]["config"] == "u2k3v1w2s5x1n8L2p2t1g1" and row["rel_err"] < 1e-3
+    r = run_cli(*base, "--config", "u9k2")
+    assert r.returncode == 2 and "decode config 'u9k2' is not a name like" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    r = run_cli("microbench", "store", "--device", "cpu", "--config", "u2k3v1w2s5x1n8L2p2t1g1")
+    assert r.returncode == 2 and "--config is a `microbench decode` option, not for store" in r.stderr
+
+
 def test_paired_ms_on_cpu_times_each_fn_in_turn():
     # microbench decode's A/B timing: one median per fn, each called once to warm up and then iters times
     from kvarn.kernels.bench import paired_ms

@@ -94,7 +94,8 @@ def test_gpu_store_decode_equals_store_tiles_and_captures():
 # the default and the previous one (token-row kernel), named: no run-time tuning, one compile per config and case
 # + pipe 1, the tail in the records launch, that with programmatic dependent launches
 DECODE_CONFIGS = ["default", "u2k2v1w4s1x1r128L1", "u2k2v1w2s5x1n8L2p1", "u2k2v1w2s5x1n8L2p2t1",
-                  "u2k2v1w2s5x1n8L2p2t1g1", "u2k2v1w2s5x1n8L2p2t1g1o1"]  # + value codes offset (a sweep candidate)
+                  "u2k2v1w2s5x1n8L2p2t1g1", "u2k2v1w2s5x1n8L2p2t1g1o1",  # + value codes offset (a sweep candidate)
+                  "u2k3v1w2s5x1n8L2p2t1g1"]  # hi / lo of q x sK in one N = 8 key operand (a sweep candidate)
 
 
 @pytest.mark.parametrize("cfg_name", DECODE_CONFIGS)
@@ -119,6 +120,26 @@ def test_gpu_decode_matches_reference(name, D, Hq, Hk, dtype, cfg_name):
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) < 1e-3, (splits, rel_err(out, ref))
         assert torch.count_nonzero(out[1]) == 0
+
+
+@pytest.mark.parametrize("Hq,D", [(32, 128), (24, 128), (8, 64), (64, 128)])  # groups 4, 3, 1, 8 (no fold)
+def test_gpu_folded_ksplit_agrees_with_two_key_mmas(Hq, D):
+    """ksplit = 3 carries the same fp16 hi / lo operands as ksplit = 2 through one MMA, its column halves added by
+    a lane shuffle that assumes the mma.sync accumulator layout: were the layout other than assumed, the sum would
+    mix query heads (errors ~1e-1), where the same operands agree to fp32 summation order."""
+    from kvarn.kernels import decode_attention
+    from kvarn.kernels.decode import DecodeConfig
+
+    fmt = get_format("kvarn_k4v2_g128")
+    st = paged_setup(fmt, D, 8, [1000, 0, 4 * fmt.group, 37, 2 * fmt.group + 5], torch.bfloat16, device=DEV)
+    q = (torch.randn(5, Hq, D, device=DEV) * 2).to(torch.bfloat16)
+    outs = [decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                             st["tail_slots"], fmt, 1 / math.sqrt(D), num_splits=2,
+                             out=torch.empty(q.shape, dtype=torch.float32, device=DEV),
+                             config=DecodeConfig.from_name(f"u2k{k}v1w2s5x1n8L2p2t1g1")) for k in (2, 3)]
+    assert rel_err(outs[1], outs[0]) < 2e-5
+    if Hq // 8 > 4:
+        assert torch.equal(outs[1], outs[0])  # group 8: ksplit 3 runs as 2
 
 
 def test_gpu_decode_notes_its_occupancy_for_the_split_heuristic():

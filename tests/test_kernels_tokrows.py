@@ -3,6 +3,7 @@ reference and against the default layout-0 kernel on the same inputs (CPU: throu
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -67,7 +68,9 @@ VARIANTS = [DecodeConfig(layout=1, bn=8), DecodeConfig(layout=2), DecodeConfig(l
             # programmatic dependent launches (GPU only: the interpreter runs it as pdl = 0; its name round-trips)
             DecodeConfig(num_warps=2, num_stages=5, layout=2, bn=8, pipe=2, tail=1, pdl=1),
             # value codes into the dots as E + code, E * sum(p * sV) out with the zero-point term
-            DecodeConfig(num_warps=2, num_stages=5, layout=2, bn=8, pipe=2, tail=1, pdl=1, voff=1)]
+            DecodeConfig(num_warps=2, num_stages=5, layout=2, bn=8, pipe=2, tail=1, pdl=1, voff=1),
+            # q x sK's hi and lo in the two column halves of one N = 8 key operand (one key MMA per plane)
+            DecodeConfig(ksplit=3, num_warps=2, num_stages=5, layout=2, bn=8, pipe=2, tail=1, pdl=1)]
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: c.name)
@@ -98,6 +101,23 @@ def test_pipe2_scale_load_gives_pipe1_output(name, D):
     assert rel_err(p2, p1) < 1e-5  # fp32 summation order only
     assert rel_err(p2, decode_reference(q, st, fmt, D, scale)) < 1e-3
     assert torch.equal(p2t, p2)  # the tail's programs in the records launch: the same partials, bit for bit
+
+
+def test_folded_ksplit_where_the_group_fits_half_of_n():
+    """ksplit = 3 runs as the two-MMA split wherever the group does not fit in half of N = 8 columns (group > 4,
+    N = 16, other kernels); there it gives the ksplit = 2 output bit for bit."""
+    from kvarn.kernels.decode import folded_ksplit
+
+    k3 = DecodeConfig(ksplit=3, num_warps=2, num_stages=5, layout=2, bn=8, pipe=2)
+    assert [folded_ksplit(k3, 8, g) for g in (1, 3, 4, 5, 8)] == [3, 3, 3, 2, 2]
+    assert folded_ksplit(k3, 16, 4) == 2 and folded_ksplit(DEFAULT_CONFIG, 8, 4) == 2
+    assert DecodeConfig.from_name(k3.name) == k3 and k3.name.startswith("u2k3")
+    name, D = "kvarn_k4v2_g128", 64
+    fmt, st, q, scale, args = _args(name, D, 16, 2, torch.float16, [0, 257, 140], seed=11)  # group 8
+    kw = dict(num_splits=2, out=torch.empty(q.shape, dtype=torch.float32))
+    out3 = decode_attention(*args, config=k3, **kw).clone()
+    out2 = decode_attention(*args, config=replace(k3, ksplit=2), **kw)
+    assert torch.equal(out3, out2)
 
 
 @pytest.mark.parametrize("unpack", [0, 1])

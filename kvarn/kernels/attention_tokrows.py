@@ -247,9 +247,10 @@ def _pair_sink_mask(s_e, s_o, pos_e, sink_lo):
 
 @triton.jit
 def _pair_program(qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
-                  D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr):
+                  D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, FOLD: tl.constexpr = 0):
     """Shared prologue of the pair kernels: this program's request, KV head and split, its query columns (padded to
-    BN), the index vectors of the pair tiles and the normalised query planes."""
+    BN), the index vectors of the pair tiles and the normalised query planes. FOLD (KSPLIT = 3): the query planes'
+    columns BN/2.. repeat columns 0.. (the lo half of the key operand); row and col_ok stay the stored columns."""
     b = tl.program_id(0)
     kvh = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
@@ -263,7 +264,14 @@ def _pair_program(qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP: tl.constexpr, BN:
     u = tl.arange(0, G // 2)  # token pairs (2u, 2u + 1)
     v = tl.arange(0, D // 2)  # channel pairs (2v, 2v + 1)
     bt = tl.arange(0, G // (8 // VB))
-    q0, q1, q2, q3, qnorm = _query_planes(qr_ptr + row[None, :] * D + dp[:, None], col_ok[None, :], DP, PERK)
+    if FOLD:
+        qn = n % (BN // 2)
+        q_ok = qn < GROUP
+        q_row = (b * HQ + kvh * GROUP + qn).to(tl.int64)
+    else:
+        q_ok = col_ok
+        q_row = row
+    q0, q1, q2, q3, qnorm = _query_planes(qr_ptr + q_row[None, :] * D + dp[:, None], q_ok[None, :], DP, PERK)
     return b, kvh, split, S, col_ok, row, dp, u, v, bt, q0, q1, q2, q3, qnorm
 
 
@@ -458,8 +466,38 @@ def _pair_tile_load(rec16, rec32, u, v, dp, bt, G2: tl.constexpr, D2: tl.constex
 
 @triton.jit
 def _key_operands(qT, sk, KSPLIT: tl.constexpr):
-    # (q_j * sK_j)^T [DP, BN], hi / lo: the B operand of plane j's key dots, from the (prefetched) fp16 scales
-    return _split16(qT * sk.to(tl.float32)[:, None], KSPLIT)
+    """(q_j * sK_j)^T [DP, BN], hi / lo: the B operand of plane j's key dots, from the (prefetched) fp16 scales.
+    KSPLIT = 3 (_pair_program's FOLD layout: columns BN/2.. repeat the query heads of 0..): one operand, the fp16
+    hi in the first BN/2 columns and the lo residual in the rest, so one key MMA per plane carries both; the two
+    column halves of the scores are added by _fold_halves."""
+    x = qT * sk.to(tl.float32)[:, None]
+    if KSPLIT == 3:
+        hi = x.to(tl.float16)
+        lo = (x - hi.to(tl.float32)).to(tl.float16)
+        col = tl.arange(0, x.shape[1])
+        both = tl.where((col < x.shape[1] // 2)[None, :], hi, lo)
+        return both, both
+    return _split16(x, KSPLIT)
+
+
+@triton.jit
+def _fold_halves(x, UNPACK: tl.constexpr):
+    """x [M, 8] (the key dots' accumulator with KSPLIT = 3) -> x + x with its column halves swapped: every column
+    then holds hi + lo of its query head. On the GPU (UNPACK = 2) one shfl.bfly per register: in the mma.sync
+    m16n8 accumulator layout lane l holds columns 2 (l % 4) and 2 (l % 4) + 1, so lane l ^ 2 holds the same rows at
+    column + 4 (the dot's result is used in that layout; the GPU tests check the sum against the reference).
+    Elsewhere (the interpreter) the same sum by reshapes."""
+    if UNPACK == 2:
+        tl.static_assert(x.shape[1] == 8, "the lane fold needs N = 8 (one m16n8 tile per row block)")
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 t; shfl.sync.bfly.b32 t, $1, 2, 0x1f, 0xffffffff; add.f32 $0, $1, t; }",
+            "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        M: tl.constexpr = x.shape[0]
+        H: tl.constexpr = x.shape[1] // 2
+        a, b = tl.split(tl.permute(tl.reshape(x, [M, 2, H]), (0, 2, 1)))
+        s = a + b
+        return tl.reshape(tl.permute(tl.join(s, s), (0, 2, 1)), [M, 2 * H])
 
 
 @triton.jit
@@ -537,8 +575,9 @@ def _pair_pipe_records(
     BT: tl.constexpr = G // PERV
     G2: tl.constexpr = G // 2
     D2: tl.constexpr = D // 2
+    tl.static_assert(KSPLIT != 3 or (BN == 8 and 2 * GROUP <= BN), "KSPLIT 3 needs the group in half of N = 8")
     b, kvh, split, S, col_ok, row, dp, u, v, bt, q0, q1, q2, q3, qnorm = _pair_program(
-        qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP, BN, G, D, KB, VB)
+        qr_ptr, seq_lens_ptr, num_splits, HQ, GROUP, BN, G, D, KB, VB, KSPLIT == 3)
     sink_lo = _sink_lo(sink_lens_ptr, b, SINK)
 
     t_begin, t_stop = _split_tiles(_records_end(S, DEFER, defer_ptr), S, G, split, num_splits)
@@ -586,6 +625,9 @@ def _pair_pipe_records(
                 b_hi, b_lo, z3 = _key_plane_p(q3, sk3, zk3, KSPLIT)
                 s_e, s_o = _pair_key_dot(pki, 3, b_hi, b_lo, s_e, s_o, KB, UNPACK, KSPLIT)
                 qz += z2 + z3
+        if KSPLIT == 3:
+            s_e = _fold_halves(s_e, UNPACK)
+            s_o = _fold_halves(s_o, UNPACK)
         rk_e, rk_o = _pair_scales(rk)
         s_e = (s_e + qz[None, :]) * (rk_e * qnorm)[:, None]
         s_o = (s_o + qz[None, :]) * (rk_o * qnorm)[:, None]

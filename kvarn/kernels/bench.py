@@ -347,7 +347,7 @@ def _baseline_decode(B, ctx, Hq, Hk, D, dtype, dev, scale, q):
 
 def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="auto", check=False, iters=None,
                  num_splits=None, dtype=torch.bfloat16, sweep=False, breakdown=False,
-                 graph_calls: int | None = None, timing: str = "in-turn") -> BenchResult:
+                 graph_calls: int | None = None, timing: str = "in-turn", config: str | None = None) -> BenchResult:
     """Time decode_attention (tuned/default config) against the 16-bit baseline. sweep=True also times every
     entry of kvarn.kernels.decode.SWEEP_CONFIGS (each checked against the reference when check=True) and, for the
     fastest, a few split counts; the rows go to extra['sweep'] (ms, GB/s, rel. error, splits). breakdown=True
@@ -357,7 +357,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
     dependent kernels; a launch a config folds into another one reads ~0)}. graph_calls: calls per captured graph
     (default GRAPH_CALLS; more calls = a longer back-to-back burst, closer to a loaded GPU's clocks). timing: a
     paired_timings order for ours against the baseline, or "all": each of them, in extra['orders'] (the headline
-    in turn)."""
+    in turn). config: a DecodeConfig name timed as "ours" instead of the default (and the sweep's reference)."""
     if timing not in (*TIMING_ORDERS, "all"):
         raise KvarnError(f"unknown --timing {timing!r}; accepted: {', '.join((*TIMING_ORDERS, 'all'))}")
     dev = resolve_device(device)
@@ -372,6 +372,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
     # first, so a bad name is one line before anything runs
     names = [n.strip() for n in os.environ.get("KVARN_SWEEP_CONFIGS", "").split(",") if n.strip()]
     configs = [DecodeConfig.from_name(n) for n in names] if names else SWEEP_CONFIGS
+    own = {"config": DecodeConfig.from_name(config)} if config else {}
     iters = iters or (50 if dev.type == "cuda" else 2)
     B, ctx, Hq, Hk, D = batch, context, q_heads, kv_heads, head_dim
     st = _paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev)
@@ -384,7 +385,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
                          st["tail_slots"], fmt, scale, num_splits=splits, out=dst, sink_lens=st["sink_lens"], **kw)
 
     def ours():
-        run()
+        run(**own)
 
     g = fmt.group
     nbytes = B * Hk * ((ctx // g) * fmt.record_bytes(D) + (ctx % g) * D * 2 * 2) + q.numel() * 2 * 2
@@ -405,7 +406,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
         ours()
         ref = torch.stack(_reference_out(st, fmt, D, q, scale, rows))
         out32 = torch.empty(q.shape, dtype=torch.float32, device=dev)  # the kernel's own precision
-        run(out32)
+        run(out32, **own)
         err = _rel(out32[:rows], ref)
         check_extra = {"rel_err_in_q_dtype": _rel(out[:rows], ref)}
     from dataclasses import replace
@@ -413,6 +414,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
     from .common import layout
     from .decode import DEFAULT_CONFIG, group_geometry, heuristic_splits, tuned_entries
 
+    check_extra["config"] = config or "default"
     check_extra["timing"] = f"ours: {how}; baseline: {bhow}"  # a baseline timed call by call carries its launch
     if len(orders) > 1:
         check_extra["orders"] = {o: {"ms": a, "baseline_ms": b, "ratio": a / b if b else None,
@@ -421,11 +423,12 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
     elif mhz[orders[0]] and mhz[orders[0]][0] is not None:
         check_extra["sm_mhz"] = f"ours {mhz[orders[0]][0]}, baseline {mhz[orders[0]][1]} (median after each replay)"
     check_extra["tuned"] = str(tuned_entries()) if dev.type == "cuda" else None
-    check_extra["heuristic_splits"] = heuristic_splits(DEFAULT_CONFIG, B, Hk, st["block_table"].shape[1],
-                                                       layout(fmt, D), group_geometry(Hq, Hk)[1], dev)
+    check_extra["heuristic_splits"] = heuristic_splits(own.get("config", DEFAULT_CONFIG), B, Hk,
+                                                       st["block_table"].shape[1], layout(fmt, D),
+                                                       group_geometry(Hq, Hk)[1], dev)
     if breakdown:
         def part(*names):
-            return lambda: run(launches=names)
+            return lambda: run(launches=names, **own)
         # every graph replay carries the graph launch's own latency once (~30 us on the H200, shared by its calls):
         # a graph of calls that launch nothing measures it, and it is taken out of each launch's time
         times = paired_ms([ours, part()] + [part(n) for n in LAUNCHES], dev, iters, calls, warmup=2)

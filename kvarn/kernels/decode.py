@@ -55,7 +55,7 @@ from .attention_tokrows import (kvarn_attention_pair_kernel, kvarn_attention_pai
 from .common import as_format, check_cache, check_tail, defer_flag, f16_view, layout
 
 
-_NAME = re.compile(r"u([012])k([12])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:n(\d+))?(?:L([012]))?(?:p([0-2]))?"
+_NAME = re.compile(r"u([012])k([123])v([12])w(\d+)s(\d+)x([0-9.]+)(?:r(\d+))?(?:n(\d+))?(?:L([012]))?(?:p([0-2]))?"
                    r"(?:t(1))?(?:g(1))?(?:o(1))?")
 
 
@@ -65,7 +65,9 @@ class DecodeConfig:
 
     unpack: int = 2  # codes -> fp16: 0 Triton casts, 1 exponent trick in Triton, 2 inline PTX (prmt/lop3/f16x2)
     ksplit: int = 2  # 2: fp16 hi + lo of q*sK (two key MMAs, ~22-bit operand; rel. err ~1e-4);
-    #                  1: fp16 only (~1.3e-3 rel. err in the interpreter: over the 1e-3 bar, timing reference only)
+    #                  1: fp16 only (~1.3e-3 rel. err in the interpreter: over the 1e-3 bar, timing reference only);
+    #                  3: pipe kernel, N = 8, group <= 4: hi and lo in the two column halves of one key operand (one
+    #                  key MMA, halves added by a lane shuffle); elsewhere it runs as 2
     vsplit: int = 1  # same for p*sV
     num_warps: int = 4
     num_stages: int = 1  # software pipelining depth of the tile loop (1: none; latency hidden by resident programs)
@@ -202,6 +204,13 @@ SWEEP_CONFIGS = [
     # barriers and shared memory. H200, session 17, x default in turn: 1.002 at B=64 x 16K, 0.998 B=96, 1.025 the
     # 32B step, 0.993 B=8, 1.029 D=64 (rel. error 4.2-5.2e-4): fewer instructions bought no time; not the default
     DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2, tail=1, pdl=1, voff=1),
+    # ksplit = 3: q x sK's fp16 hi and lo in the two column halves of one N = 8 key operand (group <= 4), the score
+    # halves added by a lane shuffle: half the key MMAs, their dependent chains 8 instead of 16 deep. Offline sm_90
+    # (triton 3.6), per warp and tile at group 4, D=128: 1,330 -> 1,288 loop instructions (HMMA 96 -> 64, SHFL and FADD
+    # +16 each), 1,252 with voff; the same 17 barriers, registers and shared memory. D=64, group 3: 888 -> 920
+    # (fewer MMAs to save there); group 8 (Qwen3-32B) runs it as ksplit 2
+    DecodeConfig(2, 3, 1, 2, 5, layout=2, bn=8, pipe=2, tail=1, pdl=1),
+    DecodeConfig(2, 3, 1, 2, 5, layout=2, bn=8, pipe=2, tail=1, pdl=1, voff=1),
     # the default at a 96-register cap, 5 programs per SM instead of 4: offline sm_90 (session 12) s3 1,736
     # instructions (+6%), 160 B of stack, 47 LDL / 63 STL in all (r128: 1,640, 24 B, 6 / 10); s2 1,688, the same
     # spills. H200, session 13 (call-by-call timing, one sweep): s3 0.7221, s2 0.7606 ms against the default's 0.5736
@@ -455,8 +464,8 @@ def _launch_rows(qr, cache, block_table, seq_lens, qsl, sink_lens, po_r, plse, l
         OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
         OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
         IS_PREFILL=prefill, MMA_BF16=mma,
-        UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=sink, DEFER=dargs[1],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UNPACK=cfg.unpack, KSPLIT=min(cfg.ksplit, 2), VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=sink,
+        DEFER=dargs[1], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}),
     )
 
@@ -480,6 +489,12 @@ def _pipe_ok(cfg: DecodeConfig, cache, lay) -> bool:
                 and cache.stride(1) % 4 == 0 and all(o % 4 == 0 for o in (lay.rk, lay.sv, lay.zv, lay.cv)))
 
 
+def folded_ksplit(cfg: DecodeConfig, bn: int, group: int) -> int:
+    """The pipe kernel's KSPLIT: 3 (hi / lo in the column halves of one N = 8 key operand) only where the group fits
+    in half the columns; else the two-MMA split it stands for."""
+    return 3 if cfg.ksplit == 3 and bn == 8 and 2 * group <= bn else min(cfg.ksplit, 2)
+
+
 def _fuses_tail(cfg: DecodeConfig, cache, lay, prefill: bool) -> bool:
     """Whether the records launch also runs the tail's programs (DecodeConfig.tail on the pipe kernel, decode)."""
     return bool(cfg.tail and not prefill and _pipe_ok(cfg, cache, lay))
@@ -494,7 +509,7 @@ def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, gr
     common = dict(GROUP=group, BN=bn, G=lay.g, D=lay.d, KB=lay.kb, VB=lay.vb,
                   OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
                   OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-                  UNPACK=cfg.unpack, KSPLIT=cfg.ksplit, VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=sink,
+                  UNPACK=cfg.unpack, KSPLIT=min(cfg.ksplit, 2), VSPLIT=cfg.vsplit, STAGES=cfg.num_stages, SINK=sink,
                   DEFER=dargs[1], num_stages=cfg.num_stages,
                   **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and mma else {}))
     if cfg.layout == 2 and _pipe_ok(cfg, cache, lay):  # int16 pairs: M = g/2 token pairs, d/2 channel pairs
@@ -503,7 +518,8 @@ def _launch_tok(qr, cache, block_table, seq_lens, sink_lens, po_r, plse, lay, gr
             qr, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,
             block_table.stride(0), cache.stride(0) // 2, cache.stride(1) // 2, Hq, *tail["args"],
             num_warps=min(cfg.num_warps, max(4, min(lay.g, lay.d) // 32)), SKV=max(cfg.pipe - 1, 0),
-            TAIL=int(fused), VOFF=cfg.voff, **tail["consts"], **_pdl(cfg), **common)
+            TAIL=int(fused), VOFF=cfg.voff, **tail["consts"], **_pdl(cfg),
+            **{**common, "KSPLIT": folded_ksplit(cfg, bn, group)})
     elif cfg.layout == 2:  # offsets in 2-byte units
         compiled = kvarn_attention_pair_kernel[(B, 1, Hk * splits)](
             qr, f16_view(cache), block_table, seq_lens, sink_lens, dargs[0], po_r, plse, splits,

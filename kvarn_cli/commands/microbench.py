@@ -41,6 +41,9 @@ def register(app: typer.Typer) -> None:
                                    help="decode: how ours and the baseline are timed: in-turn (A B A B), blocks "
                                         "(each's replays back to back, A B B A), gap (in turn, the GPU idle 20 ms "
                                         "before each) or all (each; the headline in turn)."),
+        config: str = typer.Option(None, "--config",
+                                   help="decode: time this kernel config (a name from the --sweep table, e.g. "
+                                        "u2k3v1w2s5x1n8L2p2t1g1) instead of the default."),
     ) -> None:
         """Time the KVarN store / decode / prefill kernel and the FP16 baseline in the same run."""
         if target not in TARGET_NAMES:
@@ -48,7 +51,7 @@ def register(app: typer.Typer) -> None:
         # a flag of another target is not silently dropped (sizes are checked by kvarn.kernels.bench)
         only = {"--num-splits": ("decode", num_splits is not None), "--sweep": ("decode", sweep),
                 "--breakdown": ("decode", breakdown), "--graph-calls": ("decode", graph_calls is not None),
-                "--timing": ("decode", timing != "in-turn"),
+                "--timing": ("decode", timing != "in-turn"), "--config": ("decode", config is not None),
                 "--chunk": ("prefill", chunk is not None), "--model": ("store", model != "qwen3-8b")}
         for flag, (owner, given) in only.items():
             if given and target != owner:
@@ -63,7 +66,7 @@ def register(app: typer.Typer) -> None:
                     device=str(dev), check=check, iters=iters)
         if target == "decode":
             r = bench.bench_decode(**args, num_splits=num_splits, sweep=sweep, breakdown=breakdown,
-                                   graph_calls=graph_calls, timing=timing)
+                                   graph_calls=graph_calls, timing=timing, config=config)
         elif target == "prefill":
             r = bench.bench_prefill(**args, chunk=chunk)
         else:
