@@ -164,7 +164,7 @@ def test_gpu_inline_ptx_self_checks_pass():
     assert asm_unpack_ok(torch.device(DEV)) and asm_offset_ok(torch.device(DEV))
 
 
-@pytest.mark.parametrize("cfg_name", [None, "u2k2v1w2s5x1n8L2p2t1g1"])
+@pytest.mark.parametrize("cfg_name", [None, "u2k2v1w2s5x1n8L2p2t1g1"])  # the default (ksplit 3) and ksplit 2
 def test_gpu_decode_cuda_graph_capture(cfg_name):
     """A captured step follows the per-step seq_lens; three calls back to back in one graph (scratch reused from
     call to call) each match the reference: with programmatic dependent launches (g1) every kernel waits for the

@@ -124,7 +124,9 @@ class DecodeConfig:
 # Session 16: tail = 1 (the 16-bit tail's programs in the records launch) and pdl = 1 (programmatic dependent launches
 # of rotation, records and merge), each timed in turn with pipe = 2 alone: 0.992-0.994x at B=64 x 16K, 0.994x B=96,
 # 0.915-0.919x the 32B step, 0.950x B=8, 0.933x D=64 (tail alone: 0.995 / 0.998 / 0.936 / 0.961 / 0.940)
-DEFAULT_CONFIG = DecodeConfig(2, 2, 1, 2, 5, layout=2, bn=8, pipe=2, tail=1, pdl=1)
+# Session 18: ksplit = 3 (one key MMA per plane carrying hi and lo, group <= 4), x that in turn 0.941-0.952 at B=64 x
+# 16K, 0.948 B=96, 0.958 B=8, 0.993 D=64, 0.999 the 32B step (group 8: runs as ksplit 2); against FA3 0.342x in turn
+DEFAULT_CONFIG = DecodeConfig(2, 3, 1, 2, 5, layout=2, bn=8, pipe=2, tail=1, pdl=1)
 # the --sweep table (every entry a separate compile, ~5-10 s each on the device)
 # (offline sm_90 compile, k4v2_g128 D=128: stages 1 -> 168 registers, no spills; stages 2 -> 246: the pipeliner
 #  keeps the next tile in registers; 8 warps stages 2 -> 210)
@@ -208,7 +210,9 @@ SWEEP_CONFIGS = [
     # halves added by a lane shuffle: half the key MMAs, their dependent chains 8 instead of 16 deep. Offline sm_90
     # (triton 3.6), per warp and tile at group 4, D=128: 1,330 -> 1,288 loop instructions (HMMA 96 -> 64, SHFL and FADD
     # +16 each), 1,252 with voff; the same 17 barriers, registers and shared memory. D=64, group 3: 888 -> 920
-    # (fewer MMAs to save there); group 8 (Qwen3-32B) runs it as ksplit 2
+    # (fewer MMAs to save there); group 8 (Qwen3-32B) runs it as ksplit 2. H200, session 18, x the then default in
+    # turn: 0.941-0.952 at B=64 x 16K, 0.948 B=96, 0.958 B=8, 0.993 D=64, 0.999 32B step; with voff 0.945-0.950,
+    # 0.945, 0.956, 1.003, 1.025 (no gain over ksplit 3 alone). The default since session 18
     DecodeConfig(2, 3, 1, 2, 5, layout=2, bn=8, pipe=2, tail=1, pdl=1),
     DecodeConfig(2, 3, 1, 2, 5, layout=2, bn=8, pipe=2, tail=1, pdl=1, voff=1),
     # the default at a 96-register cap, 5 programs per SM instead of 4: offline sm_90 (session 12) s3 1,736

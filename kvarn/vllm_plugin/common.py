@@ -85,8 +85,8 @@ METHOD_KNOBS = ("KVARN_BALANCE_ITERS", "KVARN_SINK")
 # value is listed whenever it differs from that one, set or not, so a rerun at the new default never resumes from
 # (or merges with) rows measured at the old one. KVARN_BALANCE_ITERS: 8 until session 10, 3 since. KVARN_DECODE_CONFIG
 # (unset: kvarn.kernels.decode.DEFAULT_CONFIG): the 4-warp 3-stage pipe kernel until session 14 (compared lower-case;
-# later defaults, u2k2v1w2s5x1n8L2p1 in session 14, p2 in 15 and p2t1g1 since 16, differ from it, so their rows list
-# the name).
+# later defaults, u2k2v1w2s5x1n8L2p1 in session 14, p2 in 15, p2t1g1 in 16 and u2k3...p2t1g1 since 18, differ from
+# it, so their rows list the name).
 HASHED_AT = {"KVARN_BALANCE_ITERS": "8", "KVARN_DECODE_CONFIG": "u2k2v1w4s3x1r128n8l2p1"}
 
 
