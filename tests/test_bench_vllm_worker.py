@@ -151,7 +151,7 @@ def test_timeout_row_says_how_far_the_burst_got(fake_vllm, monkeypatch):
     res = VllmEngine().run(_cell(fake_vllm), timeout_s=10)
     assert res.status == "timeout", res.error
     assert res.error.startswith("no result after 10 s; process group killed")
-    assert "s into the burst, 1 of 3 requests done, 7 output tokens" in res.error, res.error
+    assert "s into the burst, 1 of 3 requests done, 7 of 18 (39%) output tokens" in res.error, res.error
     secs = float(res.error.split("reached: ")[1].split(" s into")[0])
     assert 2 <= secs <= 10  # counted to the kill, not to the progress file's last write (~0 s into the burst)
     m = res.metrics
@@ -182,6 +182,9 @@ def test_progress_describes_each_phase(tmp_path):
     assert row_metrics(read_progress(tmp_path)) == {"engine_start_s": 152.1, "kv_tokens": 1129216.0,
                                                     "completed": 79.0, "num_requests": 96.0,
                                                     "total_output_tokens": 161792.0}
+    p.update(force=True, burst_tokens=196608)  # the burst's whole output (requests x output length)
+    assert "171,520 of 196,608 (87%) output tokens (313 out tok/s over the burst so far)" in \
+        describe(read_progress(tmp_path))
     p.update(force=True, generated_tokens=None)  # serve: only the finished requests' tokens are known
     assert "161,792 output tokens of finished requests" in describe(read_progress(tmp_path))
     (tmp_path / "progress.json").write_text("{half")

@@ -150,7 +150,8 @@ def run_offline(spec: dict) -> dict:
     n_done = n_out = n_out_done = 0  # requests finished, tokens generated, tokens of finished requests
     preempted = 0.0
     progress.update(force=True, phase="burst", engine_start_s=metrics["engine_start_s"], num_requests=len(prompts),
-                    completed=0, generated_tokens=0, total_output_tokens=0, burst_s=0.0, burst_started_at=time.time())
+                    completed=0, generated_tokens=0, total_output_tokens=0, burst_s=0.0, burst_started_at=time.time(),
+                    burst_tokens=len(prompts) * spec["output_len"])
     print(BURST_MARK, flush=True)
     start = time.perf_counter()
     try:
