@@ -472,8 +472,7 @@ def _key_operands(qT, sk, KSPLIT: tl.constexpr):
     column halves of the scores are added by _fold_halves."""
     x = qT * sk.to(tl.float32)[:, None]
     if KSPLIT == 3:
-        hi = x.to(tl.float16)
-        lo = (x - hi.to(tl.float32)).to(tl.float16)
+        hi, lo = _split16(x, 2)
         col = tl.arange(0, x.shape[1])
         both = tl.where((col < x.shape[1] // 2)[None, :], hi, lo)
         return both, both
@@ -652,7 +651,7 @@ def _pair_pipe_records(
             pz = tl.sum(p_e * zv_e[:, None] + p_o * zv_o[:, None]
                         - w[:, None] * (ps_e.to(tl.float16).to(tl.float32) + ps_o.to(tl.float16).to(tl.float32)),
                         axis=0)
-        else:
+        else:  # the same products in the measured default's order (computing ps first changes its compiled schedule)
             pz = tl.sum(p_e * zv_e[:, None] + p_o * zv_o[:, None], axis=0)
             ps_e = p_e * sv_e[:, None]
             ps_o = p_o * sv_o[:, None]
