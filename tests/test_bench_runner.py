@@ -248,7 +248,8 @@ def test_backend_knobs_key_only_kvarn_cells(tmp_path, monkeypatch):
     knob = {c.kv_dtype: c for c in build_plan(o).configs}
     from kvarn.kernels.decode import DEFAULT_CONFIG
 
-    moved = f"KVARN_BALANCE_ITERS=3;KVARN_DECODE_CONFIG={DEFAULT_CONFIG.name}"  # defaults since sessions 10 and 14
+    # defaults since sessions 10, 14 and 19
+    moved = f"KVARN_BALANCE_ITERS=3;KVARN_DECODE_CONFIG={DEFAULT_CONFIG.name};KVARN_DEFER_FLUSH=1"
     assert knob["kvarn_k4v2_g128"].backend_env == moved + ";KVARN_PREFILL=kernel"
     assert plain["kvarn_k4v2_g128"].backend_env == moved
     assert knob["kvarn_k4v2_g128"].hash != plain["kvarn_k4v2_g128"].hash

@@ -582,19 +582,34 @@ def test_builder_and_impl_run_a_step_on_cpu(fake_vllm):
         del os.environ["KVARN_FULL_GRAPH"]
 
 
+def test_deferred_flush_is_on_unless_set_to_0(monkeypatch):
+    from kvarn.vllm_plugin.common import backend_env, defer_flush_enabled
+
+    for value, on in ((None, True), ("", True), (" 1 ", True), ("0", False)):
+        if value is None:
+            monkeypatch.delenv("KVARN_DEFER_FLUSH", raising=False)
+        else:
+            monkeypatch.setenv("KVARN_DEFER_FLUSH", value)
+        assert defer_flush_enabled() is on, value
+        # the results record what ran: the flag is listed with its effective value
+        assert ("KVARN_DEFER_FLUSH=1" in backend_env()) is on and ("KVARN_DEFER_FLUSH" in backend_env()) is on
+
+
 def test_backend_env_lists_only_non_default_knobs():
     from kvarn.bench.config import BenchConfig
     from kvarn.vllm_plugin.common import backend_env
 
-    # the balancing iterations' default moved from 8 to 3 and the decode kernel's from the 4-warp 3-stage config to
-    # DEFAULT_CONFIG: listed unless at the old value, so rows measured there (hashed without them) are never resumed
-    # as runs at the new one
+    # the balancing iterations' default moved from 8 to 3, the decode kernel's from the 4-warp 3-stage config to
+    # DEFAULT_CONFIG and the deferred flush from off to on: listed unless at the old value, so rows measured there
+    # (hashed without them) are never resumed as runs at the new one
     from kvarn.kernels.decode import DEFAULT_CONFIG
 
-    old = {"KVARN_BALANCE_ITERS": "8", "KVARN_DECODE_CONFIG": "u2k2v1w4s3x1r128n8L2p1"}
-    assert backend_env({}) == f"KVARN_BALANCE_ITERS=3;KVARN_DECODE_CONFIG={DEFAULT_CONFIG.name}"
-    assert backend_env({"KVARN_BALANCE_ITERS": "8", "KVARN_DECODE_CONFIG": DEFAULT_CONFIG.name}) == \
-        f"KVARN_DECODE_CONFIG={DEFAULT_CONFIG.name}"
+    old = {"KVARN_BALANCE_ITERS": "8", "KVARN_DECODE_CONFIG": "u2k2v1w4s3x1r128n8L2p1", "KVARN_DEFER_FLUSH": "0"}
+    assert backend_env({}) == f"KVARN_BALANCE_ITERS=3;KVARN_DECODE_CONFIG={DEFAULT_CONFIG.name};KVARN_DEFER_FLUSH=1"
+    assert backend_env({"KVARN_BALANCE_ITERS": "8", "KVARN_DECODE_CONFIG": DEFAULT_CONFIG.name,
+                        "KVARN_DEFER_FLUSH": "0"}) == f"KVARN_DECODE_CONFIG={DEFAULT_CONFIG.name}"
+    # an earlier A/B row that set the flag has the hash of a run at the new default
+    assert backend_env({"KVARN_DEFER_FLUSH": "1"}) == backend_env({})
     assert backend_env({**old, "KVARN_PREFILL": "dense", "KVARN_FULL_GRAPH": "1"}) == ""
     assert backend_env({**old, "KVARN_PREFILL": "kernel", "KVARN_FULL_GRAPH": "0", "OTHER": "x"}) == \
         "KVARN_FULL_GRAPH=0;KVARN_PREFILL=kernel"

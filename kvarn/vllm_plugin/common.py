@@ -69,14 +69,15 @@ def fallback_reason(*, head_size: int, head_size_v: int | None, sliding_window, 
 # Results carry the non-default ones (provenance `kvarn_env`, and the bench configuration hash).
 BACKEND_KNOBS = {"KVARN_PREFILL": "dense", "KVARN_FULL_GRAPH": "1", "KVARN_AUTOTUNE": "0", "KVARN_DECODE_CONFIG": "",
                  "KVARN_STORE_BALANCE": "fused", "KVARN_STORE_DECODE_GRID": "rows", "KVARN_SINK": "16",
-                 "KVARN_BALANCE_ITERS": str(DEFAULT_BALANCE_ITERS), "KVARN_DEFER_FLUSH": "0", "KVARN_PDL": "1"}
+                 "KVARN_BALANCE_ITERS": str(DEFAULT_BALANCE_ITERS), "KVARN_DEFER_FLUSH": "1", "KVARN_PDL": "1"}
 
 
 def defer_flush_enabled() -> bool:
-    """KVARN_DEFER_FLUSH=1: decode steps leave the tile they complete in the 16-bit tail (read there) and the next
-    step's metadata build flushes every layer's completed tiles in one launch (kernels.store.flush_layers), instead
-    of one latency-bound flush per layer inside the step. Off by default until measured on the GPU."""
-    return os.environ.get("KVARN_DEFER_FLUSH", "0").strip() == "1"
+    """On (the default since session 19; KVARN_DEFER_FLUSH=0 turns it off): decode steps leave the tile they complete
+    in the 16-bit tail (read there) and the next step's metadata build flushes every layer's completed tiles in one
+    launch (kernels.store.flush_layers), instead of one latency-bound flush per layer inside the step (+3% on the
+    Qwen3-8B showcase, BENCHMARKS.md sessions 13 and 19). Set but empty counts as unset, as in backend_env."""
+    return (os.environ.get("KVARN_DEFER_FLUSH", "").strip() or BACKEND_KNOBS["KVARN_DEFER_FLUSH"]) == "1"
 
 
 # Knobs of the method itself (the PyTorch reference and the hf engine read them too, not only the vLLM backend).
@@ -86,8 +87,9 @@ METHOD_KNOBS = ("KVARN_BALANCE_ITERS", "KVARN_SINK")
 # (or merges with) rows measured at the old one. KVARN_BALANCE_ITERS: 8 until session 10, 3 since. KVARN_DECODE_CONFIG
 # (unset: kvarn.kernels.decode.DEFAULT_CONFIG): the 4-warp 3-stage pipe kernel until session 14 (compared lower-case;
 # later defaults, u2k2v1w2s5x1n8L2p1 in session 14, p2 in 15, p2t1g1 in 16 and u2k3...p2t1g1 since 18, differ from
-# it, so their rows list the name).
-HASHED_AT = {"KVARN_BALANCE_ITERS": "8", "KVARN_DECODE_CONFIG": "u2k2v1w4s3x1r128n8l2p1"}
+# it, so their rows list the name). KVARN_DEFER_FLUSH: off until session 19, on since (rows list it as =1, the same
+# hash as the earlier A/B rows that set it).
+HASHED_AT = {"KVARN_BALANCE_ITERS": "8", "KVARN_DECODE_CONFIG": "u2k2v1w4s3x1r128n8l2p1", "KVARN_DEFER_FLUSH": "0"}
 
 
 def _knob_default(key: str, default: str) -> str:

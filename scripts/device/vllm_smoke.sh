@@ -13,7 +13,7 @@
 # Logs: $OUT/<case>.log (full vLLM log), $OUT/<case>.json (results), $OUT/smoke_summary.txt. Last: a table.
 # A/B of a backend knob (token ids compared in full, e.g. the deferred flush under preemption):
 #   bash scripts/device/run.sh vllm_smoke:150@KVARN_SMOKE_CASES=smol_g128_preempt \
-#     vllm_smoke:150@KVARN_DEFER_FLUSH=1,KVARN_SMOKE_TAG=defer,KVARN_SMOKE_CASES=smol_g128_preempt
+#     vllm_smoke:150@KVARN_DEFER_FLUSH=0,KVARN_SMOKE_TAG=nodefer,KVARN_SMOKE_CASES=smol_g128_preempt
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 BUDGET="${KVARN_SMOKE_BUDGET:-390}"   # seconds for the whole script (engines are skipped once it is spent)
@@ -41,6 +41,8 @@ try:
     for k in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override", "load_format",
               "skip_tokenizer_init", "enable_chunked_prefill", "enable_prefix_caching"):
         if k in cfg: kw[k] = cfg[k]
+    if "preempt" in cfg.get("tasks", []):
+        kw["disable_log_stats"] = False  # get_metrics() asserts stat logging: the preemption count proves the case
     print("[case] LLM kwargs:", kw, flush=True)
     llm = LLM(**kw)
     res["start_s"] = round(time.time() - t0, 1)
@@ -107,7 +109,7 @@ try:
                    preempt_ids=[list(o.outputs[0].token_ids) for o in outs])  # compared in full across tagged runs
         try:
             m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}
-            res["num_preemptions"] = m.get("vllm:num_preemptions")
+            res["num_preemptions"] = m.get("vllm:num_preemptions", m.get("vllm:num_preemptions_total"))
         except Exception as e:
             res["num_preemptions"] = f"n/a ({type(e).__name__})"
         print(f"[case] preemption run: {res['preempt_done']}/8 complete, preemptions={res['num_preemptions']}", flush=True)
