@@ -99,7 +99,7 @@ class GpuMemSampler(threading.Thread):
         return self.peak
 
 
-def _metric_values(metrics) -> dict[str, float]:
+def metric_values(metrics) -> dict[str, float]:
     out: dict[str, float] = {}
     for m in metrics:
         v = getattr(m, "value", None)
@@ -144,7 +144,7 @@ def run_offline(spec: dict) -> dict:
         pass
     engine = llm.llm_engine
     metrics["engine_start_s"] += _warm_up(llm, spec, vocab)
-    preempt0 = preemption_count(_metric_values(llm.get_metrics()))  # counters are cumulative: the warm-up's out
+    preempt0 = preemption_count(metric_values(llm.get_metrics()))  # counters are cumulative: the warm-up's out
     recs: dict[str, RequestRecord] = {}
     peak_running = peak_waiting = kv_usage = 0.0
     n_done = n_out = n_out_done = 0  # requests finished, tokens generated, tokens of finished requests
@@ -190,7 +190,7 @@ def run_offline(spec: dict) -> dict:
                 n_out_done += r.output_tokens
         if now - last_sample > 0.25:
             last_sample = now
-            vals = _metric_values(llm.get_metrics())
+            vals = metric_values(llm.get_metrics())
             peak_running = max(peak_running, vals.get("vllm:num_requests_running", 0.0))
             peak_waiting = max(peak_waiting, vals.get("vllm:num_requests_waiting", 0.0))
             kv_usage = max(kv_usage, vals.get("vllm:kv_cache_usage_perc", 0.0))
@@ -200,7 +200,7 @@ def run_offline(spec: dict) -> dict:
                         peak_running=peak_running, peak_waiting=peak_waiting, kv_usage_peak=kv_usage,
                         preemptions=preempted)
     duration = time.perf_counter() - start
-    vals = _metric_values(llm.get_metrics())
+    vals = metric_values(llm.get_metrics())
     metrics.update(summarize(list(recs.values()), duration))
     metrics.update(peak_running=peak_running, peak_waiting=peak_waiting, kv_usage_peak=kv_usage,
                    preemptions=preemption_count(vals) - (0.0 if math.isnan(preempt0) else preempt0))
@@ -279,7 +279,7 @@ def _generate_only(llm, prompts, params, metrics, info, kwargs, preempt0: float 
     recs = [RequestRecord(prompt_len=len(p), output_tokens=len(o.outputs[0].token_ids), success=True)
             for p, o in zip(prompts, outs)]
     metrics.update(summarize(recs, duration, timings=False))
-    vals = _metric_values(llm.get_metrics())
+    vals = metric_values(llm.get_metrics())
     metrics["preemptions"] = preemption_count(vals) - (0.0 if math.isnan(preempt0) else preempt0)  # not the warm-up's
     info["vllm_kwargs"] = json.dumps(kwargs, default=str, sort_keys=True)
     return {"status": "ok", "error": "", "metrics": metrics, "info": info}
