@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from .. import models
 from ..errors import KvarnError
 from ..formats import KVFormat
 
@@ -97,8 +98,12 @@ def pick_engine(engine: str) -> tuple[str, str]:
 
 
 def model_source(model: str, weights: str | None) -> str:
-    """What to load: --weights if given, else --model (a local folder, 'smollm2-135m', or a hub id in the cache)."""
-    return weights or model
+    """What to load: --weights if given, else --model: an installed kvarn.models name loads its converted folder;
+    otherwise the name itself (a local folder, 'smollm2-135m' from its GGUF, or a hub id in the cache)."""
+    if weights:
+        return weights
+    d = models.installed(model)
+    return str(d) if d is not None else model
 
 
 def load_tokenizer(src: str):
@@ -259,6 +264,7 @@ class VLLMConfig:
     timeout_s: float = 1800.0
     log_dir: str | None = None
     extra: dict = field(default_factory=dict)
+    share: int = 1  # engines side by side on the GPU: each takes 1/share of the memory fraction
 
 
 def _end_group(proc: subprocess.Popen, leftovers_only: bool = False) -> None:
@@ -306,6 +312,8 @@ class VLLMEngine:
         elif max_num_seqs:
             a["max_num_seqs"] = max_num_seqs
         a.update(self.cfg.extra)
+        if self.cfg.share > 1:
+            a["gpu_memory_utilization"] = round(float(a["gpu_memory_utilization"]) / self.cfg.share, 3)
         return a
 
     def _run(self, fmt: KVFormat, job: dict) -> Iterator[dict]:

