@@ -371,3 +371,23 @@ def test_summary_table_fits_80_columns_and_keeps_what_differs():
     con.print(render(rows, width=200))
     text = con.file.getvalue()
     assert "failed" in text and "status" in text and "+1.376" in text
+
+
+def test_concurrent_formats_match_sequential(tmp_path, monkeypatch):
+    """--concurrency runs kv dtypes side by side (vLLM only): same rows and paired summaries, baseline order kept,
+    and each engine gets 1/n of the memory fraction."""
+    from types import SimpleNamespace
+
+    kv = "kvarn_k4v2_g128,turboquant_4bit_nc,fp8"
+    seq, _ = _run(tmp_path / "seq", task="ppl", kv_dtypes=kv, context="50", limit=3)
+    monkeypatch.setattr(R, "pick_engine", lambda e: ("vllm", "test"))
+    eng = FakeEngine()
+    eng.cfg = SimpleNamespace(share=1, max_model_len=100)
+    par, _ = _run(tmp_path / "par", task="ppl", engine=eng, kv_dtypes=kv, context="50", limit=3, concurrency=4)
+    assert eng.cfg.share == 4
+    assert [r["kv_dtype"] for r in par] == [r["kv_dtype"] for r in seq] == ["auto", *kv.split(",")]
+    for a, b in zip(seq, par):
+        assert a["ppl"] == pytest.approx(b["ppl"]) and a["delta_vs_fp16"] == pytest.approx(b["delta_vs_fp16"])
+    assert len(ResultsStore(tmp_path / "par" / "res").read("eval")) == 4
+    with pytest.raises(KvarnError, match="--concurrency must be >= 1"):
+        R.plan(R.EvalOptions(task="ppl", concurrency=0))
