@@ -13,7 +13,7 @@ import torch
 
 from kvarn.errors import KvarnError
 from kvarn.formats import get_format
-from kvarn.kernels import decode_attention, prefill_attention, store_tail_tokens, store_tiles
+from kvarn.kernels import decode_attention, store_tail_tokens, store_tiles
 from kvarn.method.reference import dequantize_tiles, quantize_tiles, reference_attention, unpack_records
 
 # ------------------------------------------------------------------------------------------------ helpers
