@@ -255,7 +255,8 @@ def test_gpu_dense_prefill_matches_reference(dtype, rotated):
     varlen (bottom-right causal) when importable, else the torch varlen; vs the fp32 reference on the same cache."""
     import numpy as np
 
-    from kvarn.vllm_plugin import ops
+    from kvarn.method import paged
+    from kvarn.vllm_plugin import dense_prefill, ops, step_plan
 
     fmt = get_format("kvarn_k4v2_g128")
     D, Hq, Hk = 128, 32, 8
@@ -280,7 +281,7 @@ def test_gpu_dense_prefill_matches_reference(dtype, rotated):
                                           **({} if ver is None else {"fa_version": ver}))
     except Exception:  # noqa: BLE001 - no vLLM: the torch varlen on the GPU still checks the materialization
         pass
-    out = ops.dense_prefill(plan, q, st["cache"], st["block_table"], st["tail_k"], st["tail_v"], fmt, scale, varlen,
+    out = dense_prefill.dense_prefill(plan, q, st["cache"], st["block_table"], st["tail_k"], st["tail_v"], fmt, scale, varlen,
                             rotated=rotated)
     assert torch.isfinite(out.float()).all()
     assert rel_err(out.float(), ref) < 1e-2  # K/V rounded to 16 bits (and FA rounds p to 16 bits)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvarn.capacity import DEFAULT_KVARN_SEQS
+from kvarn.capacity import DEFAULT_MAX_NUM_SEQS
 from kvarn.formats import get_format, kvarn_formats
 from kvarn.vllm_plugin import common, patches
 from kvarn.vllm_plugin.tails import STEP, TAILS, SlotTable
@@ -371,7 +371,7 @@ def test_config_checks_name_the_fix(fake_vllm, monkeypatch):
     patches.apply()
     EA = fake_vllm.vllm_engine_arg_utils.EngineArgs
     cfg = EA(kv_cache_dtype="kvarn_k4v2_g128").create_engine_config()
-    assert cfg.cache_config.block_size == 128 and cfg.scheduler_config.max_num_seqs == DEFAULT_KVARN_SEQS
+    assert cfg.cache_config.block_size == 128 and cfg.scheduler_config.max_num_seqs == DEFAULT_MAX_NUM_SEQS
     cfg = EA(kv_cache_dtype="kvarn_k4v2_g64", max_num_seqs=32).create_engine_config()
     assert cfg.cache_config.block_size == 64 and cfg.scheduler_config.max_num_seqs == 32
     with pytest.raises(ValueError, match="--block-size 128"):

@@ -40,7 +40,8 @@ import numpy as np
 import torch
 from triton import knobs
 from kvarn.formats import get_format
-from kvarn.vllm_plugin import ops
+from kvarn.method import paged
+from kvarn.vllm_plugin import dense_prefill, ops, step_plan
 from kvarn.vllm_plugin.warmup import _torch_varlen, warm_up
 
 compiles, phase = [], ["warm-up"]
@@ -63,8 +64,8 @@ fa = _torch_varlen(D ** -0.5)  # the warm-up's own FlashAttention stand-in (torc
 lens = np.zeros(R, dtype=np.int64)
 for qlen in (np.full(R, g + 9), np.array([1] * (R - 1) + [300])):
     qsl = np.concatenate([[0], np.cumsum(qlen)]); seq = lens + qlen
-    plan = ops.build_plan(qsl, seq, R, slots, bt, g, dev, sink=fmt.sink_tokens)
-    ops.update_sink_lens(plan, tags, bt, sl_buf)
+    plan = step_plan.plan_step(qsl, seq, R, slots, bt, g, dev, sink=fmt.sink_tokens)
+    step_plan.update_sink_lens(plan, tags, bt, sl_buf)
     n = int(qsl[-1]); q = torch.randn(n, Hq, D, device=dev, dtype=dt)
     k, v = torch.randn(n, H, D, device=dev, dtype=dt), torch.randn(n, H, D, device=dev, dtype=dt)
     ops.store(plan, k, v, cache, tk, tv, fmt)
@@ -72,9 +73,9 @@ for qlen in (np.full(R, g + 9), np.array([1] * (R - 1) + [300])):
                   tk, tv, fmt, D ** -0.5, raw_varlen=fa)
     lens = seq
 seq = lens + 1; sd = torch.from_numpy(seq.astype(np.int32)).to(dev); td = torch.from_numpy(slots).to(dev)
-plan = ops.build_plan(np.arange(R + 1), seq, R, slots, bt, g, dev, decode_minimal=True, tail_slots_dev=td,
+plan = step_plan.plan_step(np.arange(R + 1), seq, R, slots, bt, g, dev, decode_minimal=True, tail_slots_dev=td,
                       sink=fmt.sink_tokens)
-ops.update_sink_lens(plan, tags, bt, sl_buf)
+step_plan.update_sink_lens(plan, tags, bt, sl_buf)
 q = torch.randn(R, Hq, D, device=dev, dtype=dt)
 ops.decode_step(plan, q, q[:, :H], q[:, :H], torch.empty_like(q), cache, bt, sd, td, tk, tv, fmt, D ** -0.5)
 torch.cuda.synchronize()

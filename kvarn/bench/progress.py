@@ -27,8 +27,10 @@ class ProgressFile:
 
     def __init__(self, workdir: str | os.PathLike | None, every_s: float | None = None):
         self.path = Path(workdir) / FILE if workdir else None
-        if every_s is None:  # KVARN_PROGRESS_S: tests write every update
-            every_s = float(os.environ.get("KVARN_PROGRESS_S", "5"))
+        if every_s is None:  # tests set KVARN_PROGRESS_S=0: every update written
+            from ..settings import get
+
+            every_s = get("KVARN_PROGRESS_S")
         self.every_s, self.data, self._last = every_s, {}, -math.inf
 
     def update(self, force: bool = False, **fields) -> None:
