@@ -94,6 +94,21 @@ def decode_reference(q, setup, fmt, D, scale, defer=False):
 
 
 
+def prefill_reference(q, qsl, setup, fmt, D, scale):
+    """fp32 oracle of continuation chunks: request b's queries qsl[b] .. qsl[b + 1] are its last positions and
+    attend causally over the cache + tail as they hold them."""
+    outs = []
+    for b in range(len(qsl) - 1):
+        a, e = int(qsl[b]), int(qsl[b + 1])
+        if e == a:
+            continue
+        K, V = request_kv(setup, fmt, D, b)
+        s = int(setup["seq_lens"][b])
+        o = reference_attention(q[a:e].float().transpose(0, 1), K, V, scale, causal_offset=s - (e - a))
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
 # ------------------------------------------------------------------------------------------------ store
 
 
