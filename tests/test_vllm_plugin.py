@@ -302,7 +302,7 @@ def test_layers_kvarn_cannot_serve_fall_back_to_16bit(fake_vllm, caplog):
         sw2 = Attention(9, 64, 0.125, 3, cache_config=cc, per_layer_sliding_window=512, prefix="l2")
         cross = Attention(9, 64, 0.125, 3, cache_config=cc, attn_type="encoder_decoder", prefix="l3")
         odd = Attention(9, 96, 0.1, 3, cache_config=cc, prefix="l4")
-        wide = Attention(8, 256, 0.0625, 2, cache_config=cc, prefix="l6")  # served since session 8 (GPU tests)
+        wide = Attention(8, 256, 0.0625, 2, cache_config=cc, prefix="l6")  # served (the GPU tests cover D=256)
     assert sw.kv_cache_dtype == sw2.kv_cache_dtype == cross.kv_cache_dtype == odd.kv_cache_dtype == "auto"
     assert wide.kv_cache_dtype == "kvarn_k4v2_g128"
     assert cc.cache_dtype == "kvarn_k4v2_g128"  # the shared config is untouched

@@ -230,7 +230,7 @@ def _kv_format(name: str):
     return fmt
 
 
-def _paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev, gen_seed=0):
+def paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev, gen_seed=0):
     """A KVarN paged cache filled by our own store kernel (real records), tail buffers and metadata."""
     from ..kernels.store import store_tiles
 
@@ -359,7 +359,7 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
 
     iters = iters or (50 if dev.type == "cuda" else 2)
     B, ctx, Hq, Hk, D = batch, context, q_heads, kv_heads, head_dim
-    st = _paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev)
+    st = paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev)
     q = torch.randn(B, Hq, D, device=dev, dtype=dtype)
     scale = 1 / math.sqrt(D)
     out = torch.empty_like(q)
@@ -416,7 +416,7 @@ def bench_prefill(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device=
     iters = iters or (20 if dev.type == "cuda" else 1)
     B, ctx, Hq, Hk, D = batch, context, q_heads, kv_heads, head_dim
     chunk = min(chunk or (512 if dev.type == "cuda" else 16), ctx)
-    st = _paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev)
+    st = paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev)
     qsl = torch.arange(B + 1, dtype=torch.int32, device=dev) * chunk
     q = torch.randn(B * chunk, Hq, D, device=dev, dtype=dtype)
     scale = 1 / math.sqrt(D)
@@ -533,7 +533,7 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
     layers_fn = lambda: flush_layers(tails_k, tails_v, caches, one_slot, ids, fmt)  # noqa: E731
     layers_ms = step_ms(layers_fn, 1, dev, iters)
     layers_host_ms = time_ms(layers_fn, dev, iters, warmup=1)
-    st = _paged_kvarn(fmt, batch, context, H, D, dtype, dev)
+    st = paged_kvarn(fmt, batch, context, H, D, dtype, dev)
     q = torch.randn(batch, q_heads, D, device=dev, dtype=dtype)
     dec = time_ms(lambda: decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"],
                                            st["tail_v"], st["tail_slots"], fmt, 1 / math.sqrt(D),

@@ -83,8 +83,8 @@ def describe(progress: dict, now: float | None = None) -> str:
     if not math.isnan(gen):
         # the rate over the burst so far, from one write of the file (tokens and seconds alike), and the share of the
         # burst's output behind it: where every request decodes together to the end, the finished cell reads within a
-        # few percent of it near the end (session 17: 82%), but a rate from the first 28% of long outputs is an upper
-        # estimate (session 18: the rest decodes at longer contexts)
+        # few percent of it near the end, but a rate from the first part of long outputs is an upper estimate (the
+        # rest decodes at longer contexts)
         so_far = as_float(progress.get("burst_s"))
         want = as_float(progress.get("burst_tokens"))
         share = f"of {want:,.0f} ({gen / want:.0%}) " if want > 0 else ""
