@@ -318,9 +318,9 @@ def _split_attention(
         qn = n % (BN // 2)
     else:
         qn = n
+    q_row = (b * HQ + kvh * GROUP + qn).to(tl.int64)
     dp = tl.arange(0, DP)
-    q0, q1, q2, q3, qnorm = _query_planes(qr_ptr + (b * HQ + kvh * GROUP + qn).to(tl.int64)[None, :] * D
-                                          + dp[:, None], (qn < GROUP)[None, :], DP, PERK)
+    q0, q1, q2, q3, qnorm = _query_planes(qr_ptr + q_row[None, :] * D + dp[:, None], (qn < GROUP)[None, :], DP, PERK)
     u = tl.arange(0, G2)
     v = tl.arange(0, D2)
     bt = tl.arange(0, BT)
