@@ -17,8 +17,7 @@ import time
 import numpy as np
 import torch
 
-from kvarn.method import paged
-from kvarn.vllm_plugin import dense_prefill, ops, step_plan
+from kvarn.vllm_plugin import step_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the oracle lives with the tests
 from tests.plan_reference import build_plan_reference  # noqa: E402

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvarn.method import paged
-from kvarn.vllm_plugin import dense_prefill, ops, step_plan
+from kvarn.vllm_plugin import step_plan
 from tests.plan_reference import build_plan_reference
 
 

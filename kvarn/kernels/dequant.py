@@ -18,7 +18,6 @@ plane j of PV holds tokens j*BT.., V rows = ((codes_j * sV + zV) * cV) @ Hn. Hea
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from ..errors import KvarnError
