@@ -19,7 +19,7 @@ H200_GIB = 143771 / 1024  # what torch / nvidia-smi report for an H200 (143,771 
 # calibrated on vLLM 0.26.0 / H200 / Qwen3-8B shape: 0.9 x 140.40 - 15.26 (weights) - 108.74 (KV) GiB.
 DEFAULT_OVERHEAD_GIB = 2.37
 DEFAULT_BLOCK = 16
-DEFAULT_KVARN_SEQS = 256  # tail slots reserved for KVarN when --max-num-seqs is not given
+DEFAULT_MAX_NUM_SEQS = 256  # tail slots reserved for KVarN when --max-num-seqs is not given
 
 
 @dataclass
@@ -98,7 +98,7 @@ def capacity(shape: ModelShape, fmt: KVFormat, *, tp: int = 1, gpu_mem_gib: floa
     avail = available_kv_bytes(shape, tp, gpu_mem_gib, utilization, weights_dtype, overhead_gib)
     per_tok = bytes_per_token(shape, fmt, tp)
     fixed = fixed_bytes_per_request(shape, fmt, tp)
-    reserved = (max_num_seqs or DEFAULT_KVARN_SEQS) if fixed else 0
+    reserved = (max_num_seqs or DEFAULT_MAX_NUM_SEQS) if fixed else 0
     block = block_size_for(shape, fmt)
     pool = avail - reserved * fixed
     num_blocks = max(0, int(pool // (per_tok * block)))

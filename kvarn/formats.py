@@ -7,21 +7,20 @@ dtypes it runs with, and the fixed 16-bit per-request buffers it needs (KVarN's 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
+from . import settings
 from .errors import KvarnError, choices
 
 FP16_NAMES = ("auto", "float16", "bfloat16")
 
 
 # Balancing iterations per tile: 3, where kvarn-method.md ships 8 (16 in the paper; "accuracy identical"). They are
-# the store's latency chain: one tile flush x 36 layers on the H200 took 2.58 ms at 8, 1.54 at 3, 1.35 at 2 (session
-# 10, BENCHMARKS.md). Accuracy (CPU reference, BENCHMARKS.md "Method fidelity"): SmolLM2 and heavy-tailed synthetic
-# K/V give the same value / attention errors at 8, 4, 3 and 2 to the third digit, perplexity within noise; 1 is 3%
-# worse. 3 keeps one iteration of margin above that knee. KVARN_BALANCE_ITERS=<n> (read at import) changes the
-# method for the store kernels and the reference alike.
-DEFAULT_BALANCE_ITERS = 3
+# the store's latency chain (a flush at 3 takes ~60% of one at 8, BENCHMARKS.md). Accuracy (CPU reference,
+# BENCHMARKS.md "Method fidelity"): SmolLM2 and heavy-tailed synthetic K/V give the same value / attention errors at
+# 8, 4, 3 and 2 to the third digit, perplexity within noise; 1 is 3% worse. 3 keeps one iteration of margin above
+# that knee. KVARN_BALANCE_ITERS (kvarn.settings) changes the method for the store kernels and the reference alike.
+DEFAULT_BALANCE_ITERS = settings.BY_NAME["KVARN_BALANCE_ITERS"].default
 
 
 @dataclass(frozen=True)
@@ -103,21 +102,14 @@ def kvarn_record_bytes(head_dim: int, group: int, key_bits: int, value_bits: int
 # tail buffer beside the unfinished tile. CPU reference, SmolLM2-135M, Moby-Dick 8 x 1024 windows, chunk 128,
 # kvarn_k4v2_g128 ppl vs fp16 (BENCHMARKS.md): no sink +1.81%, 4 tokens +0.95%, 16 +0.81%, 32 +1.10%, 64 +0.57%,
 # 128 (the whole first tile) +0.32% (n = 8 windows: +-0.3-0.6% noise). 16 tokens cost 1/8 of the tail buffer
-# (~0.6 GB at 256 requests on Qwen3-8B), 128 would cost 4.8 GB (capacity 4.54x -> ~4.35x). KVARN_SINK=<n> (capped at
-# the tile - 1; read at import, so set it for every process) trades capacity for accuracy.
-KVARN_SINK = int(os.environ.get("KVARN_SINK", "16"))
-
-
-# this process's count (DEFAULT_BALANCE_ITERS unless KVARN_BALANCE_ITERS is set)
-KVARN_BALANCE_ITERS = int(os.environ.get("KVARN_BALANCE_ITERS", str(DEFAULT_BALANCE_ITERS)))
+# (~0.6 GB at 256 requests on Qwen3-8B), 128 would cost 4.8 GB (capacity 4.54x -> ~4.35x). KVARN_SINK (kvarn.settings,
+# read once per process, so set it for every process) trades capacity for accuracy.
 
 
 def _sink_for(g: int) -> int:
     # fewer tokens than a tile (the kernels keep part of the first tile's record visible); a larger KVARN_SINK is
     # capped per preset (g64 presets hold at most 63) rather than breaking the import for every preset
-    if KVARN_SINK < 0:
-        raise KvarnError(f"KVARN_SINK={KVARN_SINK}: the sink holds 0 or more tokens")
-    return min(KVARN_SINK, g - 1)
+    return min(settings.get("KVARN_SINK"), g - 1)
 
 
 def _kvarn(kb: int, vb: int, g: int, desc: str) -> KVFormat:
@@ -130,7 +122,7 @@ def _kvarn(kb: int, vb: int, g: int, desc: str) -> KVFormat:
         block_size=g,
         tail_tokens=g,
         sink_tokens=_sink_for(g),
-        balance_iters=KVARN_BALANCE_ITERS,
+        balance_iters=settings.get("KVARN_BALANCE_ITERS"),
         description=desc,
     )
 

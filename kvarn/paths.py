@@ -1,12 +1,13 @@
 """Where bundled data lives: `suites/` in a checkout, `kvarn.suites` once installed."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 
 def suites_dir() -> Path:
-    env = os.environ.get("KVARN_SUITES")
+    from .settings import get
+
+    env = get("KVARN_SUITES")
     if env:
         return Path(env)
     repo = Path(__file__).resolve().parents[1] / "suites"

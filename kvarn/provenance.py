@@ -128,6 +128,6 @@ def provenance() -> dict:
 
 
 def _kvarn_env() -> str:
-    from .vllm_plugin.common import backend_env
+    from .settings import result_env
 
-    return backend_env()
+    return result_env()

@@ -405,7 +405,7 @@ def run_suite(suite: Suite, steps: list[Step], out: str | Path, *, fail_fast: bo
                 "suite_sha256": hashlib.sha256(text.encode()).hexdigest(), "results": str(out),
                 "started_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "steps": []}
     (out / "suite.yaml").write_text(text)
-    env = {**os.environ, "KVARN_SUITE_ID": suite_id}
+    env = dict(os.environ)
     for i, s in enumerate(steps, 1):
         echo(f"[{i}/{len(steps)}] {s.title}: {s.command()}")
         log = logs / f"{i:02d}-{s.kind}.log"

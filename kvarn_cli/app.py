@@ -7,7 +7,11 @@ import typer
 
 from kvarn.errors import KvarnError
 
-from .commands import bench, capacity, data, env, eval as eval_cmd, fidelity, gate, microbench, profile, report, results, suite
+try:
+    from .commands import bench, capacity, data, env, eval as eval_cmd, fidelity, gate, microbench, profile, report, results, suite
+except KvarnError as _e:  # a bad KVARN_* setting, read as the formats load: one line, exit 2
+    print(f"error: {_e}", file=sys.stderr)
+    raise SystemExit(_e.exit_code) from None
 from .console import err
 
 app = typer.Typer(

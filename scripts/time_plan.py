@@ -1,4 +1,4 @@
-"""Host-side timing of the vLLM backend's per-step plan builder (`kvarn.vllm_plugin.ops.build_plan`), on fake
+"""Host-side timing of the vLLM backend's per-step plan builder (`kvarn.vllm_plugin.step_plan.plan_step`), on fake
 metadata shaped like a real step. Not a test: `python scripts/time_plan.py [--device cpu] [--ref]`.
 
 Cases (g = 128, the default preset's tile): pure decode of B = 64 / 256 rows with contexts 4K-16K (some rows
@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from kvarn.vllm_plugin import ops
+from kvarn.vllm_plugin import step_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the oracle lives with the tests
 from tests.plan_reference import build_plan_reference  # noqa: E402
@@ -75,7 +75,7 @@ def main():
     cases = [("decode B=64", decode_batch(64, rng)), ("decode B=256", decode_batch(256, rng)),
              ("mixed 60 dec + 4 chunks + 4 pad", mixed_batch(60, rng)),
              ("mixed 250 dec + 4 chunks + 2 pad", mixed_batch(250, rng, pad_rows=2))]
-    fns = [("build_plan", ops.build_plan)]
+    fns = [("build_plan", step_plan.plan_step)]
     if a.ref:
         fns.append(("reference loop", build_plan_reference))
     print(f"host-side time per call, CPU, median / min over {a.reps} calls (ms)")

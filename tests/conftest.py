@@ -10,7 +10,15 @@ except ImportError:  # pragma: no cover
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-    # The shipped store kernel ("fused" balancing) takes ~50 s per D=128 tile store in the interpreter against ~1 s
-    # for "log": CPU runs default to "log" (the same contract, checked by every store test), and
-    # tests/test_kernels_store_variants.py runs "fused" itself; on a GPU the tests check the shipped default.
-    os.environ.setdefault("KVARN_STORE_BALANCE", "log")
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _settings_read_per_test():
+    """A process reads its KVARN_* settings once (kvarn.settings); a test that sets one (monkeypatch.setenv) gets it
+    read afresh, and the next test does not inherit it."""
+    from kvarn import settings
+
+    settings.reload()
+    yield
+    settings.reload()

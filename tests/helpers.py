@@ -14,3 +14,75 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subproce
         e.update(env)
     return subprocess.run([sys.executable, "-m", "kvarn_cli.app", *args], capture_output=True, text=True,
                           env=e, timeout=timeout)
+
+
+# ---- the backend's kernel path against its torch path on the same steps (test_vllm_gpu, test_vllm_plugin_ops)
+
+# Why the two paths agree to ATOL_KERNEL_PATH when the attention reads the same records (the kernel side's cache
+# and tails, copied): the kernel side rounds to fp16 where the torch side keeps fp32, each a relative error of at
+# most 2^-11 on a term of magnitude <= max|V| (about 4.5 for randn K/V at these sizes): the output itself, the
+# p * sV operand of the value MMAs, and the 16-bit K/V the dense path materializes (the values directly, the keys
+# through the softmax weights, twice the score error at most). 4 x 2^-11 x 4.5 = 8.8e-3; the keys' q * sK operand
+# is split hi + lo (~2^-22) and the tail's dots multiply 16-bit operands exactly. The codes themselves are not
+# compared through the outputs: a value on a rounding boundary may round the other way in the kernel's fp32
+# order (one step of a 2-bit value, 1.5 sigma), so the records are checked on their own (>= 99.5% equal bytes).
+ATOL_KERNEL_PATH = 1e-2
+RTOL_KERNEL_PATH = 2.0 ** -10
+
+
+def kernel_path_vs_torch_path(name: str, kernel_device: str, use_kernels: bool | None = None):
+    """Two requests through prefill, a continuation chunk that completes a tile, mixed and decode steps, on
+    `kernel_device` in fp16 (use_kernels: force the kernels, e.g. through the interpreter on a CPU) and through the
+    torch path on the CPU in fp32 over a copy of the kernel side's cache. Yields (step, kernel out, torch out) and
+    finally (None, kernel state, torch state)."""
+    import numpy as np
+    import torch
+
+    from kvarn.formats import get_format
+    from kvarn.vllm_plugin import ops, step_plan
+
+    fmt = get_format(name)
+    D, HK, HQ, g = 64, 3, 9, fmt.group
+    gen = torch.Generator().manual_seed(0)
+    # both sides see the same fp16-rounded inputs
+    base = {rid: {x: torch.randn(3 * g, h, D, generator=gen).half().float()
+                  for x, h in (("q", HQ), ("k", HK), ("v", HK))} for rid in ("a", "b")}
+    states = {}
+    for dev, dt in ((kernel_device, torch.float16), ("cpu", torch.float32)):
+        states[dev, dt] = {"done": {"a": 0, "b": 0}, "slot": {"a": 0, "b": 1},
+                           "blocks": {"a": torch.tensor([1, 2, 3], dtype=torch.int32),
+                                      "b": torch.tensor([4, 5, 6], dtype=torch.int32)},
+                           "cache": torch.zeros(8, HK, fmt.record_bytes(D), dtype=torch.uint8, device=dev),
+                           "tk": torch.zeros(3, HK, g, D, dtype=dt, device=dev),
+                           "tv": torch.zeros(3, HK, g, D, dtype=dt, device=dev)}
+    steps = [[("a", g // 2)], [("a", g), ("b", g + 5)], [("a", 1), ("b", 7)], [("a", 1), ("b", 1)]]
+    kern_key, ref_key = (kernel_device, torch.float16), ("cpu", torch.float32)
+    for sched in steps:
+        outs = []
+        for key in (kern_key, ref_key):
+            dev, dt = key
+            st = states[key]
+            qsl, seq, rows, qs, ks, vs = [0], [], [], [], [], []
+            for rid, n in sched:
+                a = st["done"][rid]
+                for lst, x in ((qs, "q"), (ks, "k"), (vs, "v")):
+                    lst.append(base[rid][x][a:a + n])
+                st["done"][rid] = a + n
+                seq.append(a + n); qsl.append(qsl[-1] + n); rows.append(st["slot"][rid])
+            bt = torch.stack([st["blocks"][rid] for rid, _ in sched]).to(dev)
+            q, k, v = (torch.cat(x).to(dev, dt) for x in (qs, ks, vs))
+            plan = step_plan.plan_step(np.array(qsl), np.array(seq), len(seq), np.array(rows, dtype=np.int32), bt, g,
+                                       dev)
+            kw = {} if key == ref_key else {"use_kernels": use_kernels}
+            ops.store(plan, k, v, st["cache"], st["tk"], st["tv"], fmt, **kw)
+            if key == ref_key:  # attend over the kernel side's records (see ATOL_KERNEL_PATH)
+                kern = states[kern_key]
+                cache, tk, tv = kern["cache"].cpu(), kern["tk"].cpu().float(), kern["tv"].cpu().float()
+            else:
+                cache, tk, tv = st["cache"], st["tk"], st["tv"]
+            out = torch.zeros_like(q)
+            ops.attention(plan, q, k, v, out, cache, bt, torch.tensor(seq, dtype=torch.int32, device=dev), tk, tv,
+                          fmt, D ** -0.5, **kw)
+            outs.append(out.float().cpu())
+        yield sched, outs[0], outs[1]
+    yield None, states[kern_key], states[ref_key]

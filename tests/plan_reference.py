@@ -1,11 +1,11 @@
-"""The per-row plan builder that kvarn.vllm_plugin.ops.build_plan replaced: the oracle its vectorized version is
+"""The per-row plan builder that kvarn.vllm_plugin.step_plan.plan_step replaced: the oracle its vectorized version is
 tested against (tests/test_vllm_plugin_plan.py) and timed against (scripts/time_plan.py --ref)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from kvarn.vllm_plugin.ops import StepPlan, _t
+from kvarn.vllm_plugin.step_plan import StepPlan, to_device as _t
 
 
 def _decode_only(qsl, R) -> bool:

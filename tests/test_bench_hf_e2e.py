@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from kvarn.bench import plan
 from kvarn.results import ResultsStore
 from kvarn_cli.app import main
 
@@ -19,7 +20,7 @@ def tiny_default(tmp_path, monkeypatch):
     d = tmp_path / "tiny-llama"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(TINY_LLAMA))
-    monkeypatch.setenv("KVARN_BENCH_DEFAULT_MODEL", str(d))
+    monkeypatch.setattr(plan, "DEFAULT_MODEL", str(d))
     from kvarn.bench.engines import vllm_engine
 
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)  # the CPU machine case, even where vLLM exists
@@ -59,7 +60,6 @@ def test_embedded_default_with_the_real_smollm2(tmp_path, monkeypatch, capsys):
     from kvarn.bench.engines import vllm_engine
 
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
-    monkeypatch.delenv("KVARN_BENCH_DEFAULT_MODEL", raising=False)
     res = tmp_path / "res"
     assert main(["bench", "--out", str(res)]) == 0
     df = ResultsStore(res).read("bench").set_index("kv_dtype")

@@ -232,26 +232,22 @@ def test_interrupt_kills_the_worker_group(tmp_path):
     assert not (tmp_path / "res" / "parts").exists()  # nothing written for the interrupted cell
 
 
-def test_backend_knobs_key_only_kvarn_cells(tmp_path, monkeypatch):
-    """KVARN_PREFILL=kernel (a backend knob) makes the KVarN cells new ones; the FP16 / FP8 cells stay the same, so an
-    A/B of the knob reuses them (and the ratios vs FP16)."""
+def test_result_settings_key_only_kvarn_cells(tmp_path, monkeypatch):
+    """A result-changing setting (KVARN_SINK) makes the KVarN cells new ones; the FP16 / FP8 cells stay the same, so
+    an A/B of the setting reuses them (and the ratios vs FP16)."""
+    from kvarn import settings
     from kvarn.bench.engines import vllm_engine
     from kvarn.bench.plan import BenchOptions, build_plan
 
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
     monkeypatch.setattr(vllm_engine, "visible_gpus", lambda: [{"index": "0", "name": "H200", "capability": "9.0"}])
     o = BenchOptions(model="qwen3-8b", kv_dtype="auto,fp8,kvarn_k4v2_g128", engine="vllm", out=str(tmp_path / "r"))
-    monkeypatch.delenv("KVARN_PREFILL", raising=False)
-    monkeypatch.delenv("KVARN_STORE_BALANCE", raising=False)  # tests/conftest.py pins it on CPU-only machines
     plain = {c.kv_dtype: c for c in build_plan(o).configs}
-    monkeypatch.setenv("KVARN_PREFILL", "kernel")
+    monkeypatch.setenv("KVARN_SINK", "0")
+    settings.reload()
     knob = {c.kv_dtype: c for c in build_plan(o).configs}
-    from kvarn.kernels.decode import DEFAULT_CONFIG
-
-    # defaults since sessions 10, 14 and 19
-    moved = f"KVARN_BALANCE_ITERS=3;KVARN_DECODE_CONFIG={DEFAULT_CONFIG.name};KVARN_DEFER_FLUSH=1"
-    assert knob["kvarn_k4v2_g128"].backend_env == moved + ";KVARN_PREFILL=kernel"
-    assert plain["kvarn_k4v2_g128"].backend_env == moved
+    assert plain["kvarn_k4v2_g128"].backend_env == "KVARN_BALANCE_ITERS=3;KVARN_DEFER_FLUSH=1;KVARN_SINK=16"
+    assert knob["kvarn_k4v2_g128"].backend_env == "KVARN_BALANCE_ITERS=3;KVARN_DEFER_FLUSH=1;KVARN_SINK=0"
     assert knob["kvarn_k4v2_g128"].hash != plain["kvarn_k4v2_g128"].hash
     assert knob["auto"].hash == plain["auto"].hash and knob["fp8"].hash == plain["fp8"].hash
 

@@ -1,8 +1,8 @@
 """A serving run must not compile kernels mid-run. Triton compiles one variant of a kernel per specialisation of its
 arguments (an int equal to 1, an int divisible by 16, a pointer aligned to 16 bytes), so every argument that changes
-from step to step has to be left unspecialised (kvarn.kernels.common.serving_jit): then the variants the engine's
-warm-up compiles are the ones every later step runs. Session 12 on the H200 saw 4.8-6.3 s stalls, one per new
-variant of the store kernel, in every KVarN run. Checked here with Triton's own argument binder for an sm_90 target
+from step to step has to be left unspecialised (kvarn.kernels.runtime.serving_jit): then the variants the engine's
+warm-up compiles are the ones every later step runs. A new variant compiles for seconds, a stall of every running
+request. Checked here with Triton's own argument binder for an sm_90 target
 (no GPU, no compile): the specialisation key of each serving kernel is the same for row / split counts of 1, 16 and
 17 and index tensors at any offset, while a stride (specialised on purpose) still changes it."""
 import json
@@ -19,13 +19,9 @@ SERVING_KERNELS = {
                             {"block_ids_ptr", "src_rows_ptr", "seq_lens_ptr", "bt_ptr", "defer_ptr"}),
     "_flush_layers_kernel": ("store", {"n_tiles"}, {"slots_ptr", "blk_ptr"}),
     "_dequant_kernel": ("dequant", set(), {"block_ids_ptr", "dst_ptr"}),
-    "rotate_rows_kernel": ("attention", {"R"}, set()),
-    "finish_kernel": ("attention", {"R", "num_splits"}, set()),
-    "kvarn_attention_kernel": ("attention", {"num_splits", "stride_btb"}, set()),
-    "tail_attention_kernel": ("attention", {"num_splits"}, set()),
-    "kvarn_attention_tok_kernel": ("attention_tokrows", {"num_splits", "stride_btb"}, set()),
-    "kvarn_attention_pair_kernel": ("attention_tokrows", {"num_splits", "stride_btb"}, set()),
-    "kvarn_attention_pair_pipe_kernel": ("attention_tokrows", {"num_splits", "stride_btb"}, set()),
+    "rotate_queries_kernel": ("decode", {"R"}, set()),
+    "records_kernel": ("decode", {"num_splits", "stride_btb"}, set()),
+    "merge_kernel": ("tail", {"R", "num_splits"}, set()),
 }
 
 _PROBE = r"""

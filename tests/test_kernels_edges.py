@@ -1,16 +1,19 @@
 """Edge cases of the kernels against the PyTorch reference (interpreter on a CPU): garbage left in the 16-bit tail
 past each row's length (NaN / Inf from an earlier request), a NaN query row that must not leak into other rows,
-zero-length query rows in a prefill batch, the 2-bit-key preset at D=128 in bf16, more splits than blocks, and the
-per-step store for other presets / head dims than test_kernels.py uses."""
+zero-length query rows in a batch of continuation chunks (the dense prefill path), the 2-bit-key preset at D=128 in
+bf16, more splits than blocks, and the per-step store for other presets / head dims than test_kernels.py uses."""
 import math
+import types
 
+import numpy as np
 import pytest
 import torch
 
 from kvarn.formats import get_format
-from kvarn.kernels import decode_attention, prefill_attention, store_decode
-from kvarn.method.reference import dequantize_tiles, quantize_tiles
-from tests.test_kernels import decode_reference, paged_setup, prefill_reference, rel_err
+from kvarn.kernels import decode_attention, store_decode
+from kvarn.method.reference import dequantize_tiles, quantize_tiles, reference_attention
+from kvarn.vllm_plugin.dense_prefill import dense_prefill
+from tests.test_kernels import decode_reference, paged_setup, rel_err, request_kv
 
 
 def _decode(name, D, Hq, Hk, dtype, lens, splits=2, poison=None):
@@ -53,23 +56,34 @@ def test_decode_nan_query_row_stays_in_its_row():
 
 
 def _prefill(fmt, D, Hq, Hk, dtype, lens, qlens, poison=None):
+    """Continuation chunks (each row's last qlens[b] positions) through the dense prefill path with the record
+    decoder kernel, against the fp32 oracle over the same stored state."""
     st = paged_setup(fmt, D, Hk, lens, dtype)
     qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32)
     q = (torch.randn(int(qsl[-1]), Hq, D) * 2).to(dtype)
-    ref = prefill_reference(q, qsl, st, fmt, D, 1 / math.sqrt(D))
+    scale = 1 / math.sqrt(D)
+    ref = []
+    for b, s in enumerate(lens):
+        a, e = int(qsl[b]), int(qsl[b + 1])
+        if e > a:
+            k, v = request_kv(st, fmt, D, b)
+            ref.append(reference_attention(q[a:e].float().transpose(0, 1), k, v, scale,
+                                           causal_offset=s - (e - a)).transpose(0, 1))
     if poison is not None:
         for b, s in enumerate(lens):
             sl = int(st["tail_slots"][b])
             st["tail_k"][sl, :, s % fmt.group:] = poison
             st["tail_v"][sl, :, s % fmt.group:] = poison
-    out = prefill_attention(q, st["cache"], st["block_table"], qsl, st["seq_lens"], st["tail_k"], st["tail_v"],
-                            st["tail_slots"], fmt, 1 / math.sqrt(D), max(qlens),
-                            out=torch.empty(q.shape, dtype=torch.float32))
-    return out, ref
+    plan = types.SimpleNamespace(cont_rows=np.arange(len(lens)), seq_lens=np.array(lens),
+                                 qsl=qsl.numpy().astype(np.int64), tail_slots_np=st["tail_slots"].numpy(),
+                                 sink_lens=None)
+    out = dense_prefill(plan, q.float(), st["cache"], st["block_table"], st["tail_k"], st["tail_v"], fmt, scale,
+                        use_kernels=True)
+    return out, torch.cat(ref)
 
 
 def test_prefill_zero_length_query_row_k2v2():
-    # a mixed batch's row with no query tokens this step, and the 2-bit-key preset through prefill
+    # a row with no query tokens this step, and the 2-bit-key preset through the dense prefill path
     out, ref = _prefill(get_format("kvarn_k2v2_g128"), 64, 2, 1, torch.float16, [140, 50, 130], [10, 0, 2])
     assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-3
 

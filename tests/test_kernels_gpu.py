@@ -19,7 +19,8 @@ DEV = "cuda"
 # every preset at D=128, the default preset at D=64 and 256 (each variant is a separate Triton compile)
 STORE_CASES = [(f.name, 128) for f in kvarn_formats()] + [("kvarn_k4v2_g128", 64), ("kvarn_k4v2_g128", 256)]
 DECODE_CASES = [(f.name, 128, 32, 8) for f in kvarn_formats()] + [
-    ("kvarn_k4v2_g128", 64, 8, 8), ("kvarn_k4v2_g128", 128, 24, 8), ("kvarn_k4v2_g128", 256, 8, 2)]
+    ("kvarn_k4v2_g128", 64, 8, 8), ("kvarn_k4v2_g128", 128, 24, 8), ("kvarn_k4v2_g128", 256, 8, 2),
+    ("kvarn_k4v2_g128", 128, 64, 8)]
 
 
 @pytest.mark.parametrize("name,D", STORE_CASES)
@@ -93,19 +94,16 @@ def test_gpu_store_decode_equals_store_tiles_and_captures():
 
 # the default and the previous one (token-row kernel), named: no run-time tuning, one compile per config and case
 # + pipe 1, the tail in the records launch, that with programmatic dependent launches
-DECODE_CONFIGS = ["default", "u2k2v1w4s1x1r128L1", "u2k2v1w2s5x1n8L2p1", "u2k2v1w2s5x1n8L2p2t1",
-                  "u2k2v1w2s5x1n8L2p2t1g1", "u2k2v1w2s5x1n8L2p2t1g1o1",  # + value codes offset (a sweep candidate)
-                  "u2k3v1w2s5x1n8L2p2t1g1"]  # hi / lo of q x sK in one N = 8 key operand (a sweep candidate)
 
 
-@pytest.mark.parametrize("cfg_name", DECODE_CONFIGS)
+
 @pytest.mark.parametrize("name,D,Hq,Hk", DECODE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_decode_matches_reference(name, D, Hq, Hk, dtype, cfg_name):
+def test_gpu_decode_matches_reference(name, D, Hq, Hk, dtype):
+    """The compiled decode kernel (GQA groups 4, 1, 3 take the one-MMA key split, whose lane shuffle assumes the
+    mma.sync accumulator layout: a wrong assumption mixes query heads, errors ~1e-1; group 8 in the 64/8-head case
+    takes two key MMAs) against the fp32 reference."""
     from kvarn.kernels import decode_attention
-    from kvarn.kernels.decode import DEFAULT_CONFIG, DecodeConfig
-
-    cfg = DEFAULT_CONFIG if cfg_name == "default" else DecodeConfig.from_name(cfg_name)
 
     fmt = get_format(name)
     seq = [1000, 0, 4 * fmt.group, 37, 2 * fmt.group + 5]
@@ -116,74 +114,41 @@ def test_gpu_decode_matches_reference(name, D, Hq, Hk, dtype, cfg_name):
     for splits in (1, 4, None):
         out = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
                                st["tail_slots"], fmt, scale, num_splits=splits,
-                               out=torch.empty(q.shape, dtype=torch.float32, device=DEV), config=cfg)
+                               out=torch.empty(q.shape, dtype=torch.float32, device=DEV))
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) < 1e-3, (splits, rel_err(out, ref))
         assert torch.count_nonzero(out[1]) == 0
 
 
-@pytest.mark.parametrize("Hq,D", [(32, 128), (24, 128), (8, 64), (64, 128)])  # groups 4, 3, 1, 8 (no fold)
-def test_gpu_folded_ksplit_agrees_with_two_key_mmas(Hq, D):
-    """ksplit = 3 carries the same fp16 hi / lo operands as ksplit = 2 through one MMA, its column halves added by
-    a lane shuffle that assumes the mma.sync accumulator layout: were the layout other than assumed, the sum would
-    mix query heads (errors ~1e-1), where the same operands agree to fp32 summation order."""
-    from kvarn.kernels import decode_attention
-    from kvarn.kernels.decode import DecodeConfig
-
-    fmt = get_format("kvarn_k4v2_g128")
-    st = paged_setup(fmt, D, 8, [1000, 0, 4 * fmt.group, 37, 2 * fmt.group + 5], torch.bfloat16, device=DEV)
-    q = (torch.randn(5, Hq, D, device=DEV) * 2).to(torch.bfloat16)
-    outs = [decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                             st["tail_slots"], fmt, 1 / math.sqrt(D), num_splits=2,
-                             out=torch.empty(q.shape, dtype=torch.float32, device=DEV),
-                             config=DecodeConfig.from_name(f"u2k{k}v1w2s5x1n8L2p2t1g1")) for k in (2, 3)]
-    assert rel_err(outs[1], outs[0]) < 2e-5
-    if Hq // 8 > 4:
-        assert torch.equal(outs[1], outs[0])  # group 8: ksplit 3 runs as 2
-
-
 def test_gpu_decode_notes_its_occupancy_for_the_split_heuristic():
-    from kvarn.kernels import decode_attention
-    from kvarn.kernels.common import layout
-    from kvarn.kernels.decode import _PER_SM, DEFAULT_CONFIG, _per_sm_key, effective_config
+    from kvarn.kernels import decode
+    from kvarn.kernels.records import layout
 
     fmt, D = get_format("kvarn_k4v2_g128"), 128
     st = paged_setup(fmt, D, 2, [700, 300], torch.bfloat16, device=DEV)
     q = torch.randn(2, 8, D, device=DEV).to(torch.bfloat16)
-    decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                     st["tail_slots"], fmt, 1 / math.sqrt(D))
-    n = _PER_SM.get(_per_sm_key(effective_config(DEFAULT_CONFIG, q.device), layout(fmt, D), 4))
-    assert n is not None and 1 <= n <= 32, n  # H200, triton 3.6: 4 (254 registers on 2 warps)
+    decode.decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                            st["tail_slots"], fmt, 1 / math.sqrt(D))
+    n = decode._PROGRAMS_PER_SM.get((layout(fmt, D), 4))
+    assert n is not None and 1 <= n <= 32, n  # 254 registers on 2 warps: 4
 
 
-def test_gpu_inline_ptx_self_checks_pass():
-    """The code unpacks' inline PTX against the pure-Triton formula on every byte pattern: the default kernel's
-    planes and DecodeConfig.voff's offset ones (E + code); a failure would silently fall back to slower paths."""
-    from kvarn.kernels.decode import asm_offset_ok, asm_unpack_ok
-
-    assert asm_unpack_ok(torch.device(DEV)) and asm_offset_ok(torch.device(DEV))
-
-
-@pytest.mark.parametrize("cfg_name", [None, "u2k2v1w2s5x1n8L2p2t1g1"])  # the default (ksplit 3) and ksplit 2
-def test_gpu_decode_cuda_graph_capture(cfg_name):
+def test_gpu_decode_cuda_graph_capture():
     """A captured step follows the per-step seq_lens; three calls back to back in one graph (scratch reused from
-    call to call) each match the reference: with programmatic dependent launches (g1) every kernel waits for the
+    call to call) each match the reference: with programmatic dependent launches every kernel waits for the
     previous one before it touches memory."""
-    from kvarn.kernels import decode_attention, prepare
-    from kvarn.kernels.decode import DecodeConfig
+    from kvarn.kernels import decode_attention
 
-    cfg = DecodeConfig.from_name(cfg_name) if cfg_name else None
     fmt = get_format("kvarn_k4v2_g128")
     D, Hq, Hk = 128, 32, 8
     st = paged_setup(fmt, D, Hk, [700, 300, 0, 129], torch.bfloat16, device=DEV)
     qs = [torch.randn(4, Hq, D, device=DEV, dtype=torch.bfloat16) for _ in range(3)]
     outs = [torch.empty_like(q) for q in qs]
-    prepare(D, DEV)
 
     def step():
         for q, out in zip(qs, outs):
             decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                             st["tail_slots"], fmt, 1 / math.sqrt(D), num_splits=4, out=out, config=cfg)
+                             st["tail_slots"], fmt, 1 / math.sqrt(D), num_splits=4, out=out)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -201,26 +166,6 @@ def test_gpu_decode_cuda_graph_capture(cfg_name):
         ref = decode_reference(q, st, fmt, D, 1 / math.sqrt(D))
         assert rel_err(out, ref) < 8e-3
         assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[2]) == 0
-
-
-@pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v2_g64"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_prefill_matches_reference(name, dtype):
-    from kvarn.kernels import prefill_attention
-
-    fmt = get_format(name)
-    D, Hq, Hk = 128, 32, 8
-    seq, qlens = [1000, 300, 77, 520], [600, 3, 77, 1]
-    st = paged_setup(fmt, D, Hk, seq, dtype, device=DEV)
-    qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32, device=DEV)
-    q = (torch.randn(int(qsl[-1]), Hq, D, device=DEV) * 2).to(dtype)
-    scale = 1 / math.sqrt(D)
-    ref = prefill_reference(q, qsl.cpu(), st, fmt, D, scale)
-    out = prefill_attention(q, st["cache"], st["block_table"], qsl, st["seq_lens"], st["tail_k"], st["tail_v"],
-                            st["tail_slots"], fmt, scale, max(qlens),
-                            out=torch.empty(q.shape, dtype=torch.float32, device=DEV))
-    assert torch.isfinite(out).all()
-    assert rel_err(out, ref) < 1e-3
 
 
 @pytest.mark.parametrize("name,D", [("kvarn_k4v2_g128", 128), ("kvarn_k4v4_g128", 128), ("kvarn_k4v2_g64", 64),
@@ -248,14 +193,13 @@ def test_gpu_dequantize_to_rows_matches_reference(name, D):
     assert rel_err(v_out[idx].float(), vr.transpose(1, 2).reshape(-1, H, D)) < 5e-3
 
 
-@pytest.mark.parametrize("rotated", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_dense_prefill_matches_reference(dtype, rotated):
-    """KVARN_PREFILL=dense on the GPU: records dequantized + tail copied into 16-bit K/V, then vLLM's FlashAttention
+def test_gpu_dense_prefill_matches_reference(dtype):
+    """The dense prefill path on the GPU: records dequantized + tail copied into 16-bit K/V, then vLLM's FlashAttention
     varlen (bottom-right causal) when importable, else the torch varlen; vs the fp32 reference on the same cache."""
     import numpy as np
 
-    from kvarn.vllm_plugin import ops
+    from kvarn.vllm_plugin import dense_prefill
 
     fmt = get_format("kvarn_k4v2_g128")
     D, Hq, Hk = 128, 32, 8
@@ -280,83 +224,15 @@ def test_gpu_dense_prefill_matches_reference(dtype, rotated):
                                           **({} if ver is None else {"fa_version": ver}))
     except Exception:  # noqa: BLE001 - no vLLM: the torch varlen on the GPU still checks the materialization
         pass
-    out = ops.dense_prefill(plan, q, st["cache"], st["block_table"], st["tail_k"], st["tail_v"], fmt, scale, varlen,
-                            rotated=rotated)
+    out = dense_prefill.dense_prefill(plan, q, st["cache"], st["block_table"], st["tail_k"], st["tail_v"], fmt, scale,
+                                      varlen)
     assert torch.isfinite(out.float()).all()
     assert rel_err(out.float(), ref) < 1e-2  # K/V rounded to 16 bits (and FA rounds p to 16 bits)
 
 
-# ---- `kvarn microbench prefill --batch 4 --context 8192 --q-heads 32 --kv-heads 8 --head-dim 128 --chunk 512
-# --check` (rel. err 1.09 on the H200 with 8 warps on 64-row programs), built exactly as the microbench builds it
-# (store_tiles cache, scattered blocks, empty tail, bf16 q) and checked against its oracle (first 2 requests).
-MB_B, MB_CTX, MB_CHUNK, MB_HQ, MB_HK, MB_D, MB_ROWS = 4, 8192, 512, 32, 8, 128, 2
-
-
-@pytest.fixture(scope="module")
-def microbench_prefill():
-    from kvarn.kernels.bench import _paged_kvarn, _reference_out
-
-    fmt = get_format("kvarn_k4v2_g128")
-    torch.manual_seed(0)
-    st = _paged_kvarn(fmt, MB_B, MB_CTX, MB_HK, MB_D, torch.bfloat16, torch.device(DEV))
-    qsl = torch.arange(MB_B + 1, dtype=torch.int32, device=DEV) * MB_CHUNK
-    q = torch.randn(MB_B * MB_CHUNK, MB_HQ, MB_D, device=DEV, dtype=torch.bfloat16)
-    scale = 1 / math.sqrt(MB_D)
-    ref = torch.cat(_reference_out(st, fmt, MB_D, q, scale, MB_ROWS, causal_q=[int(x) for x in qsl.tolist()]))
-    return fmt, st, qsl, q, scale, ref
-
-
-def _mb_run(mb, cfg=None, rows=None, cap_warps=True):
-    from kvarn.kernels import prefill_attention
-    from kvarn.kernels.common import layout
-    from kvarn.kernels.decode import group_geometry
-    from kvarn.kernels.prefill import _launch_prefill
-
-    fmt, st, qsl, q, scale, ref = mb
-    out = torch.empty(q.shape, dtype=torch.float32, device=DEV)
-    args = (q, st["cache"], st["block_table"], qsl, st["seq_lens"], st["tail_k"], st["tail_v"], st["tail_slots"])
-    if cfg is None:
-        prefill_attention(*args, fmt, scale, MB_CHUNK, out=out)
-    else:
-        _launch_prefill(*args, out, layout(fmt, MB_D), *group_geometry(MB_HQ, MB_HK), scale, MB_CHUNK, cfg, rows,
-                        cap_warps=cap_warps)
-    if q.is_cuda:
-        torch.cuda.synchronize()
-    got = out[: MB_ROWS * MB_CHUNK]
-    return bool(torch.isfinite(got).all()), rel_err(got, ref)
-
-
-def test_gpu_prefill_microbench_shape(microbench_prefill):
-    """The public prefill_attention (the shipped config) at the microbench shape."""
-    finite, err = _mb_run(microbench_prefill)
-    assert finite and err < 1e-3, err
-
-
-@pytest.mark.parametrize("rows,warps,unpack", [(64, 4, 2), (128, 8, 2), (64, 4, 1)])
-def test_gpu_prefill_microbench_shape_configs(microbench_prefill, rows, warps, unpack):
-    """Warps-capped layouts: 64 rows / 4 warps (shipped), 128 rows / 8 warps (the FlashAttention-style two
-    warpgroup layout, a perf option), and the pure-Triton unpack."""
-    from kvarn.kernels.decode import DecodeConfig
-
-    finite, err = _mb_run(microbench_prefill, DecodeConfig(unpack, 2, 1, warps, 1), rows)
-    assert finite and err < 1e-3, (rows, warps, unpack, err)
-
-
-@pytest.mark.parametrize("unpack", [2, 1])
-def test_gpu_prefill_microbench_shape_e0de6e5_diagnosis(microbench_prefill, unpack):
-    """Diagnosis only (never fails): the uncapped e0de6e5 launch, 8 warps on 64 rows. XFAIL = it is wrong, as
-    suspected (with unpack 1 too: the dot layout, not the inline PTX); SKIP = it is right, the cause is elsewhere."""
-    from kvarn.kernels.decode import DecodeConfig
-
-    finite, err = _mb_run(microbench_prefill, DecodeConfig(unpack, 2, 1, 8, 1), 64, cap_warps=False)
-    if not finite or err >= 1e-3:
-        pytest.xfail(f"8 warps / 64 rows, unpack {unpack}: rel err {err:.3g}, finite {finite} (the suspected cause)")
-    pytest.skip(f"8 warps / 64 rows, unpack {unpack} is right here (rel err {err:.2e}): NOT the cause")
-
-
 def test_gpu_step_ms_replays_the_layers_from_one_graph():
     """microbench store times a step as one CUDA graph of `layers` back-to-back calls: every replay runs them all."""
-    from kvarn.kernels.bench import step_ms
+    from kvarn.bench.microbench import step_ms
 
     x = torch.zeros(1, device=DEV)
     ms = step_ms(lambda: x.add_(1), 5, torch.device(DEV), iters=7, warmup=2)
@@ -368,7 +244,7 @@ def test_gpu_step_ms_replays_the_layers_from_one_graph():
 def test_gpu_paired_ms_replays_graphs_in_turn_and_falls_back_when_capture_fails():
     """microbench decode times ours and the baseline as CUDA graphs of `calls` back-to-back calls, replayed in turn; a
     fn that cannot be captured (it syncs) is timed call by call in the same rotation, and the others still run."""
-    from kvarn.kernels.bench import paired_timings
+    from kvarn.bench.microbench import paired_timings
 
     x, y, z = (torch.zeros(1, device=DEV) for _ in range(3))
 
@@ -391,7 +267,7 @@ def test_gpu_paired_ms_replays_graphs_in_turn_and_falls_back_when_capture_fails(
 def test_gpu_paired_timings_other_orders_replay_each_graph_as_often(order):
     """--timing blocks (A-B-B-A blocks, iters // 2 replays each) and gap (in turn, idle before each): every fn is
     still replayed the same number of times, and the order is named in how it was timed."""
-    from kvarn.kernels.bench import paired_timings
+    from kvarn.bench.microbench import paired_timings
 
     x, y = torch.zeros(1, device=DEV), torch.zeros(1, device=DEV)
     timed = paired_timings([lambda: x.add_(1), lambda: y.add_(1)], torch.device(DEV), iters=6, calls=3, warmup=1,
@@ -404,18 +280,12 @@ def test_gpu_paired_timings_other_orders_replay_each_graph_as_often(order):
 
 # ------------------------------------------------------------------------------------------------ attention sink
 
-SINK_CFGS = [None, "u2k2v1w4s1x1", "u2k2v1w4s1x1L1", "u2k2v1w4s3x1r128n8L2p1"]  # default (tuned off), layouts 0/1/2
-
-
-@pytest.mark.parametrize("cfg_name", SINK_CFGS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_decode_sink_matches_reference(monkeypatch, cfg_name, dtype):
+def test_gpu_decode_sink_matches_reference(dtype):
     """Compiled record kernels skip the sink's positions and the tensor-core tail kernel reads the sink rows; a row
     with sink_lens 0 (a prefix hit) reads the records there."""
     from kvarn.kernels import decode_attention
-    from kvarn.kernels.decode import DecodeConfig
 
-    monkeypatch.setenv("KVARN_AUTOTUNE", "0")
     fmt = get_format("kvarn_k4v2_g128")
     gen = torch.Generator().manual_seed(21)
     lens = [0, 5, 16, 100, 128, 300, 2100, 700]
@@ -431,25 +301,14 @@ def test_gpu_decode_sink_matches_reference(monkeypatch, cfg_name, dtype):
                        reference_attention(q[b].float().cpu()[:, None], *request_kv(cpu, fmt, 128, b, int(sl[b])),
                                            128 ** -0.5)[:, 0] for b, s in enumerate(lens)])
     out = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                           st["tail_slots"], fmt, 128 ** -0.5, out=torch.empty(q.shape, device=DEV),
-                           config=DecodeConfig.from_name(cfg_name) if cfg_name else None, sink_lens=sl)
+                           st["tail_slots"], fmt, 128 ** -0.5, out=torch.empty(q.shape, device=DEV), sink_lens=sl)
     assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-3
 
 
-def test_gpu_prefill_and_store_decode_with_sink():
-    from kvarn.kernels import prefill_attention, store_decode, store_tiles
+def test_gpu_store_decode_with_sink():
+    from kvarn.kernels import store_decode, store_tiles
 
     fmt = get_format("kvarn_k4v2_g128")
-    gen = torch.Generator().manual_seed(22)
-    lens, q_lens = [300, 40, 140], [290, 30, 20]
-    st = paged_setup(fmt, 128, 2, lens, torch.bfloat16, device=DEV, gen=gen, sink=16)
-    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    q = (torch.randn(int(qsl[-1]), 8, 128, generator=gen) * 2).bfloat16().to(DEV)
-    cpu = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
-    ref = prefill_reference(q.cpu(), qsl, cpu, fmt, 128, 128 ** -0.5)
-    out = prefill_attention(q, st["cache"], st["block_table"], qsl.to(DEV), st["seq_lens"], st["tail_k"], st["tail_v"],
-                            st["tail_slots"], fmt, 128 ** -0.5, max(q_lens), out=torch.empty(q.shape, device=DEV))
-    assert rel_err(out, ref) < 1e-3
     # store_decode keeps the first 16 tokens in the sink rows and stores the first tile as store_tiles does
     n, H = 130, 2
     k = torch.randn(n, H, 128, device=DEV).bfloat16()
@@ -472,7 +331,7 @@ def test_gpu_prefill_and_store_decode_with_sink():
 def test_gpu_decode_sink_lens_cuda_graph_replay():
     """A captured decode step reads the persistent sink_lens buffer at replay: the builder's per-step values (a
     prefix hit's 0) change the output as the reference says, without a new capture."""
-    from kvarn.kernels import decode_attention, prepare
+    from kvarn.kernels import decode_attention
     from kvarn.method.reference import reference_attention
     from tests.test_kernels import request_kv
 
@@ -483,7 +342,6 @@ def test_gpu_decode_sink_lens_cuda_graph_replay():
     q = torch.randn(3, Hq, D, device=DEV, dtype=torch.bfloat16)
     out = torch.empty(q.shape, device=DEV)
     sl = torch.full((3,), 16, dtype=torch.int32, device=DEV)
-    prepare(D, DEV)
 
     def step():
         decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
@@ -534,16 +392,13 @@ def test_gpu_flush_layers_equals_store_tiles_per_layer():
         assert torch.count_nonzero(caches[layer][[b for b in range(nb) if b not in (3, 17)]]) == 0
 
 
-@pytest.mark.parametrize("cfg_name", SINK_CFGS)
-def test_gpu_decode_defer_reads_the_completed_tile_from_the_tail(monkeypatch, cfg_name):
+def test_gpu_decode_defer_reads_the_completed_tile_from_the_tail():
     """decode_attention(defer=True), compiled: a tile completed at this step (its record not written: garbage here)
     is read from the tail's g rows by the tensor-core tail kernel; the other rows read as without deferral."""
     from kvarn.kernels import decode_attention
-    from kvarn.kernels.decode import DecodeConfig
     from kvarn.method.reference import reference_attention
     from tests.test_kernels import request_kv
 
-    monkeypatch.setenv("KVARN_AUTOTUNE", "0")
     fmt = get_format("kvarn_k4v2_g128")
     gen = torch.Generator().manual_seed(23)
     lens = [0, 128, 1024, 300, 129, 2048]
@@ -557,17 +412,15 @@ def test_gpu_decode_defer_reads_the_completed_tile_from_the_tail(monkeypatch, cf
                        reference_attention(q[b].float().cpu()[:, None], *request_kv(cpu, fmt, 128, b, defer=True),
                                            128 ** -0.5)[:, 0] for b, s in enumerate(lens)])
     out = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                           st["tail_slots"], fmt, 128 ** -0.5, out=torch.empty(q.shape, device=DEV),
-                           config=DecodeConfig.from_name(cfg_name) if cfg_name else None, defer=True)
+                           st["tail_slots"], fmt, 128 ** -0.5, out=torch.empty(q.shape, device=DEV), defer=True)
     assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-3
 
 
-def test_gpu_defer_flag_in_a_captured_graph(monkeypatch):
+def test_gpu_defer_flag_in_a_captured_graph():
     """One captured decode step (store_decode + decode_attention reading the device flag, as the backend captures it)
     replayed with the flag at 1 leaves the completed tile in the tail and reads it there; at 0 it stores it at once."""
     from kvarn.kernels import decode_attention, store_decode
 
-    monkeypatch.setenv("KVARN_AUTOTUNE", "0")
     fmt = get_format("kvarn_k4v2_g128")
     gen = torch.Generator().manual_seed(29)
     lens = [128, 300, 0, 1024]

@@ -5,28 +5,22 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import replace
-
 import pytest
 import torch
 
 from kvarn.errors import KvarnError
 from kvarn.formats import get_format
-from kvarn.kernels import decode_attention, prefill_attention, store_decode, store_tiles
-from kvarn.kernels.decode import DEFAULT_CONFIG, DecodeConfig
+from kvarn.kernels import decode_attention, store_decode, store_tiles
 from kvarn.method.reference import reference_attention
-from tests.test_kernels import decode_reference, paged_setup, prefill_reference, rel_err, request_kv
+from tests.test_kernels import decode_reference, paged_setup, rel_err, request_kv
 
 SINK = 16
 # padded row, inside the sink, exactly the sink, past it in the first tile, one tile, tiles + tail
 LENS_G64 = [0, 5, SINK, 40, 64, 71, 197]
-CONFIGS = [DecodeConfig(), DecodeConfig(layout=1), DecodeConfig(layout=2), DecodeConfig(layout=2, bn=8, pipe=1),
-           replace(DEFAULT_CONFIG, tail=0, pdl=0), DEFAULT_CONFIG]  # pipe = 2; + the tail in the records launch
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_reads_the_sink_16bit(cfg, splits):
+def test_decode_reads_the_sink_16bit(splits):
     fmt = get_format("kvarn_k4v2_g64")
     gen = torch.Generator().manual_seed(7 + splits)
     st = paged_setup(fmt, 64, 2, LENS_G64, torch.float16, gen=gen, sink=SINK)
@@ -35,7 +29,7 @@ def test_decode_reads_the_sink_16bit(cfg, splits):
     ref = decode_reference(q, st, fmt, 64, scale)
     args = (q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"], st["tail_slots"], fmt,
             scale)
-    out = decode_attention(*args, num_splits=splits, out=torch.empty(q.shape, dtype=torch.float32), config=cfg)
+    out = decode_attention(*args, num_splits=splits, out=torch.empty(q.shape, dtype=torch.float32))
     assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-3
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     # the same cache read without the sink rows differs: the test can see a kernel that ignores them
@@ -53,22 +47,6 @@ def test_decode_sink_d128_g128_bf16():
     out = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
                            st["tail_slots"], fmt, 128 ** -0.5, out=torch.empty(q.shape, dtype=torch.float32))
     assert rel_err(out, ref) < 1e-3
-
-
-def test_prefill_reads_the_sink_causally():
-    # chunks whose first queries sit inside the sink (they see only the sink positions up to their own)
-    fmt = get_format("kvarn_k4v2_g64")
-    gen = torch.Generator().manual_seed(11)
-    lens, q_lens = [150, 30, 70], [145, 20, 3]
-    st = paged_setup(fmt, 64, 2, lens, torch.float16, gen=gen, sink=SINK)
-    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    q = (torch.randn(int(qsl[-1]), 4, 64, generator=gen) * 2).to(torch.float16)
-    ref = prefill_reference(q, qsl, st, fmt, 64, 0.125)
-    out = prefill_attention(q, st["cache"], st["block_table"], qsl, st["seq_lens"], st["tail_k"], st["tail_v"],
-                            st["tail_slots"], fmt, 0.125, max(q_lens), out=torch.empty(q.shape, dtype=torch.float32))
-    assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-3
-    plain = dict(st, tail_k=st["tail_k"][:, :, :64].contiguous(), tail_v=st["tail_v"][:, :, :64].contiguous())
-    assert rel_err(prefill_reference(q, qsl, plain, fmt, 64, 0.125), ref) > 0.02  # the sink rows matter here
 
 
 def test_store_decode_keeps_the_sink():
@@ -109,11 +87,9 @@ def test_decode_sink_lens_zero_reads_the_records():
     big = torch.tensor([0, 1000, 5], dtype=torch.int32)  # out of range: read as the whole sink, never past its rows
     ref = torch.stack([reference_attention(q[b].float()[:, None], *request_kv(st, fmt, 64, b, int(sl[b])), 0.125)[:, 0]
                        for b in range(3)])
-    for cfg in CONFIGS:
-        out = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                               st["tail_slots"], fmt, 0.125, num_splits=2, out=torch.empty(q.shape), config=cfg,
-                               sink_lens=sl)
-        assert rel_err(out, ref) < 1e-3, cfg.name
+    out = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                           st["tail_slots"], fmt, 0.125, num_splits=2, out=torch.empty(q.shape), sink_lens=sl)
+    assert rel_err(out, ref) < 1e-3
     out = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
                            st["tail_slots"], fmt, 0.125, num_splits=2, out=torch.empty(q.shape), sink_lens=big)
     assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-3

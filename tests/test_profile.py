@@ -167,17 +167,18 @@ def test_step_rows_put_costs_next_to_floors():
 
 
 def test_plan_hook_times_without_changing_results(monkeypatch):
-    from kvarn.vllm_plugin import ops
+    from kvarn.vllm_plugin import ops, step_plan
 
-    for name in ("build_plan", "store", "attention"):
-        monkeypatch.setattr(ops, name, getattr(ops, name))  # restored after the test
+    monkeypatch.setattr(step_plan, "plan_step", step_plan.plan_step)  # restored after the test
+    for name in ("store", "attention"):
+        monkeypatch.setattr(ops, name, getattr(ops, name))
     args = (np.array([0, 1, 4]), np.array([128, 131]), 2, np.array([0, 1], dtype=np.int32),
             torch.arange(8, dtype=torch.int32).view(2, 4), 128, "cpu")
-    ref = ops.build_plan(*args)
+    ref = step_plan.plan_step(*args)
     hook = P.PluginHook()
-    assert hook.install() and ops.build_plan is not ref
+    assert hook.install() and step_plan.plan_step is not ref
     hook.active = True
-    plan = ops.build_plan(*args)
+    plan = step_plan.plan_step(*args)
     assert hook.plan_calls == 1 and hook.plan_s > 0 and hook.tiles == ref.num_tiles == 1 and hook.new_tokens == 4
     assert plan.num_tiles == ref.num_tiles and torch.equal(plan.tile_block_ids, ref.tile_block_ids)
     assert np.array_equal(plan.dec_rows, ref.dec_rows) and np.array_equal(plan.cont_rows, ref.cont_rows)

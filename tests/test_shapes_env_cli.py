@@ -54,6 +54,14 @@ def test_env_json():
         assert key in info
 
 
+def test_env_lists_the_settings_and_a_bad_one_is_one_line():
+    r = run_cli("env", env={"KVARN_SINK": "4"})
+    assert r.returncode == 0 and "KVARN_SINK" in r.stdout and "KVARN_BALANCE_ITERS" in r.stdout, r.stderr
+    r = run_cli("env", env={"KVARN_SINK": "many"})
+    assert r.returncode == 2 and r.stderr.strip() == "error: KVARN_SINK='many': accepted values are an integer >= 0"
+    assert "Traceback" not in r.stderr
+
+
 def test_help_lists_all_commands():
     r = run_cli("--help")
     assert r.returncode == 0

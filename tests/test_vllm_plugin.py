@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvarn.capacity import DEFAULT_KVARN_SEQS
+from kvarn.capacity import DEFAULT_MAX_NUM_SEQS
 from kvarn.formats import get_format, kvarn_formats
 from kvarn.vllm_plugin import common, patches
 from kvarn.vllm_plugin.tails import STEP, TAILS, SlotTable
@@ -210,18 +210,13 @@ def fake_vllm(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_plugin_entry_point_and_off_switch(fake_vllm, monkeypatch):
-    # pyproject's vllm.general_plugins entry point names register(); KVARN_DISABLE_PLUGIN=1 leaves vLLM untouched
+def test_plugin_entry_point(fake_vllm, monkeypatch):
+    # pyproject's vllm.general_plugins entry point names register() (vLLM's VLLM_PLUGINS list can leave it out)
     import tomllib
     from pathlib import Path
 
-    import kvarn.vllm_plugin as plugin
-
     meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert meta["project"]["entry-points"]["vllm.general_plugins"] == {"kvarn": "kvarn.vllm_plugin:register"}
-    monkeypatch.setenv("KVARN_DISABLE_PLUGIN", "1")
-    plugin.register()
-    assert plugin.state()["applied"] == []
 
 
 def test_register_without_vllm_is_a_no_op(monkeypatch):
@@ -307,7 +302,7 @@ def test_layers_kvarn_cannot_serve_fall_back_to_16bit(fake_vllm, caplog):
         sw2 = Attention(9, 64, 0.125, 3, cache_config=cc, per_layer_sliding_window=512, prefix="l2")
         cross = Attention(9, 64, 0.125, 3, cache_config=cc, attn_type="encoder_decoder", prefix="l3")
         odd = Attention(9, 96, 0.1, 3, cache_config=cc, prefix="l4")
-        wide = Attention(8, 256, 0.0625, 2, cache_config=cc, prefix="l6")  # served since session 8 (GPU tests)
+        wide = Attention(8, 256, 0.0625, 2, cache_config=cc, prefix="l6")  # served (the GPU tests cover D=256)
     assert sw.kv_cache_dtype == sw2.kv_cache_dtype == cross.kv_cache_dtype == odd.kv_cache_dtype == "auto"
     assert wide.kv_cache_dtype == "kvarn_k4v2_g128"
     assert cc.cache_dtype == "kvarn_k4v2_g128"  # the shared config is untouched
@@ -371,7 +366,7 @@ def test_config_checks_name_the_fix(fake_vllm, monkeypatch):
     patches.apply()
     EA = fake_vllm.vllm_engine_arg_utils.EngineArgs
     cfg = EA(kv_cache_dtype="kvarn_k4v2_g128").create_engine_config()
-    assert cfg.cache_config.block_size == 128 and cfg.scheduler_config.max_num_seqs == DEFAULT_KVARN_SEQS
+    assert cfg.cache_config.block_size == 128 and cfg.scheduler_config.max_num_seqs == DEFAULT_MAX_NUM_SEQS
     cfg = EA(kv_cache_dtype="kvarn_k4v2_g64", max_num_seqs=32).create_engine_config()
     assert cfg.cache_config.block_size == 64 and cfg.scheduler_config.max_num_seqs == 32
     with pytest.raises(ValueError, match="--block-size 128"):
@@ -574,53 +569,66 @@ def test_builder_and_impl_run_a_step_on_cpu(fake_vllm):
     assert torch.equal(TAILS.get("l0")[0][2, :, 6], k[70]) and out2[0].isfinite().all()
     # full-graph decode is declared to vLLM, and KVARN_FULL_GRAPH=0 takes it back
     assert be.KvarnMetadataBuilder.get_cudagraph_support(vc, spec) == 1
+    from kvarn import settings
+
     import os
     os.environ["KVARN_FULL_GRAPH"] = "0"
+    settings.reload()
     try:
         assert be.KvarnMetadataBuilder.get_cudagraph_support(vc, spec) == 0
     finally:
         del os.environ["KVARN_FULL_GRAPH"]
+        settings.reload()
 
 
 def test_deferred_flush_is_on_unless_set_to_0(monkeypatch):
+    from kvarn import settings
     from kvarn.vllm_plugin.common import backend_env, defer_flush_enabled
 
-    for value, on in ((None, True), ("", True), (" 1 ", True), ("0", False)):
+    for value, on in ((None, True), ("", True), (" 1 ", True), ("0", False), ("off", False)):
         if value is None:
             monkeypatch.delenv("KVARN_DEFER_FLUSH", raising=False)
         else:
             monkeypatch.setenv("KVARN_DEFER_FLUSH", value)
+        settings.reload()
         assert defer_flush_enabled() is on, value
         # the results record what ran: the flag is listed with its effective value
-        assert ("KVARN_DEFER_FLUSH=1" in backend_env()) is on and ("KVARN_DEFER_FLUSH" in backend_env()) is on
+        assert f"KVARN_DEFER_FLUSH={int(on)}" in backend_env()
 
 
-def test_backend_env_lists_only_non_default_knobs():
+def test_backend_env_records_every_result_changing_setting():
+    """Rows record the result-changing settings of kvarn.settings with their effective values (set or not), so a
+    run with another value is another cell; settings that change no result (KVARN_FULL_GRAPH) stay out, and the hf
+    engine's rows (method_only) carry the method's alone."""
     from kvarn.bench.config import BenchConfig
     from kvarn.vllm_plugin.common import backend_env
 
-    # the balancing iterations' default moved from 8 to 3, the decode kernel's from the 4-warp 3-stage config to
-    # DEFAULT_CONFIG and the deferred flush from off to on: listed unless at the old value, so rows measured there
-    # (hashed without them) are never resumed as runs at the new one
-    from kvarn.kernels.decode import DEFAULT_CONFIG
-
-    old = {"KVARN_BALANCE_ITERS": "8", "KVARN_DECODE_CONFIG": "u2k2v1w4s3x1r128n8L2p1", "KVARN_DEFER_FLUSH": "0"}
-    assert backend_env({}) == f"KVARN_BALANCE_ITERS=3;KVARN_DECODE_CONFIG={DEFAULT_CONFIG.name};KVARN_DEFER_FLUSH=1"
-    assert backend_env({"KVARN_BALANCE_ITERS": "8", "KVARN_DECODE_CONFIG": DEFAULT_CONFIG.name,
-                        "KVARN_DEFER_FLUSH": "0"}) == f"KVARN_DECODE_CONFIG={DEFAULT_CONFIG.name}"
-    # an earlier A/B row that set the flag has the hash of a run at the new default
-    assert backend_env({"KVARN_DEFER_FLUSH": "1"}) == backend_env({})
-    assert backend_env({**old, "KVARN_PREFILL": "dense", "KVARN_FULL_GRAPH": "1"}) == ""
-    assert backend_env({**old, "KVARN_PREFILL": "kernel", "KVARN_FULL_GRAPH": "0", "OTHER": "x"}) == \
-        "KVARN_FULL_GRAPH=0;KVARN_PREFILL=kernel"
-    assert backend_env({"KVARN_BALANCE_ITERS": "2", "KVARN_SINK": "0", "KVARN_PREFILL": "kernel"},
-                       method_only=True) == "KVARN_BALANCE_ITERS=2;KVARN_SINK=0"  # the hf engine's knobs
+    assert backend_env({}) == "KVARN_BALANCE_ITERS=3;KVARN_DEFER_FLUSH=1;KVARN_SINK=16"
+    assert backend_env({"KVARN_BALANCE_ITERS": "8", "KVARN_DEFER_FLUSH": "false", "KVARN_FULL_GRAPH": "0",
+                        "OTHER": "x"}) == "KVARN_BALANCE_ITERS=8;KVARN_DEFER_FLUSH=0;KVARN_SINK=16"
+    assert backend_env({"KVARN_BALANCE_ITERS": "2", "KVARN_SINK": "0"}, method_only=True) == \
+        "KVARN_BALANCE_ITERS=2;KVARN_SINK=0"
     base = dict(model="m", kv_dtype="kvarn_k4v2_g128", tp=1, engine="vllm", mode="offline", burst=2048,
                 prompt_len=1024, output_len=1024, requests=4, gpu_memory_utilization=0.9, max_num_seqs=None,
                 dummy_weights=True, seed=0)
-    plain, dense = BenchConfig(**base), BenchConfig(**base, backend_env="KVARN_PREFILL=kernel")
-    assert "backend_env" not in plain.hash_fields()  # default runs keep the hashes they always had
-    assert plain.hash != dense.hash  # a knob makes its own cell (resume never mixes them)
+    a = BenchConfig(**base, backend_env=backend_env({}))
+    b = BenchConfig(**base, backend_env=backend_env({"KVARN_SINK": "0"}))
+    assert a.hash != b.hash  # a setting makes its own cell (resume never mixes them)
+
+
+def test_bad_setting_is_one_clear_error(monkeypatch):
+    from kvarn import settings
+    from kvarn.errors import KvarnError
+
+    for name, raw, msg in (("KVARN_SINK", "many", "KVARN_SINK='many': accepted values are an integer >= 0"),
+                           ("KVARN_SINK", "-1", "an integer >= 0"),
+                           ("KVARN_DEFER_FLUSH", "maybe", "accepted values are 1 / 0"),
+                           ("KVARN_PROGRESS_S", "x", "a number >= 0")):
+        monkeypatch.setenv(name, raw)
+        settings.reload()
+        with pytest.raises(KvarnError, match=msg):
+            settings.get(name)
+    assert len(set(s.name for s in settings.SETTINGS)) == len(settings.SETTINGS)
 
 
 def test_builder_defers_the_flush_and_flushes_at_the_next_build(fake_vllm, monkeypatch):

@@ -9,7 +9,8 @@ import torch
 
 from kvarn.formats import get_format
 from kvarn.method.reference import dequantize_tiles, quantize_tiles, reference_attention
-from kvarn.vllm_plugin import ops
+from kvarn.method import paged
+from kvarn.vllm_plugin import dense_prefill, ops, step_plan
 from kvarn.vllm_plugin.tails import PendingFlush, SlotTable, StepSlots, TailBuffers, tail_bytes
 
 FMT = get_format("kvarn_k4v2_g64")  # g = 64 keeps the CPU reference fast
@@ -71,9 +72,9 @@ class Engine:
         q = torch.cat([q, torch.zeros(pad, HQ, D)]); k = torch.cat([k, torch.zeros(pad, HK, D)])
         v = torch.cat([v, torch.zeros(pad, HK, D)])
         # a fast step gets the minimal plan the builder makes when the decode kernels are there (host fields only)
-        plan = ops.build_plan(np.array(qsl), np.array(seq), R, np.array(rows, dtype=np.int32), bt, G, "cpu",
-                              decode_minimal=fast, sink=self.sink)
-        ops.update_sink_lens(plan, self.tags, bt, self.sink_buf)
+        plan = step_plan.plan_step(np.array(qsl), np.array(seq), R, np.array(rows, dtype=np.int32), bt, G, "cpu",
+                                   decode_minimal=fast, sink=self.sink)
+        step_plan.update_sink_lens(plan, self.tags, bt, self.sink_buf)
         if defer and fast:
             plan.defer = self.pending.set_flag(1)  # the device flag, as the builder passes it
             self.pending.note(np.array(seq), np.array(rows, dtype=np.int32), bt, G)
@@ -128,7 +129,7 @@ class Engine:
             s = c + n
             if c == 0:  # first chunk: raw attention
                 k, v = r.k[:s], r.v[:s]
-            else:  # post-store state: dequantized full tiles + raw tail (dense paths: own chunk raw, below)
+            else:  # post-store state: dequantized full tiles + raw tail (a chunk's own tokens raw, below)
                 full = (s - 1) // G if deferred else s // G  # deferred: a tile completed now is read raw
                 kk, vv = [], []
                 if full:
@@ -138,7 +139,7 @@ class Engine:
                 k, v = torch.cat(kk), torch.cat(vv)
                 if full and self.sink and r.own_sink:  # the sink's positions raw
                     k[:self.sink], v[:self.sink] = r.k[:self.sink], r.v[:self.sink]
-                if n > 1 and ops.prefill_mode() != "kernel":  # dense paths: a chunk reads its own tokens raw
+                if n > 1:  # a continuation chunk reads its own tokens raw
                     k, v = torch.cat([k[:c], r.k[c:s]]), torch.cat([v[:c], r.v[c:s]])
             want = reference_attention(r.q[c:s].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), SCALE,
                                        causal_offset=c).transpose(0, 1)
@@ -146,24 +147,19 @@ class Engine:
             torch.testing.assert_close(got, want, atol=atol, rtol=1e-4 if atol < 1e-4 else 1e-3)
 
 
-@pytest.fixture(params=["kernel", "dense", "dense_rot"])
-def prefill_mode(request, monkeypatch):
-    """Every way continuation chunks attend over the quantized prefix (KVARN_PREFILL); on CPU the dense ones run the
-    reference decoder + torch varlen (dense_rot in the stored basis: rotated q, K/V, output), the kernel one the
-    torch reference path."""
-    monkeypatch.setenv("KVARN_PREFILL", request.param)
-    monkeypatch.setattr(ops, "DENSE_KEY_BUDGET", 150)  # several row groups per step (the transient-buffer bound)
-    assert ops.prefill_mode() == request.param
-    return request.param
+@pytest.fixture
+def small_key_budget(monkeypatch):
+    """Continuation chunks in several row groups per step (the dense path's transient-buffer bound)."""
+    monkeypatch.setattr(dense_prefill, "DENSE_KEY_BUDGET", 150)
 
 
 def test_dense_groups():
-    assert list(ops._groups(np.array([100, 60, 40, 300, 10]), 150)) == [(0, 1), (1, 3), (3, 4), (4, 5)]
-    assert list(ops._groups(np.array([5, 5]), 150)) == [(0, 2)] and list(ops._groups(np.array([]), 10)) == []
+    assert list(dense_prefill._groups(np.array([100, 60, 40, 300, 10]), 150)) == [(0, 1), (1, 3), (3, 4), (4, 5)]
+    assert list(dense_prefill._groups(np.array([5, 5]), 150)) == [(0, 2)] and list(dense_prefill._groups(np.array([]), 10)) == []
 
 
 @pytest.mark.parametrize("sink", [0, 16])
-def test_chunked_prefill_decode_mixed_and_preemption(prefill_mode, sink):
+def test_chunked_prefill_decode_mixed_and_preemption(small_key_budget, sink):
     gen = torch.Generator().manual_seed(0)
     eng = Engine(sink=sink)
     a, b, c = Req("a", 200, gen), Req("b", 150, gen), Req("c", 140, gen)
@@ -239,7 +235,7 @@ def test_deferred_flush_decode_steps(monkeypatch, sink):
 
 
 @pytest.mark.parametrize("sink", [0, 16])
-def test_prefix_hit_starts_on_a_tile_boundary(prefill_mode, sink):
+def test_prefix_hit_starts_on_a_tile_boundary(small_key_budget, sink):
     gen = torch.Generator().manual_seed(1)
     eng = Engine(sink=sink)
     a = Req("a", 180, gen)
@@ -261,11 +257,9 @@ def test_prefix_hit_starts_on_a_tile_boundary(prefill_mode, sink):
         assert eng.table.slot("c") == 0 and eng.sink_buf[0].item() == sink
 
 
-@pytest.mark.parametrize("mode", ["dense", "dense_rot"])
-def test_dense_prefill_calls_varlen_like_flash_attention(monkeypatch, mode):
+def test_dense_prefill_calls_varlen_like_flash_attention(monkeypatch):
     """The dense path hands FlashAttention-style arguments (cu_seqlens_q / _k as int32 device tensors, bottom-right
     causal) to the varlen function; a fake with FA's semantics must reproduce the reference."""
-    monkeypatch.setenv("KVARN_PREFILL", mode)
     calls = []
 
     def fake_fa(q, k, v, cu, max_len, cu_k=None, max_k=None):
@@ -274,7 +268,7 @@ def test_dense_prefill_calls_varlen_like_flash_attention(monkeypatch, mode):
         assert cu.dtype == torch.int32 and cu_k.dtype == torch.int32
         assert max_len == int((cu[1:] - cu[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
         calls.append((cu.tolist(), cu_k.tolist()))
-        return ops.dense_varlen_torch(q, k, v, cu.tolist(), cu_k.tolist(), SCALE).to(q.dtype)
+        return paged.varlen_attention_torch(q, k, v, cu.tolist(), cu_k.tolist(), SCALE).to(q.dtype)
 
     gen = torch.Generator().manual_seed(5)
     eng = Engine()
@@ -289,9 +283,9 @@ def test_dense_prefill_calls_varlen_like_flash_attention(monkeypatch, mode):
 def test_minimal_plan_only_for_decode_steps_and_only_with_kernels():
     bt = torch.zeros(3, 4, dtype=torch.int32)
     slots = np.array([0, 1, 2], dtype=np.int32)
-    dec = ops.build_plan(np.array([0, 1, 2, 2]), np.array([5, 9, 0]), 3, slots, bt, G, "cpu", decode_minimal=True)
+    dec = step_plan.plan_step(np.array([0, 1, 2, 2]), np.array([5, 9, 0]), 3, slots, bt, G, "cpu", decode_minimal=True)
     assert dec.minimal and dec.decode_only and dec.num_tiles == 0 and dec.dec_rows.tolist() == [0, 1]
-    mixed = ops.build_plan(np.array([0, 1, 4]), np.array([5, 9]), 2, slots, bt, G, "cpu", decode_minimal=True)
+    mixed = step_plan.plan_step(np.array([0, 1, 4]), np.array([5, 9]), 2, slots, bt, G, "cpu", decode_minimal=True)
     assert not mixed.minimal and not mixed.decode_only and mixed.tail_slots is not None
     q = torch.zeros(3, HQ, D)
     with pytest.raises(RuntimeError, match="needs the decode kernels"):
@@ -302,7 +296,7 @@ def test_minimal_plan_only_for_decode_steps_and_only_with_kernels():
 
 def test_plan_counts_and_tail_positions():
     bt = torch.arange(40, dtype=torch.int32).view(2, 20)
-    plan = ops.build_plan(np.array([0, 1, 201]), np.array([64, 300]), 2, np.array([3, 1], dtype=np.int32), bt, 64,
+    plan = step_plan.plan_step(np.array([0, 1, 201]), np.array([64, 300]), 2, np.array([3, 1], dtype=np.int32), bt, 64,
                           "cpu")
     # row 0: decode of position 63 completes tile 0 (63 tail tokens + 1 new); row 1: ctx 100 -> tiles 1..3 complete
     assert plan.num_tiles == 1 + 3
@@ -330,10 +324,8 @@ def test_slot_table_and_step_slots():
     assert tail_bytes(255, 8, 128, 128, 2) == 2 * 256 * 8 * 128 * 128 * 2
 
 
-@pytest.mark.parametrize("rotated", [False, True])
-def test_materialize_dense_kernel_equals_reference_decoder(rotated):
-    """The dense path's K/V through the Triton decoder (interpreter here) equal the reference decoder's, in the
-    unrotated and in the stored basis."""
+def test_materialize_dense_kernel_equals_reference_decoder():
+    """The dense path's K/V through the Triton decoder (interpreter here) equal the reference decoder's."""
     gen = torch.Generator().manual_seed(7)
     eng = Engine()
     a, b = Req("a", 200, gen), Req("b", 150, gen)
@@ -344,35 +336,12 @@ def test_materialize_dense_kernel_equals_reference_decoder(rotated):
     bt = torch.zeros(2, 3, dtype=torch.int32)
     bt[0, :len(a.blocks)] = torch.tensor(a.blocks, dtype=torch.int32)
     bt[1, :len(b.blocks)] = torch.tensor(b.blocks, dtype=torch.int32)
-    ref = ops.materialize_dense(rows, seq, slots, eng.cache, bt, eng.tk, eng.tv, FMT, torch.float32, use_kernels=False,
-                                rotated=rotated)
-    got = ops.materialize_dense(rows, seq, slots, eng.cache, bt, eng.tk, eng.tv, FMT, torch.float32, use_kernels=True,
-                                rotated=rotated)
-    if rotated:  # the stored basis is the unrotated one times Hn
-        from kvarn.method.hadamard import hadamard
-
-        plain = ops.materialize_dense(rows, seq, slots, eng.cache, bt, eng.tk, eng.tv, FMT, torch.float32,
-                                      use_kernels=False)
-        torch.testing.assert_close(ref[0], plain[0] @ hadamard(D), atol=1e-4, rtol=1e-4)
+    args = (rows, seq, slots, eng.cache, bt, eng.tk, eng.tv, FMT, torch.float32)
+    ref = dense_prefill.materialize_dense(*args, use_kernels=False)
+    got = dense_prefill.materialize_dense(*args, use_kernels=True)
     assert ref[2].tolist() == got[2].tolist() == [0, 150, 220]
     for x, y in zip(got[:2], ref[:2]):
         assert ((x - y).norm() / y.norm()).item() < 1e-5
-
-
-def test_decode_config_from_env(monkeypatch):
-    from kvarn.errors import KvarnError
-    from kvarn.kernels.decode import DEFAULT_CONFIG, SWEEP_CONFIGS, DecodeConfig
-
-    for c in SWEEP_CONFIGS + [DEFAULT_CONFIG]:
-        assert DecodeConfig.from_name(c.name) == c  # every sweep row's name can be fed back
-    monkeypatch.delenv("KVARN_DECODE_CONFIG", raising=False)
-    monkeypatch.delenv("KVARN_AUTOTUNE", raising=False)
-    assert ops._decode_config() == DEFAULT_CONFIG
-    monkeypatch.setenv("KVARN_DECODE_CONFIG", "u2k2v1w4s2x1L1")
-    assert ops._decode_config() == DecodeConfig(num_stages=2, layout=1)
-    monkeypatch.setenv("KVARN_DECODE_CONFIG", "fast")
-    with pytest.raises(KvarnError, match="'fast' is not a name like"):
-        ops._decode_config()
 
 
 def test_sink_tags_follow_recycled_blocks():
@@ -386,8 +355,8 @@ def test_sink_tags_follow_recycled_blocks():
         qsl = np.concatenate([[0], np.cumsum(qlen)])
         seq = np.asarray(ctx) + np.asarray(qlen)
         bt = torch.tensor([[b, 0] for b in first_blocks], dtype=torch.int32)
-        plan = ops.build_plan(qsl, seq, R, np.asarray(slots, dtype=np.int32), bt, G, "cpu", sink=16)
-        ops.update_sink_lens(plan, tags, bt, buf)
+        plan = step_plan.plan_step(qsl, seq, R, np.asarray(slots, dtype=np.int32), bt, G, "cpu", sink=16)
+        step_plan.update_sink_lens(plan, tags, bt, buf)
         return plan.sink_lens.tolist()
 
     assert step([0], [0], [5], [0], [10]) == [16]  # A (slot 0) writes its first tokens into block 5
@@ -459,3 +428,19 @@ def test_pending_flush_logs_its_first_and_slow_launches(caplog, monkeypatch):
     assert len(lines) == 2, lines
     assert lines[0].startswith("kvarn: deferred flush #1: 1 tiles, launch ") and "slow" not in lines[0]
     assert lines[1].startswith("kvarn: deferred flush #3: 1 tiles") and lines[1].endswith("(slow: a compile?)")
+
+
+def test_kernel_path_matches_torch_path_in_the_interpreter():
+    """The GPU test's comparison (tests/test_vllm_gpu.py::test_ops_kernels_match_torch_path) with the kernels run
+    by the Triton interpreter: fp16 steps through store, dense prefill and decode kernels against the fp32 torch
+    path over the same records, within the fp16 arithmetic bound of tests/helpers.py."""
+    from tests.helpers import ATOL_KERNEL_PATH, RTOL_KERNEL_PATH, kernel_path_vs_torch_path
+
+    for step, got, want in kernel_path_vs_torch_path("kvarn_k4v2_g64", "cpu", use_kernels=True):
+        if step is None:
+            kern, ref = got, want
+            break
+        torch.testing.assert_close(got, want, atol=ATOL_KERNEL_PATH, rtol=RTOL_KERNEL_PATH,
+                                   msg=lambda m: f"{step}: {m}")
+    assert (kern["cache"] == ref["cache"]).float().mean() > 0.995  # codes may differ by one on rounding boundaries
+    torch.testing.assert_close(kern["tk"].float(), ref["tk"].half().float())

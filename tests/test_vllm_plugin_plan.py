@@ -1,4 +1,4 @@
-"""The vectorized step-plan builder (`ops.build_plan`) against the per-row loop it replaced
+"""The vectorized step-plan builder (`step_plan.plan_step`) against the per-row loop it replaced
 (`tests/plan_reference.py`): every field equal, dtypes and None-ness included, on randomized batches."""
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvarn.vllm_plugin import ops
+from kvarn.vllm_plugin import step_plan
 from tests.plan_reference import build_plan_reference
 
 
-def assert_same_plan(new: ops.StepPlan, ref: ops.StepPlan):
-    for f in dataclasses.fields(ops.StepPlan):
+def assert_same_plan(new: step_plan.StepPlan, ref: step_plan.StepPlan):
+    for f in dataclasses.fields(step_plan.StepPlan):
         a, b = getattr(new, f.name), getattr(ref, f.name)
         if b is None or a is None:
             assert a is None and b is None, f.name
@@ -78,7 +78,7 @@ def test_vectorized_plan_equals_reference_loop(g):
     for trial in range(150):
         R = int(rng.choice([0, 1, 2, 3, rng.integers(4, 40), rng.integers(40, 260)]))
         args = random_batch(rng, g, R, torch_qsl=bool(trial % 2))
-        assert_same_plan(ops.build_plan(*args, g, "cpu"), build_plan_reference(*args, g, "cpu"))
+        assert_same_plan(step_plan.plan_step(*args, g, "cpu"), build_plan_reference(*args, g, "cpu"))
 
 
 @pytest.mark.parametrize("case", ["all_decode", "all_first_chunks", "all_padded", "decode_no_tiles", "single_token"])
@@ -99,5 +99,5 @@ def test_vectorized_plan_equals_reference_loop_edge_batches(case):
     qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
     slots = np.arange(R, dtype=np.int32)
     bt = torch.arange(R * 80, dtype=torch.int32).view(R, 80)
-    assert_same_plan(ops.build_plan(qsl, seq, R, slots, bt, g, "cpu"),
+    assert_same_plan(step_plan.plan_step(qsl, seq, R, slots, bt, g, "cpu"),
                      build_plan_reference(qsl, seq, R, slots, bt, g, "cpu"))

@@ -20,16 +20,6 @@ def test_synthetic_steps_cover_every_step_kind():
     assert p3.decode_only and list(p3.seq_lens) == [fmt.group + 5, fmt.group + 8]
 
 
-def test_fused_prefill_steps_cover_every_chunk_geometry():
-    """KVARN_PREFILL=kernel (or no FlashAttention): one continuation chunk per compiled BQ of the fused kernel."""
-    fmt = get_format("kvarn_k4v2_g64")
-    lens = warmup.fused_chunk_lens(2, 2)  # MHA: BQ up to 64
-    assert lens == [2, 4, 8, 16, 32, 64] and warmup.fused_chunk_lens(32, 8) == [2, 4, 8, 16]
-    plans = warmup.synthetic_steps(2, 2, 64, torch.float32, fmt, "cpu", fused_prefill=True, defer=True)
-    assert [p.cont_max_q for p in plans[1:-1]] == [5] + lens  # then one decode-only step (defer: GPU only)
-    assert plans[-1].decode_only and len(plans) == 2 + len(lens) + 1
-
-
 def test_warm_up_is_a_no_op_off_cuda():
     assert warmup.warm_up(2, 4, 64, torch.float32, get_format("kvarn_k4v2_g128"), "cpu") == 0.0
 
@@ -40,7 +30,7 @@ import numpy as np
 import torch
 from triton import knobs
 from kvarn.formats import get_format
-from kvarn.vllm_plugin import ops
+from kvarn.vllm_plugin import ops, step_plan
 from kvarn.vllm_plugin.warmup import _torch_varlen, warm_up
 
 compiles, phase = [], ["warm-up"]
@@ -63,8 +53,8 @@ fa = _torch_varlen(D ** -0.5)  # the warm-up's own FlashAttention stand-in (torc
 lens = np.zeros(R, dtype=np.int64)
 for qlen in (np.full(R, g + 9), np.array([1] * (R - 1) + [300])):
     qsl = np.concatenate([[0], np.cumsum(qlen)]); seq = lens + qlen
-    plan = ops.build_plan(qsl, seq, R, slots, bt, g, dev, sink=fmt.sink_tokens)
-    ops.update_sink_lens(plan, tags, bt, sl_buf)
+    plan = step_plan.plan_step(qsl, seq, R, slots, bt, g, dev, sink=fmt.sink_tokens)
+    step_plan.update_sink_lens(plan, tags, bt, sl_buf)
     n = int(qsl[-1]); q = torch.randn(n, Hq, D, device=dev, dtype=dt)
     k, v = torch.randn(n, H, D, device=dev, dtype=dt), torch.randn(n, H, D, device=dev, dtype=dt)
     ops.store(plan, k, v, cache, tk, tv, fmt)
@@ -72,9 +62,9 @@ for qlen in (np.full(R, g + 9), np.array([1] * (R - 1) + [300])):
                   tk, tv, fmt, D ** -0.5, raw_varlen=fa)
     lens = seq
 seq = lens + 1; sd = torch.from_numpy(seq.astype(np.int32)).to(dev); td = torch.from_numpy(slots).to(dev)
-plan = ops.build_plan(np.arange(R + 1), seq, R, slots, bt, g, dev, decode_minimal=True, tail_slots_dev=td,
-                      sink=fmt.sink_tokens)
-ops.update_sink_lens(plan, tags, bt, sl_buf)
+plan = step_plan.plan_step(np.arange(R + 1), seq, R, slots, bt, g, dev, decode_minimal=True, tail_slots_dev=td,
+                           sink=fmt.sink_tokens)
+step_plan.update_sink_lens(plan, tags, bt, sl_buf)
 q = torch.randn(R, Hq, D, device=dev, dtype=dt)
 ops.decode_step(plan, q, q[:, :H], q[:, :H], torch.empty_like(q), cache, bt, sd, td, tk, tv, fmt, D ** -0.5)
 torch.cuda.synchronize()
@@ -93,7 +83,7 @@ def test_no_kernel_compiles_mid_run_after_warm_up(tmp_path):
     import sys
     from pathlib import Path
 
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), KVARN_AUTOTUNE="0")
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
     r = subprocess.run([sys.executable, "-c", _NO_COMPILE_AFTER_WARM_UP, "kvarn_k4v2_g128"], capture_output=True,
                        text=True, env=env, cwd=Path(__file__).resolve().parents[1], timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -6,7 +6,7 @@ per (configuration, repeat) as soon as it ends; view renders the plan, the live 
 """
 from .config import BenchConfig, Cell
 from .engines.base import ENGINES, Engine, EngineResult, get_engine, register_engine
-from .plan import DEFAULT_KV_DTYPES, DEFAULT_MODEL, BenchOptions, Plan, build_plan
+from .plan import DEFAULT_KV_DTYPES, DEFAULT_MODEL, BenchOptions, BenchPlan, build_plan
 
 __all__ = ["BenchConfig", "BenchOptions", "Cell", "DEFAULT_KV_DTYPES", "DEFAULT_MODEL", "ENGINES", "Engine",
-           "EngineResult", "Plan", "build_plan", "get_engine", "register_engine"]
+           "EngineResult", "BenchPlan", "build_plan", "get_engine", "register_engine"]

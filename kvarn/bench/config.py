@@ -38,8 +38,8 @@ class BenchConfig:
     burstiness: float = 1.0
     concurrency_limit: int | None = None  # --max-concurrency (the metric max_concurrency is KV-derived)
     goodput: str = "{}"  # JSON {"ttft": ms, ...}
-    # non-default backend knobs (kvarn.vllm_plugin.common.backend_env); in the hash only when set, so default runs
-    # keep their hashes and a run with e.g. KVARN_PREFILL=kernel is a cell of its own
+    # KVarN cells: the result-changing settings with their values (kvarn.settings.result_env), so a run with another
+    # value is a cell of its own; empty for other formats (in the hash only when set)
     backend_env: str = ""
     # not part of the hash: where to load from (the model column is the identity)
     model_path: str = field(default="", compare=False)

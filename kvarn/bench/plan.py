@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -16,13 +15,12 @@ from ..formats import FP16_NAMES, parse_formats
 from ..method.textdata import SMOLLM2
 from ..results import ResultsStore
 from ..shapes import ModelShape, resolve_model
-from ..vllm_plugin.common import backend_env
+from ..settings import result_env
 from .config import MODE_ALIASES, MODES, OFFLINE, SERVE, BenchConfig, Cell
 from .engines.base import Engine, get_engine
 from .parsing import parse_engine_args, parse_goodput, parse_int_list, parse_token_list, parse_tokens
 
 DEFAULT_MODEL = "smollm2-135m"  # the embedded default: runs on a CPU with the `data` extra
-DEFAULT_MODEL_ENV = "KVARN_BENCH_DEFAULT_MODEL"  # test hook: a tiny local model instead of SmolLM2
 DEFAULT_KV_DTYPES = ("auto", "fp8", "kvarn_k4v2_g128", "turboquant_4bit_nc", "turboquant_k3v4_nc")
 # Per engine: the burst (and split) used when none is given. hf: a CPU-sized run, shaped like the others (a short
 # prompt, a longer generation; 192 tokens fill KVarN's first 128-token tile mid-decode); vllm: a real burst.
@@ -63,7 +61,7 @@ class BenchOptions:
 
 
 @dataclass
-class Plan:
+class BenchPlan:
     engine: Engine
     engine_reason: str
     shape: ModelShape
@@ -148,7 +146,7 @@ def _positive(value, what: str, integer: bool = True):
     return int(value) if integer else float(value)
 
 
-def build_plan(o: BenchOptions) -> Plan:
+def build_plan(o: BenchOptions) -> BenchPlan:
     mode = MODE_ALIASES.get((o.mode or OFFLINE).strip().lower())
     if mode is None:
         raise KvarnError(f"unknown --mode {o.mode!r}; accepted: {choices(MODES)} (throughput = offline)")
@@ -182,7 +180,7 @@ def build_plan(o: BenchOptions) -> Plan:
     if o.dtype and o.dtype not in ("float16", "bfloat16", "float32"):
         raise KvarnError(f"unknown --dtype {o.dtype!r}; accepted: float16, bfloat16, float32")
 
-    shape = resolve_model(o.model or os.environ.get(DEFAULT_MODEL_ENV) or DEFAULT_MODEL)
+    shape = resolve_model(o.model or DEFAULT_MODEL)
     engine_name, reason = choose_engine(o.engine, mode)
     engine = get_engine(engine_name)
     d = ENGINE_DEFAULTS.get(engine_name, FALLBACK_DEFAULTS)
@@ -223,11 +221,7 @@ def build_plan(o: BenchOptions) -> Plan:
     explicit_dtype = o.dtype or extra.get("dtype")
     configs: list[BenchConfig] = []
     # the backend's knobs on vLLM; the method's (balancing iterations, sink) on the hf engine's reference cache too
-    knobs = backend_env(method_only=engine_name != "vllm")
-    if os.environ.get("KVARN_DECODE_CONFIG", "").strip() and engine_name == "vllm":  # fail here, not in the engine
-        from ..kernels.decode import DecodeConfig
-
-        DecodeConfig.from_name(os.environ["KVARN_DECODE_CONFIG"])
+    knobs = result_env(scopes=("method", "backend") if engine_name == "vllm" else ("method",))
     ordered = sorted(formats, key=lambda f: f.family != "fp16")  # FP16 first: later rows get their ratios at once
     for tp in tps:
         for b in bursts:
@@ -256,7 +250,7 @@ def build_plan(o: BenchOptions) -> Plan:
     notes = []
     if any(f.family == "kvarn" for f in formats) and engine_name == "vllm":
         notes.append("KVarN rows run with block_size = the preset's tile")
-    return Plan(engine, reason, shape, configs, cells, todo, out, timeout or engine.default_timeout_s, run_id, repeat,
+    return BenchPlan(engine, reason, shape, configs, cells, todo, out, timeout or engine.default_timeout_s, run_id, repeat,
                 notes)
 
 
@@ -285,4 +279,4 @@ def plugin_available() -> bool:
     return importlib.util.find_spec("kvarn.vllm_plugin") is not None
 
 
-__all__ = ["BenchOptions", "Plan", "build_plan", "choose_engine", "split_burst", "replace"]
+__all__ = ["BenchOptions", "BenchPlan", "build_plan", "choose_engine", "split_burst", "replace"]

@@ -48,7 +48,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("other", "other"),
 )
 LABELS = dict(CATEGORIES)
-KVARN_ANNOTATION = "kvarn::"
+ANNOTATION_PREFIX = "kvarn::"
 
 _RULES: tuple[tuple[str, re.Pattern], ...] = tuple((k, re.compile(p, re.I)) for k, p in (
     ("kv_store", r"_store_tiles_kernel|reshape_and_cache|concat_and_cache"),
@@ -78,7 +78,7 @@ def classify(name: str, annotation: str | None = None) -> str:
             break
     if cat == "kvarn_decode" and annotation and "[prefill]" in annotation:
         return "kvarn_prefill"
-    if annotation and annotation.startswith(KVARN_ANNOTATION) and cat in ("other", "memcpy"):
+    if annotation and annotation.startswith(ANNOTATION_PREFIX) and cat in ("other", "memcpy"):
         return "kvarn_glue"  # index / gather / copy kernels the plugin's torch code launches
     return cat
 
@@ -169,7 +169,7 @@ def aggregate_trace(events: list[dict]) -> dict:
             corr = (e.get("args") or {}).get("correlation")
             if corr is not None:
                 launches[corr] = (e.get("tid"), float(e["ts"]))
-        elif cat == "user_annotation" and str(e.get("name", "")).startswith(KVARN_ANNOTATION):
+        elif cat == "user_annotation" and str(e.get("name", "")).startswith(ANNOTATION_PREFIX):
             ann.setdefault(e.get("tid"), []).append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)),
                                                      e["name"]))
         elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
@@ -224,17 +224,17 @@ class PluginHook:
 
     def install(self) -> bool:
         try:
-            from ..vllm_plugin import ops
+            from ..vllm_plugin import ops, step_plan
         except Exception:  # noqa: BLE001 - no plugin: nothing to time
             return False
-        if getattr(ops.build_plan, "_kvarn_profiled", False):
+        if getattr(step_plan.plan_step, "_kvarn_profiled", False):
             return True
         import torch
 
-        build, store, attention = ops.build_plan, ops.store, ops.attention
+        build, store, attention = step_plan.plan_step, ops.store, ops.attention
         hook = self
 
-        def build_plan(*a, **kw):
+        def plan_step(*a, **kw):
             t0 = time.perf_counter()
             plan = build(*a, **kw)
             if hook.active:
@@ -264,9 +264,9 @@ class PluginHook:
                 hook.attn_s += time.perf_counter() - t0
             return r
 
-        for fn in (build_plan, store_, attention_):
+        for fn in (plan_step, store_, attention_):
             fn._kvarn_profiled = True
-        ops.build_plan, ops.store, ops.attention = build_plan, store_, attention_
+        step_plan.plan_step, ops.store, ops.attention = plan_step, store_, attention_
         return True
 
 

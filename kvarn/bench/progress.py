@@ -27,8 +27,10 @@ class ProgressFile:
 
     def __init__(self, workdir: str | os.PathLike | None, every_s: float | None = None):
         self.path = Path(workdir) / FILE if workdir else None
-        if every_s is None:  # KVARN_PROGRESS_S: tests write every update
-            every_s = float(os.environ.get("KVARN_PROGRESS_S", "5"))
+        if every_s is None:  # tests set KVARN_PROGRESS_S=0: every update written
+            from ..settings import get
+
+            every_s = get("KVARN_PROGRESS_S")
         self.every_s, self.data, self._last = every_s, {}, -math.inf
 
     def update(self, force: bool = False, **fields) -> None:
@@ -81,8 +83,8 @@ def describe(progress: dict, now: float | None = None) -> str:
     if not math.isnan(gen):
         # the rate over the burst so far, from one write of the file (tokens and seconds alike), and the share of the
         # burst's output behind it: where every request decodes together to the end, the finished cell reads within a
-        # few percent of it near the end (session 17: 82%), but a rate from the first 28% of long outputs is an upper
-        # estimate (session 18: the rest decodes at longer contexts)
+        # few percent of it near the end, but a rate from the first part of long outputs is an upper estimate (the
+        # rest decodes at longer contexts)
         so_far = as_float(progress.get("burst_s"))
         want = as_float(progress.get("burst_tokens"))
         share = f"of {want:,.0f} ({gen / want:.0%}) " if want > 0 else ""

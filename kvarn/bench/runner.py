@@ -13,7 +13,7 @@ from ..results.schema import BENCH_METRICS
 from ..results.store import utc_now
 from .config import Cell
 from .engines.base import EngineResult
-from .plan import Plan
+from .plan import BenchPlan
 from .ratios import fp16_reference, ratios
 
 
@@ -58,7 +58,7 @@ def _terminate_as_interrupt():
         signal.signal(signal.SIGTERM, old)
 
 
-def run_plan(plan: Plan, listener: Listener | None = None) -> list[dict]:
+def run_plan(plan: BenchPlan, listener: Listener | None = None) -> list[dict]:
     """Run every todo cell; return this run's rows. Interrupts stop the cell's processes and re-raise."""
     store = ResultsStore(plan.out)
     prior = store.read("bench").to_dict("records") if plan.todo else []

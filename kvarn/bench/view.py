@@ -13,7 +13,7 @@ from rich.table import Table
 from ..formats import FP16_NAMES
 from ..tablefit import drop_to_fit
 from .config import Cell
-from .plan import Plan
+from .plan import BenchPlan
 from .ratios import as_float, fp16_reference, ratios
 
 
@@ -25,7 +25,7 @@ def _f(x, fmt: str = "{:,.1f}", none: str = "-") -> str:
     return none if math.isnan(v) else fmt.format(v)
 
 
-def plan_table(plan: Plan) -> Table:
+def plan_table(plan: BenchPlan) -> Table:
     c0 = plan.configs[0]
     t = Table(title=f"kvarn bench plan: {len(plan.cells)} cells ({len(plan.configs)} configurations x "
                     f"{plan.repeats} repeats), {len(plan.todo)} to run, {plan.done} done",
@@ -47,7 +47,7 @@ def plan_table(plan: Plan) -> Table:
 class LiveView:
     """Progress bar (current configuration, done/total, elapsed, ETA) with one line per finished cell."""
 
-    def __init__(self, console: Console, plan: Plan):
+    def __init__(self, console: Console, plan: BenchPlan):
         self.console, self.plan = console, plan
         self.progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -1,18 +1,15 @@
 """KVarN records -> 16-bit K / V rows in the original (unrotated) basis, for the dense prefill path
-(kvarn.vllm_plugin.ops.dense_prefill: FlashAttention over materialized K/V).
+(kvarn.vllm_plugin.dense_prefill: FlashAttention over materialized K/V).
 
 Public API:
 
-    dequantize_to_rows(cache, block_ids, dst_rows, k_out, v_out, fmt, rotated=False) -> None
+    dequantize_to_rows(cache, block_ids, dst_rows, k_out, v_out, fmt) -> None
         cache      uint8 [num_blocks, H, record_bytes(D)]
         block_ids  int32/int64 [T]: records to decode (every head of each)
         dst_rows   int64 [T]: row of k_out / v_out where tile t's token 0 goes (tokens 0..g-1 -> dst_rows[t] + i)
         k_out      [N, H, D] fp16 / bf16 / fp32 (v_out alike)
         Writes what kvarn.method.reference.dequantize_tiles(cache[block_ids], fmt, D) gives (fp32 math, the +-1
         Hadamard on tensor cores with a 3-way bf16 split of the operand as in the store kernel), cast to k_out's dtype.
-        rotated=True: the rows stay in the stored (rotated) basis, i.e. that times Hn: no Hadamard at all, a pure
-        elementwise decode (the caller rotates the queries and the attention output instead; attention is invariant
-        under a common orthonormal rotation of q and k, and the output comes back with one more Hn).
 
 One program per (tile, head, key token block | value byte plane). Keys: byte plane j of PK holds channels j*DP.. of every token, so
 K^T = sum_j H[:, plane j] @ X_j with X_j = (codes_j * sK + zK) * rK (the rotation back, Hn symmetric); values: byte
@@ -21,14 +18,13 @@ plane j of PV holds tokens j*BT.., V rows = ((codes_j * sV + zV) * cV) @ Hn. Hea
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from ..errors import KvarnError
 from ..formats import KVFormat
-from .attention import mma_bf16
-from .common import as_format, check_cache, f16_view, layout, serving_jit
-from .rotate import h_times_x, hadamard_pm1, hadamard_pm1_cols, x_times_h
+from .device import h_times_x, hadamard_pm1, hadamard_pm1_cols, x_times_h
+from .records import as_format, check_cache, f16_view, layout
+from .runtime import compiled, serving_jit
 
 
 @serving_jit(index_ptrs=["block_ids_ptr", "dst_ptr"])
@@ -38,7 +34,7 @@ def _dequant_kernel(cache_ptr, cache16_ptr, block_ids_ptr, dst_ptr, k_ptr, v_ptr
                     TBK: tl.constexpr,
                     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
                     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
-                    MMA_BF16: tl.constexpr, ROTATED: tl.constexpr):
+                    COMPILED: tl.constexpr):
     # grid (T * H, G // TBK + PERV): axis 1 < G // TBK: keys of tokens [b*TBK, (b+1)*TBK); else: value plane j (its
     # BT tokens). Small independent pieces keep every program's registers low (no spills at D=128).
     pid = tl.program_id(0)
@@ -65,14 +61,9 @@ def _dequant_kernel(cache_ptr, cache16_ptr, block_ids_ptr, dst_ptr, k_ptr, v_ptr
             zk = tl.load(cache16_ptr + rec16 + OFF_ZK // 2 + j * DP + ci).to(tl.float32)
             kcode = ((pk >> (j * KB)) & MASK_K).to(tl.float32)
             x = (kcode * sk[:, None] + zk[:, None]) * rk[None, :]  # rotated K^T rows of plane j [DP, TBK]
-            if ROTATED:  # plane j is channels j*DP .. of the stored basis: write it as it is
-                xdst = k_ptr + (row0 + tk)[None, :] * stride_kn + head * stride_kh + (j * DP + ci)[:, None]
-                tl.store(xdst, x.to(k_ptr.dtype.element_ty))
-            else:
-                kt += h_times_x(hadamard_pm1_cols(D, DP, j, MMA_BF16), x, D, MMA_BF16)
-        if not ROTATED:
-            kdst = k_ptr + (row0 + tk)[None, :] * stride_kn + head * stride_kh + di[:, None]
-            tl.store(kdst, kt.to(k_ptr.dtype.element_ty))
+            kt += h_times_x(hadamard_pm1_cols(D, DP, j, COMPILED), x, D, COMPILED)
+        kdst = k_ptr + (row0 + tk)[None, :] * stride_kn + head * stride_kh + di[:, None]
+        tl.store(kdst, kt.to(k_ptr.dtype.element_ty))
     else:
         PERV: tl.constexpr = 8 // VB
         BT: tl.constexpr = G // PERV
@@ -86,10 +77,7 @@ def _dequant_kernel(cache_ptr, cache16_ptr, block_ids_ptr, dst_ptr, k_ptr, v_ptr
         # (names differ from the keys branch: Triton types a name once across if / else)
         vcode = ((pv >> (j * VB)) & MASK_V).to(tl.float32)
         y = (vcode * sv[:, None] + zv[:, None]) * cv[None, :]  # rotated V rows of tokens j*BT.. [BT, D]
-        if ROTATED:
-            vrows = y
-        else:
-            vrows = x_times_h(y, hadamard_pm1(D, MMA_BF16), D, MMA_BF16)
+        vrows = x_times_h(y, hadamard_pm1(D, COMPILED), D, COMPILED)
         vdst = v_ptr + (row0 + j * BT + ti)[:, None] * stride_vn + head * stride_vh + di[None, :]
         tl.store(vdst, vrows.to(v_ptr.dtype.element_ty))
 
@@ -100,7 +88,7 @@ def _key_block(g: int, D: int = 128) -> int:
 
 
 def dequantize_to_rows(cache: torch.Tensor, block_ids: torch.Tensor, dst_rows: torch.Tensor, k_out: torch.Tensor,
-                       v_out: torch.Tensor, fmt: KVFormat | str, rotated: bool = False) -> None:
+                       v_out: torch.Tensor, fmt: KVFormat | str) -> None:
     """Decode records cache[block_ids[t]] (all heads) into k_out / v_out rows dst_rows[t] .. + g - 1 (see the module
     docstring). Fixed grid from shapes, no host sync."""
     fmt = as_format(fmt)
@@ -125,11 +113,9 @@ def dequantize_to_rows(cache: torch.Tensor, block_ids: torch.Tensor, dst_rows: t
         cache, f16_view(cache), block_ids, dst_rows, k_out, v_out,
         cache.stride(0), cache.stride(1), k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
         H=H, G=lay.g, D=D, KB=lay.kb, VB=lay.vb, TBK=tbk,
-        OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
-        OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-        MMA_BF16=mma_bf16(), ROTATED=bool(rotated),
-        # offline sm_90 (unrotated, bf16 out): D=64 97 registers (4 warps), D=128 164, D=256 254 (k2v2: 16 B of
-        # stack) with 176-224 KiB of shared memory (the 256 x 256 Hadamard operand of the value planes; k4v4 the most)
+        **lay.offsets(), COMPILED=compiled(),
+        # D=64 fits 4 warps without spills; larger head dims need 8 (at D=256 the 256 x 256 Hadamard operand of the
+        # value planes takes most of the shared memory)
         num_warps=4 if D == 64 else 8,
     )
 

@@ -26,43 +26,21 @@ Public API (the vLLM backend codes against these; signatures are stable):
         slots[i] in tails_k[l] / tails_v[l] ([S, H, g + sink, D], one per layer, same shape) go to
         caches[l][block_ids[i]] (block_ids[i] < 0: skipped). Layers are reached through a table of their buffers'
         addresses, so one tile x L layers is L x H x 2 programs at once instead of L launches in a row (a single
-        flush is latency-bound: ~72 us on an H200 whatever the number of programs up to one per SM).
+        flush is latency-bound whatever the number of programs up to one per SM).
 
-All launch a fixed grid from shapes only and never sync with the host, so they can be captured in CUDA graphs
-(call kvarn.kernels.prepare(D, device) once before capture).
+All launch a fixed grid from shapes only and never sync with the host, so they can be captured in CUDA graphs.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .rotate import (h_times_x, h_times_x_acc, hadamard_pm1_block, rot_scale, x_times_h,
-                     x_times_h_acc)
-
 from ..errors import KvarnError
 from ..formats import KVFormat
-from .attention import mma_bf16
-from .common import FP16_MAX, as_format, check_cache, check_tail, defer_flag, f16_view, layout, serving_jit
-
-STD_MIN, STD_MAX = 1e-3, 1e3  # clamp of the measured std per balancing step (kvarn-method.md)
-LOG_MIN, LOG_MAX = -0.3, 10.0  # clip of the accumulated log-scales
-EPS = 1e-12  # a rounding scale / column factor at or below this counts as zero
-
-
-@triton.jit
-def _std(t, AXIS: tl.constexpr, N: tl.constexpr):
-    # population std along AXIS, clamped like the reference (two-pass: mean, then squared deviations)
-    mean = tl.sum(t, axis=AXIS) / N
-    if AXIS == 0:
-        dev = t - mean[None, :]
-    else:
-        dev = t - mean[:, None]
-    var = tl.sum(dev * dev, axis=AXIS) / N
-    return tl.minimum(tl.maximum(tl.sqrt(var), 1e-3), 1e3)
-
+from .device import h_times_x, h_times_x_acc, hadamard_pm1_block, rot_scale, x_times_h, x_times_h_acc
+from .records import as_format, check_cache, check_tail, defer_flag, f16_view, layout
+from .runtime import compiled, serving_jit
 
 @triton.jit
 def _round_half_even(x):
@@ -80,51 +58,8 @@ def _to_f16_range(x):
 
 
 @triton.jit
-def _quantize_matrix(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr):
-    """x [R, C] fp32 -> codes int32 [R, C], s [R], z [R], c [C] (fp16-rounded, as fp32):
-    x[r, c] ~= (q[r, c] * s[r] + z[r]) * c[c]. Mirrors reference.balance / _quantize_matrix."""
-    lr = tl.zeros([R], dtype=tl.float32)
-    lc = tl.zeros([C], dtype=tl.float32)
-    best_lr = lr
-    best_lc = lc
-    best = float("inf")
-    # the balanced tile is x * exp(-lc) * exp(-lr), as the reference computes it. The column stds that end one
-    # iteration (for the imbalance) are the ones the next iteration starts from: computed once (3 std passes and
-    # 2 rescales per iteration instead of 4 and 3; the chain of reductions is this kernel's latency).
-    cs = _std(x, 0, R)
-    for _ in range(ITERS):
-        lc = tl.minimum(tl.maximum(lc + tl.log(cs), -0.3), 10.0)
-        t = x * tl.exp(-lc)[None, :] * tl.exp(-lr)[:, None]
-        lr = tl.minimum(tl.maximum(lr + tl.log(_std(t, 1, C)), -0.3), 10.0)
-        t = x * tl.exp(-lc)[None, :] * tl.exp(-lr)[:, None]
-        cs = _std(t, 0, R)
-        rs = _std(t, 1, C)
-        imb = tl.max(cs, axis=0) / tl.min(cs, axis=0) + tl.max(rs, axis=0) / tl.min(rs, axis=0)
-        best, best_lr, best_lc = _keep_best(imb, best, lr, best_lr, lc, best_lc)
-    col = tl.exp(best_lc)
-    row = tl.exp(best_lr)
-    t = x / col[None, :] / row[:, None]
-    QMAX: tl.constexpr = (1 << BITS) - 1
-    mn = tl.min(t, axis=1)
-    mx = tl.max(t, axis=1)
-    scale = (mx - mn) / QMAX
-    s = _to_f16_range(scale * row)
-    z = _to_f16_range(mn * row)
-    c = _to_f16_range(col)
-    # codes against the stored fp16 vectors (as the reference does)
-    c_safe = tl.where(tl.abs(c) > 1e-12, c, 1.0)
-    y = x / c_safe[None, :]
-    num = y - z[:, None]
-    s_ok = tl.abs(s) > 1e-12
-    s_safe = tl.where(s_ok, s, 1.0)
-    q = tl.where(s_ok[:, None], num / s_safe[:, None], 0.0)
-    q = tl.minimum(tl.maximum(_round_half_even(q), 0.0), QMAX)
-    return q.to(tl.int32), s, z, c
-
-
-@triton.jit
 def _var(t, AXIS: tl.constexpr, N: tl.constexpr):
-    # population variance along AXIS, two-pass like _std, unclamped (the caller clamps var, not std)
+    # population variance along AXIS, two-pass (mean, then squared deviations), unclamped
     mean = tl.sum(t, axis=AXIS) / N
     if AXIS == 0:
         dev = t - mean[None, :]
@@ -135,7 +70,7 @@ def _var(t, AXIS: tl.constexpr, N: tl.constexpr):
 
 @triton.jit
 def _keep_best(imb, best, er, best_er, ec, best_ec):
-    # the balance (log-scales or factors) of the least imbalanced iterate so far; strict: ties keep the earlier one,
+    # the balance factors of the least imbalanced iterate so far; strict: ties keep the earlier one,
     # as the reference
     better = imb < best
     return tl.where(better, imb, best), tl.where(better, er, best_er), tl.where(better, ec, best_ec)
@@ -163,41 +98,6 @@ def _codes_from_factors(x, best_ec, best_er, BITS: tl.constexpr):
 
 
 @triton.jit
-def _quantize_matrix_mul(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr):
-    """_quantize_matrix with the balance kept as the factors er = exp(-lr), ec = exp(-lc) instead of the
-    log-scales (the same iterates in exact arithmetic, rounding aside):
-    * lc = clip(lc + log(clamp(std)), -0.3, 10)  <=>  ec = clamp(ec * rsqrt(clamp(var, 1e-6, 1e6)), e^-10, e^0.3):
-      one MUFU per column instead of a libdevice log (~29 instructions) plus an exp, each done for the 32
-      columns every thread holds (the column vectors are replicated over the 8 x 8 rows of lanes and warps);
-    * the row std the imbalance needs after the row update is not measured: only rows were rescaled, so it is
-      the pre-update row std times er_new / er (one tile pass and its reductions fewer per iteration);
-    * the imbalance compares variances (max/min of sqrt is sqrt of max/min);
-    * the epilogue multiplies by reciprocals where the reference divides element-wise (codes may move by one
-      on a rounding boundary, which the contract allows)."""
-    E_MIN: tl.constexpr = 4.5399929762484854e-05  # exp(-10): lc <= 10
-    E_MAX: tl.constexpr = 1.3498588075760032  # exp(0.3): lc >= -0.3
-    ec = tl.full([C], 1.0, dtype=tl.float32)
-    er = tl.full([R], 1.0, dtype=tl.float32)
-    best_ec = ec
-    best_er = er
-    best = float("inf")
-    # clamp(std, 1e-3, 1e3) == sqrt(clamp(var, 1e-6, 1e6)); vc / vr are clamped variances
-    vc = tl.minimum(tl.maximum(_var(x, 0, R), 1e-6), 1e6)
-    for _ in range(ITERS):
-        ec = tl.minimum(tl.maximum(ec * tl.rsqrt(vc), E_MIN), E_MAX)
-        u = x * ec[None, :]
-        vr = tl.minimum(tl.maximum(_var(u * er[:, None], 1, C), 1e-6), 1e6)
-        er_new = tl.minimum(tl.maximum(er * tl.rsqrt(vr), E_MIN), E_MAX)
-        f = er_new / er
-        vr = tl.minimum(tl.maximum(vr * f * f, 1e-6), 1e6)
-        er = er_new
-        vc = tl.minimum(tl.maximum(_var(u * er[:, None], 0, R), 1e-6), 1e6)
-        imb = tl.sqrt(tl.max(vc, axis=0) / tl.min(vc, axis=0)) + tl.sqrt(tl.max(vr, axis=0) / tl.min(vr, axis=0))
-        best, best_er, best_ec = _keep_best(imb, best, er, best_er, ec, best_ec)
-    return _codes_from_factors(x, best_ec, best_er, BITS)
-
-
-@triton.jit
 def _add2(a, b, c, d):
     return a + c, b + d
 
@@ -208,15 +108,41 @@ def _maxmin(a0, a1, b0, b1):
 
 
 @triton.jit
-def _quantize_matrix_fused(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr):
-    """_quantize_matrix_mul with the cross-warp reductions cut from 8 chained ones per iteration to 2:
-    * the column variance of t = x * ec * er is ec^2 times that of w = x * er, measured in ONE reduction of the
-      pair (sum d, sum d^2), d = w - pm, var = E[d^2] - E[d]^2: pm (a pilot per column) is the exact column mean
-      of w from the previous measurement, so d is near zero-mean and the subtraction loses no precision worth
-      the name (a column that stays constant gives d == 0 exactly, var 0 as in the two-pass form);
-    * the row variance stays two-pass: in the tensor-core (dot output) layout each warp owns whole rows, so it
-      is in-thread sums plus 2 quad shuffles, no shared memory and no barrier;
-    * the imbalance's max and min of a variance vector are one 2-operand reduction, not two."""
+def _sum_and_squares(d, COMPILED: tl.constexpr):
+    # column sums of d and d * d: one cross-warp reduction of the pair when compiled (the interpreter runs a
+    # tuple reduction element by element, ~20x slower: two plain sums there, the same values)
+    if COMPILED:
+        return tl.reduce((d, d * d), 0, _add2)
+    return tl.sum(d, axis=0), tl.sum(d * d, axis=0)
+
+
+@triton.jit
+def _max_min(x, COMPILED: tl.constexpr):
+    # max and min of a vector: one 2-operand reduction when compiled (as _sum_and_squares)
+    if COMPILED:
+        return tl.reduce((x, x), 0, _maxmin)
+    return tl.max(x, axis=0), tl.min(x, axis=0)
+
+
+@triton.jit
+def _balance_and_round(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
+                       COMPILED: tl.constexpr):
+    """x [R, C] fp32 -> codes int32 [R, C], s [R], z [R], c [C] (fp16-rounded, as fp32) with
+    x[r, c] ~= (q[r, c] * s[r] + z[r]) * c[c]: the reference's Sinkhorn-like balancing (kvarn.method.reference,
+    kvarn-method.md), ITERS iterations, the least imbalanced iterate kept, then min-max rounding per row.
+
+    The reference keeps log-scales lc, lr and updates lc = clip(lc + log(clamp(std)), -0.3, 10); here the balance is
+    kept as the factors ec = exp(-lc), er = exp(-lr) (the same iterates in exact arithmetic), so each update is
+    ec = clamp(ec * rsqrt(clamp(var, 1e-6, 1e6)), e^-10, e^0.3): one MUFU instead of a log and an exp per column.
+    The balancing chain's cross-warp reductions are this kernel's latency, so they are cut to 2 per iteration:
+    * the column variance of x * ec * er is ec^2 times that of w = x * er, measured in ONE reduction of the pair
+      (sum d, sum d^2), d = w - pm, var = E[d^2] - E[d]^2: pm (a pilot per column) is the exact column mean of w
+      from the previous measurement, so d is near zero-mean and the subtraction loses nothing worth the name (a
+      column that stays constant gives d == 0 exactly, var 0 as in the two-pass form);
+    * the row variance stays two-pass: in the tensor-core (dot output) layout each warp owns whole rows, so it is
+      in-thread sums plus 2 quad shuffles, no shared memory and no barrier; after the row update it is not measured
+      again (only rows were rescaled: the pre-update variance times (er_new / er)^2);
+    * the imbalance compares variances (max/min of sqrt is sqrt of max/min), max and min in one reduction."""
     E_MIN: tl.constexpr = 4.5399929762484854e-05  # exp(-10): lc <= 10
     E_MAX: tl.constexpr = 1.3498588075760032  # exp(0.3): lc >= -0.3
     ec = tl.full([C], 1.0, dtype=tl.float32)
@@ -236,33 +162,15 @@ def _quantize_matrix_fused(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constex
         vr = tl.minimum(tl.maximum(vr * f * f, 1e-6), 1e6)
         er = er_new
         d = x * er[:, None] - pm[None, :]
-        sd, sq = tl.reduce((d, d * d), 0, _add2)
+        sd, sq = _sum_and_squares(d, COMPILED)
         md = sd / R
         pm = pm + md
         vc = tl.minimum(tl.maximum(ec * ec * tl.maximum(sq / R - md * md, 0.0), 1e-6), 1e6)
-        cmax, cmin = tl.reduce((vc, vc), 0, _maxmin)  # column vectors are whole in every warp: warp-local
-        rmax, rmin = tl.reduce((vr, vr), 0, _maxmin)  # rows span the warps: one exchange for both
+        cmax, cmin = _max_min(vc, COMPILED)  # column vectors are whole in every warp: warp-local
+        rmax, rmin = _max_min(vr, COMPILED)  # rows span the warps: one exchange for both
         imb = tl.sqrt(cmax / cmin) + tl.sqrt(rmax / rmin)
         best, best_er, best_ec = _keep_best(imb, best, er, best_er, ec, best_ec)
     return _codes_from_factors(x, best_ec, best_er, BITS)
-
-
-@triton.jit
-def _or(a, b):
-    return a | b
-
-
-@triton.jit
-def _pack_store8(q, dst_ptr, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
-    # _pack_store on bytes: the planes j of a byte sit in different warps of the dot layout, so the reduction
-    # goes through shared memory; as uint8 with OR its scratch is 1/4 of the int32 sum's (64 -> 16 KiB at 128^2)
-    PER: tl.constexpr = 8 // BITS
-    q3 = tl.reshape(q.to(tl.uint8), [PER, R // PER, C])
-    shifts = (tl.arange(0, PER) * BITS).to(tl.uint8)[:, None, None]
-    packed = tl.reduce(q3 << shifts, 0, _or)
-    ri = tl.arange(0, R // PER)
-    ci = tl.arange(0, C)
-    tl.store(dst_ptr + ri[:, None] * C + ci[None, :], packed)
 
 
 @triton.jit
@@ -285,7 +193,7 @@ def _sanitize(x):
 
 @triton.jit
 def _keys_rotated_blocked(kp, stride_kg, D: tl.constexpr, G: tl.constexpr, RB: tl.constexpr,
-                          MMA_BF16: tl.constexpr):
+                          COMPILED: tl.constexpr):
     # X = Hn @ K^T [D, g] accumulated over RB-channel blocks of K: X += H[:, blk] @ K^T[blk, :]. Only one block
     # of H and of the split K is alive at a time (the whole-tile form needs H twice + three split copies of K in
     # shared memory: 448 KiB at D=256, g=128).
@@ -294,38 +202,30 @@ def _keys_rotated_blocked(kp, stride_kg, D: tl.constexpr, G: tl.constexpr, RB: t
     for kb in range(0, D, RB):
         ki = kb + tl.arange(0, RB)
         kt = _sanitize(tl.load(kp + gi[None, :] * stride_kg + ki[:, None]).to(tl.float32))
-        acc = h_times_x_acc(hadamard_pm1_block(D, RB, 0, kb, MMA_BF16), kt, acc, MMA_BF16)
+        acc = h_times_x_acc(hadamard_pm1_block(D, RB, 0, kb, COMPILED), kt, acc, COMPILED)
     return rot_scale(acc, D)
 
 
 @triton.jit
 def _values_rotated_blocked(vp, stride_vg, D: tl.constexpr, G: tl.constexpr, RB: tl.constexpr,
-                            MMA_BF16: tl.constexpr):
+                            COMPILED: tl.constexpr):
     # Y = V @ Hn [g, D] accumulated over RB-channel blocks of V: Y += V[:, blk] @ H[blk, :]
     gi = tl.arange(0, G)
     acc = tl.zeros([G, D], dtype=tl.float32)
     for kb in range(0, D, RB):
         ki = kb + tl.arange(0, RB)
         vt = _sanitize(tl.load(vp + gi[:, None] * stride_vg + ki[None, :]).to(tl.float32))
-        acc = x_times_h_acc(vt, hadamard_pm1_block(RB, D, kb, 0, MMA_BF16), acc, MMA_BF16)
+        acc = x_times_h_acc(vt, hadamard_pm1_block(RB, D, kb, 0, COMPILED), acc, COMPILED)
     return rot_scale(acc, D)
 
 
 @triton.jit
 def _quantize_pack(x, dst, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
-                   BAL: tl.constexpr, PACK8: tl.constexpr):
-    # one rotated matrix [R, C] (keys: channels x tokens, values: tokens x channels) balanced and rounded by the
-    # BAL variant, its codes packed at dst; returns the row scale, row zero and column scale to store beside them
-    if BAL == 2:
-        q, s, z, c = _quantize_matrix_fused(x, R, C, BITS, ITERS)
-    elif BAL == 1:
-        q, s, z, c = _quantize_matrix_mul(x, R, C, BITS, ITERS)
-    else:
-        q, s, z, c = _quantize_matrix(x, R, C, BITS, ITERS)
-    if PACK8:
-        _pack_store8(q, dst, R, C, BITS)
-    else:
-        _pack_store(q, dst, R, C, BITS)
+                   COMPILED: tl.constexpr):
+    # one rotated matrix [R, C] (keys: channels x tokens, values: tokens x channels) balanced and rounded, its codes
+    # packed at dst; returns the row scale, row zero and column scale to store beside them
+    q, s, z, c = _balance_and_round(x, R, C, BITS, ITERS, COMPILED)
+    _pack_store(q, dst, R, C, BITS)
     return s, z, c
 
 
@@ -334,26 +234,22 @@ def _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, 
                stride_vh, stride_vg, stride_cb, stride_ch, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr,
                VB: tl.constexpr, ITERS: tl.constexpr, OFF_PK: tl.constexpr, OFF_SK: tl.constexpr,
                OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr, OFF_PV: tl.constexpr, OFF_SV: tl.constexpr,
-               OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr, MMA_BF16: tl.constexpr, RB: tl.constexpr,
-               BAL: tl.constexpr, z0, PACK8: tl.constexpr = 0):
-    # one (tile, head): keys when program_id(1) == 0, else values, from tile row `src` into record row `blk`.
-    # z0 is 0; inside the compact grid's loop it is a runtime 0 that keeps the index tensors and the Hadamard
-    # from being hoisted out of the loop (held across it they spill: 1.5 KiB of stack per thread).
+               OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr, COMPILED: tl.constexpr, RB: tl.constexpr):
+    """One (tile, head): keys when program_id(1) == 0, else values, from tile row `src` into record row `blk`:
+    sanitize (NaN -> 0, clamp to the fp16 range), rotate by Hn, balance and round, pack, store the vectors."""
     base = blk.to(tl.int64) * stride_cb + head * stride_ch  # byte offset of the record
     b16 = base // 2
-    di = tl.arange(0, D) + z0
-    gi = tl.arange(0, G) + z0
-    if RB == 0:
-        hpm = hadamard_pm1_block(D, D, z0, z0, MMA_BF16)  # +-1 Hadamard in registers
+    di = tl.arange(0, D)
+    gi = tl.arange(0, G)
     if tl.program_id(1) == 0:
         # keys: X = (K @ Hn)^T = Hn @ K^T  [D, g] (Hn symmetric), rows = channels
         kp = k_ptr + src * stride_kt + head * stride_kh
         if RB == 0:
             kt = _sanitize(tl.load(kp + gi[None, :] * stride_kg + di[:, None]).to(tl.float32))
-            x = h_times_x(hpm, kt, D, MMA_BF16)
+            x = h_times_x(hadamard_pm1_block(D, D, 0, 0, COMPILED), kt, D, COMPILED)
         else:
-            x = _keys_rotated_blocked(kp, stride_kg, D, G, RB, MMA_BF16)
-        sk, zk, rk = _quantize_pack(x, cache_ptr + base + OFF_PK, D, G, KB, ITERS, BAL, PACK8)
+            x = _keys_rotated_blocked(kp, stride_kg, D, G, RB, COMPILED)
+        sk, zk, rk = _quantize_pack(x, cache_ptr + base + OFF_PK, D, G, KB, ITERS, COMPILED)
         tl.store(cache16_ptr + b16 + OFF_SK // 2 + di, sk.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_ZK // 2 + di, zk.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_RK // 2 + gi, rk.to(tl.float16))
@@ -362,10 +258,10 @@ def _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, 
         vp = v_ptr + src * stride_vt + head * stride_vh
         if RB == 0:
             vt = _sanitize(tl.load(vp + gi[:, None] * stride_vg + di[None, :]).to(tl.float32))
-            y = x_times_h(vt, hpm, D, MMA_BF16)
+            y = x_times_h(vt, hadamard_pm1_block(D, D, 0, 0, COMPILED), D, COMPILED)
         else:
-            y = _values_rotated_blocked(vp, stride_vg, D, G, RB, MMA_BF16)
-        sv, zv, cv = _quantize_pack(y, cache_ptr + base + OFF_PV, G, D, VB, ITERS, BAL, PACK8)
+            y = _values_rotated_blocked(vp, stride_vg, D, G, RB, COMPILED)
+        sv, zv, cv = _quantize_pack(y, cache_ptr + base + OFF_PV, G, D, VB, ITERS, COMPILED)
         tl.store(cache16_ptr + b16 + OFF_SV // 2 + gi, sv.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_ZV // 2 + gi, zv.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_CV // 2 + di, cv.to(tl.float16))
@@ -380,62 +276,34 @@ def _store_tiles_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
-    MMA_BF16: tl.constexpr, DECODE: tl.constexpr, RB: tl.constexpr, BAL: tl.constexpr = 0,
-    COMPACT: tl.constexpr = 0, BP: tl.constexpr = 1, PACK8: tl.constexpr = 0, DEFER: tl.constexpr = 0,
+    COMPILED: tl.constexpr, DECODE: tl.constexpr, RB: tl.constexpr, DEFER: tl.constexpr = 0,
 ):
-    # grid (tiles * H, 2): axis 1 picks keys or values, so the two balancing chains (the kernel's latency) run
-    # on different SMs. DECODE: tile = batch row b of a one-token-per-row step; its tile is complete iff
-    # seq_lens[b] is a positive multiple of G, its tokens are tail row src_rows[b], its block comes from the block
-    # table. Everything is derived on the device, so the launch is the same every step (CUDA-graph safe).
-    # RB > 0: the rotation is accumulated over RB-channel blocks (D=256: the whole-tile dots overflow the
-    # shared memory of an sm_90); RB == 0: one whole-tile rotation.
-    # BAL: 0 = balancing as the reference writes it (log-scales), 1 = _quantize_matrix_mul, 2 = _quantize_matrix_fused.
-    # PACK8: pack the codes with a uint8 OR reduction (_pack_store8: 1/4 of the shared-memory scratch).
-    # COMPACT > 0 (DECODE only): grid (H * COMPACT, 2); program (head, j) quantizes the completed tiles of rank
-    # j, j + COMPACT, ... among the n_rows batch rows (BP = n_rows rounded up to a power of two). A step where no
-    # tile completes then launches H * COMPACT * 2 programs instead of n_rows * H * 2 (each one holds a whole SM:
-    # 160 KiB of shared memory, 255 registers x 256 threads), and a burst of completions still spreads over them.
-    # DEFER (decode only): the step's flag defer_ptr[0] set means the completed tiles stay in the tail (the next
-    # step's flush_layers writes them); device data, so one captured graph serves steps with and without it
+    """Grid (tiles * H, 2): program (tile, head, keys | values). Axis 1 puts the keys' and the values' balancing
+    chains (the kernel's latency) on different SMs.
+    DECODE: tile = batch row b of a one-token-per-row step; its tile is complete iff seq_lens[b] is a positive
+    multiple of G, its tokens are tail row src_rows[b], its block comes from the block table. Everything is derived
+    on the device, so the launch is the same every step (CUDA-graph safe). DEFER: the step's flag defer_ptr[0] set
+    means the completed tiles stay in the tail (flush_layers writes them later); device data, so one captured graph
+    serves steps with and without it.
+    RB > 0: the rotation accumulates over RB-channel blocks (D = 256: the whole-tile dots would overflow an sm_90's
+    shared memory)."""
     pid = tl.program_id(0)
-    if COMPACT > 0:
-        head = pid % H
-        j = pid // H
-        bi = tl.arange(0, BP)
-        sl = tl.load(seq_lens_ptr + bi, mask=bi < n_rows, other=0)
-        full = (sl > 0) & (sl % G == 0)
+    tile = pid // H
+    head = pid % H
+    if DECODE:
+        s = tl.load(seq_lens_ptr + tile)
+        full = (s > 0) & (s % G == 0)
         if DEFER:
             full = full & (tl.load(defer_ptr) == 0)
-        full = full.to(tl.int32)
-        rank = tl.cumsum(full, axis=0) - full
-        for r in range(j, tl.sum(full, axis=0), COMPACT):
-            tile = tl.sum(tl.where((full > 0) & (rank == r), bi, 0), axis=0)
-            s = tl.load(seq_lens_ptr + tile)
-            blk = tl.load(bt_ptr + tile.to(tl.int64) * stride_bt + s // G - 1)
-            src = tl.load(src_rows_ptr + tile).to(tl.int64)
-            if blk >= 0:
-                _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, stride_kh, stride_kg,
-                           stride_vt, stride_vh, stride_vg, stride_cb, stride_ch, G, D, KB, VB, ITERS, OFF_PK,
-                           OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, MMA_BF16, RB, BAL, s % G,
-                           PACK8)
+        blk = tl.load(bt_ptr + tile.to(tl.int64) * stride_bt + tl.maximum(s // G - 1, 0), mask=full, other=-1)
+        src = tl.load(src_rows_ptr + tile, mask=full, other=0).to(tl.int64)
     else:
-        tile = pid // H
-        head = pid % H
-        if DECODE:
-            s = tl.load(seq_lens_ptr + tile)
-            full = (s > 0) & (s % G == 0)
-            if DEFER:
-                full = full & (tl.load(defer_ptr) == 0)
-            blk = tl.load(bt_ptr + tile.to(tl.int64) * stride_bt + tl.maximum(s // G - 1, 0), mask=full,
-                          other=-1)
-            src = tl.load(src_rows_ptr + tile, mask=full, other=0).to(tl.int64)
-        else:
-            blk = tl.load(block_ids_ptr + tile)
-            src = tile.to(tl.int64)
-        if blk >= 0:
-            _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, stride_kh, stride_kg,
-                       stride_vt, stride_vh, stride_vg, stride_cb, stride_ch, G, D, KB, VB, ITERS, OFF_PK, OFF_SK,
-                       OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, MMA_BF16, RB, BAL, 0, PACK8)
+        blk = tl.load(block_ids_ptr + tile)
+        src = tile.to(tl.int64)
+    if blk >= 0:
+        _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, stride_kh, stride_kg,
+                   stride_vt, stride_vh, stride_vg, stride_cb, stride_ch, G, D, KB, VB, ITERS, OFF_PK, OFF_SK,
+                   OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, COMPILED, RB)
 
 
 @serving_jit(ints=["n_tiles"], index_ptrs=["slots_ptr", "blk_ptr"])
@@ -445,7 +313,7 @@ def _flush_layers_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
-    MMA_BF16: tl.constexpr, RB: tl.constexpr, BAL: tl.constexpr, PACK8: tl.constexpr, TAIL_DT: tl.constexpr,
+    COMPILED: tl.constexpr, RB: tl.constexpr, TAIL_DT: tl.constexpr,
 ):
     # grid (L * n_tiles * H, 2): program (layer, tile, head) quantizes keys (axis 1 == 0) or values of one pending
     # tile of one layer; the layer's tail and cache addresses come from the tables (int64, one entry per layer).
@@ -471,8 +339,7 @@ def _flush_layers_kernel(
             vp = va.to(tl.pointer_type(tl.float16))
         _store_one(kp, vp, ca.to(tl.pointer_type(tl.uint8)), ca.to(tl.pointer_type(tl.float16)), src, blk, head,
                    stride_kt, stride_kh, stride_kg, stride_vt, stride_vh, stride_vg, stride_cb, stride_ch, G, D, KB,
-                   VB, ITERS, OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, MMA_BF16, RB, BAL, 0,
-                   PACK8)
+                   VB, ITERS, OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, COMPILED, RB)
 
 
 class LayerTable:
@@ -515,13 +382,13 @@ def layer_table(tails_k, tails_v, caches) -> LayerTable:
 
 
 def flush_layers(tails_k, tails_v, caches, slots: torch.Tensor, block_ids: torch.Tensor, fmt: KVFormat | str,
-                 iters: int | None = None, *, balance: str | None = None) -> None:
+                 iters: int | None = None) -> None:
     """Quantize tail rows [0, g) of slots[i] of every layer's tail into that layer's cache[block_ids[i]], all layers
     and tiles in one launch (see the module docstring). slots / block_ids int32 [n] on the caches' device."""
-    _flush_table(layer_table(tails_k, tails_v, caches), slots, block_ids, fmt, iters, balance)
+    _flush_table(layer_table(tails_k, tails_v, caches), slots, block_ids, fmt, iters)
 
 
-def _flush_table(tab: LayerTable, slots, block_ids, fmt, iters=None, balance=None) -> None:
+def _flush_table(tab: LayerTable, slots, block_ids, fmt, iters=None) -> None:
     fmt = as_format(fmt)
     iters = fmt.balance_iters if iters is None else iters
     tk, cache = tab.tail, tab.cache
@@ -541,12 +408,11 @@ def _flush_table(tab: LayerTable, slots, block_ids, fmt, iters=None, balance=Non
         return
     if tk.stride(-1) != 1:
         raise KvarnError("tail buffers must be contiguous along the head dim")
-    variant, _ = _variant(balance, None)
     _flush_layers_kernel[(tab.layers * n * H, 2)](
         tab.k, tab.v, tab.c, slots, block_ids, n,
         tk.stride(0), tk.stride(1), tk.stride(2), tk.stride(0), tk.stride(1), tk.stride(2),
         cache.stride(0), cache.stride(1),
-        **_tile_constexprs(lay, H, D, iters, variant), TAIL_DT=_TAIL_DTYPES[tk.dtype],
+        **_tile_constexprs(lay, H, D, iters), TAIL_DT=_TAIL_DTYPES[tk.dtype],
     )
 
 
@@ -567,83 +433,35 @@ def compile_flush_layers(num_kv_heads: int, head_dim: int, tail_rows: int, dtype
 # whole-tile form asks for 448 KiB of shared memory); tests may override it to run the blocked path at small D.
 ROTATION_BLOCK = {64: 0, 128: 0, 256: 64}
 
-# Store variants (`kvarn microbench store` times each against the default; H200, session 8, one tile x 36 layers
-# replayed from a CUDA graph: fused 2.59 ms, log 2.91, fusedsm16w 3.25; fused also fastest for 64 tiles at once):
-#   balance: a named kernel variant -> (BAL, rotation block or None = ROTATION_BLOCK, PACK8, warps or None):
-#     "log" = today's kernel (the reference's log-scales), "mul" = _quantize_matrix_mul,
-#     "mulsm" = mul with the rotation in 32-channel blocks and the byte pack: the whole-tile rotation stages the
-#       +-1 H (twice: A and B operand layouts) and three bf16 parts of the tile for the tensor-core dots
-#       (160 KiB at D=128); blocked, only one 32-channel slice of each is staged,
-#     "fused" = _quantize_matrix_fused (2 cross-warp reductions per balancing iteration instead of 8),
-#     "fusedsm" = both, "fusedsm4w" = both on 4 warps per program instead of 8, "fusedsm16w" on 16 (offline sm_90:
-#     128 registers, 112 B stack, 8.3k static instructions per thread against 255 / 88 B / 14.0k at 8 warps: twice
-#     the warps to hide the balancing chain's latency for ~18% more instructions per SM; session 7 timed one 8-warp
-#     program at ~80 us: a 64-tile flush, 1,024 programs at one per SM, took 0.64 ms per layer).
-#   decode grid: "rows" = one program per (batch row, head, K|V), "compact" = H * COMPACT programs per K|V
-# KVARN_STORE_BALANCE / KVARN_STORE_DECODE_GRID set the process default (read at import).
-BALANCE_VARIANTS = {"log": (0, None, 0, None), "mul": (1, None, 0, None), "mulsm": (1, 32, 1, None),
-                    "fused": (2, None, 0, None), "fusedsm": (2, 32, 1, None), "fusedsm4w": (2, 32, 1, 4),
-                    "fusedsm16w": (2, 32, 1, 16)}
-DECODE_GRIDS = ("rows", "compact")
-STORE_BALANCE = os.environ.get("KVARN_STORE_BALANCE", "fused")
-STORE_DECODE_GRID = os.environ.get("KVARN_STORE_DECODE_GRID", "rows")
-_SM_COUNT: dict = {}
-
-
-def _compact_splits(dev: torch.device, H: int) -> int:
-    # programs per (head, K|V): about one wave of single-CTA-per-SM programs in all (host-only, cached)
-    if dev.type != "cuda":
-        return 2
-    n = _SM_COUNT.get(dev.index)
-    if n is None:
-        n = _SM_COUNT[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return max(1, n // (2 * H))
-
-
-def _variant(balance, grid):
-    balance = balance or STORE_BALANCE
-    grid = grid or STORE_DECODE_GRID
-    if balance not in BALANCE_VARIANTS or grid not in DECODE_GRIDS:
-        raise KvarnError(f"store variant: balance must be one of {sorted(BALANCE_VARIANTS)}, decode grid one of "
-                         f"{list(DECODE_GRIDS)}; got {balance!r}, {grid!r}")
-    return BALANCE_VARIANTS[balance], grid
-
 
 def _launch_store(k, v, cache, lay, n_tiles, H, iters, *, block_ids=None, src_rows=None, seq_lens=None,
-                  block_table=None, balance=None, grid=None, defer_flag=None):
+                  block_table=None, defer_flag=None):
     """k, v: tile sources [*, H, g, D] (strided). Plain mode: block_ids [n_tiles]; decode mode: src_rows, seq_lens,
     block_table [n_tiles, *] (the block ids are derived in the kernel)."""
     decode = block_ids is None
-    variant, grid = _variant(balance, grid)
-    compact = _compact_splits(k.device, H) if decode and grid == "compact" else 0
     dummy = seq_lens if decode else block_ids  # unused pointer arguments of the other mode
-    _store_tiles_kernel[(H * compact if compact else n_tiles * H, 2)](
+    _store_tiles_kernel[(n_tiles * H, 2)](
         k, v, cache, f16_view(cache), dummy if decode else block_ids, src_rows if decode else dummy,
         seq_lens if decode else dummy, block_table if decode else dummy, dummy if defer_flag is None else defer_flag,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         cache.stride(0), cache.stride(1), block_table.stride(0) if decode else 0, n_tiles,
-        **_tile_constexprs(lay, H, k.shape[-1], iters, variant), DECODE=decode,
-        COMPACT=compact, BP=triton.next_power_of_2(n_tiles) if compact else 1, DEFER=int(defer_flag is not None),
+        **_tile_constexprs(lay, H, k.shape[-1], iters), DECODE=decode, DEFER=int(defer_flag is not None),
     )
 
 
-def _tile_constexprs(lay, H: int, D: int, iters, variant) -> dict:
-    """What every launch of _store_one's tile quantizer passes alike (store_tiles / store_decode, flush_layers): the
-    record layout, the balancing iterations and the BALANCE_VARIANTS entry (bal, rotation block, pack8, warps)."""
-    bal, rb, pack8, warps = variant
-    return dict(H=H, G=lay.g, D=D, KB=lay.kb, VB=lay.vb, ITERS=int(iters),
-                OFF_PK=lay.pk, OFF_SK=lay.sk, OFF_ZK=lay.zk, OFF_RK=lay.rk,
-                OFF_PV=lay.pv, OFF_SV=lay.sv, OFF_ZV=lay.zv, OFF_CV=lay.cv,
-                MMA_BF16=mma_bf16(), RB=ROTATION_BLOCK[D] if rb is None else min(rb, D), BAL=bal, PACK8=pack8,
-                num_warps=warps or (16 if D * lay.g > 16384 else 8))
+def _tile_constexprs(lay, H: int, D: int, iters) -> dict:
+    """What every launch of _store_one's tile quantizer passes alike (store_tiles / store_decode, flush_layers).
+    Warps: one program per (tile, head, K|V) holds a whole [128, 128] fp32 tile; 8 warps (16 for 256 x 128) to hide
+    the balancing chain's latency."""
+    return dict(H=H, G=lay.g, D=D, KB=lay.kb, VB=lay.vb, ITERS=int(iters), **lay.offsets(),
+                COMPILED=compiled(), RB=ROTATION_BLOCK[D], num_warps=16 if D * lay.g > 16384 else 8)
 
 
 def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
-                fmt: KVFormat | str, iters: int | None = None, *, balance: str | None = None) -> None:
-    """Quantize T complete tiles per head into `cache[block_ids[t], h]` (see the module docstring).
-    balance: a BALANCE_VARIANTS key (default STORE_BALANCE, "fused")."""
+                fmt: KVFormat | str, iters: int | None = None) -> None:
+    """Quantize T complete tiles per head into `cache[block_ids[t], h]` (see the module docstring)."""
     fmt = as_format(fmt)
-    iters = fmt.balance_iters if iters is None else iters  # the format's (KVARN_BALANCE_ITERS)
+    iters = fmt.balance_iters if iters is None else iters
     if k.dim() != 4 or k.shape != v.shape:
         raise KvarnError(f"k and v must both be [T, H, g, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     T, H, g, D = k.shape
@@ -659,7 +477,7 @@ def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids
         return
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
-    _launch_store(k, v, cache, lay, T, H, iters, block_ids=block_ids, balance=balance)
+    _launch_store(k, v, cache, lay, T, H, iters, block_ids=block_ids)
 
 
 @triton.jit
@@ -732,18 +550,16 @@ def _decode_tail_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, slot_ptr, seq_lens_ptr,
 
 def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor,
-                 fmt: KVFormat | str, iters: int | None = None, *, balance: str | None = None,
-                 grid: str | None = None, defer=False) -> None:
+                 fmt: KVFormat | str, iters: int | None = None, *, defer=False) -> None:
     """The KV write of a step where batch row b has exactly one new token k[b], v[b] ([B, H, D]) at position
     seq_lens[b] - 1 (seq_lens int32 [B]; 0 = padded row, skipped): the token goes to tail row tail_slots[b], and
     when it completes its tile (seq_len % g == 0) the tile is quantized from the tail into
     cache[block_table[b, seq_len // g - 1]]. Two launches of fixed grids, no host data: CUDA-graph capturable.
-    balance / grid: store variants (BALANCE_VARIANTS, DECODE_GRIDS; defaults STORE_BALANCE, STORE_DECODE_GRID).
     defer: True: the tail write only; a completed tile stays in the tail (decode_attention(defer=True) reads it
     there) until flush_layers quantizes it. An int32 [1] tensor: the same when its value is 1 at run time, the
     immediate flush when 0 (a captured graph serves both)."""
     fmt = as_format(fmt)
-    iters = fmt.balance_iters if iters is None else iters  # the format's (KVARN_BALANCE_ITERS)
+    iters = fmt.balance_iters if iters is None else iters
     if k.dim() != 3 or k.shape != v.shape:
         raise KvarnError(f"k and v must both be [B, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     B, H, D = k.shape
@@ -767,7 +583,7 @@ def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ta
     if flag is True:  # always deferred: no flush launch at all
         return
     _launch_store(tail_k, tail_v, cache, lay, B, H, iters, src_rows=tail_slots, seq_lens=seq_lens,
-                  block_table=block_table, balance=balance, grid=grid, defer_flag=flag)
+                  block_table=block_table, defer_flag=flag)
 
 
-__all__ = ["store_tiles", "store_tail_tokens", "store_decode", "flush_layers", "FP16_MAX"]
+__all__ = ["store_tiles", "store_tail_tokens", "store_decode", "flush_layers"]

@@ -2,7 +2,8 @@
 
 `register()` is the `vllm.general_plugins` entry point (pyproject.toml); vLLM calls it once in every process (front
 end, engine core, each worker). It is idempotent, imports vLLM only when called, and does nothing but warn on vLLM
-versions other than 0.26.x. See docs/vllm-backend.md.
+versions other than 0.26.x. To load vLLM without it, leave it out of vLLM's own plugin list (VLLM_PLUGINS).
+See docs/vllm-backend.md.
 """
 from __future__ import annotations
 
@@ -29,9 +30,6 @@ def register() -> None:
             return
         _STATE.update(registered=True, pid=os.getpid(), applied=[])
         log = logging.getLogger("vllm.kvarn")
-        if os.environ.get("KVARN_DISABLE_PLUGIN", "") not in ("", "0"):
-            log.info("kvarn: plugin disabled by KVARN_DISABLE_PLUGIN")
-            return
         try:
             import vllm
         except Exception as e:  # noqa: BLE001 - no vLLM here: nothing to register
@@ -45,12 +43,11 @@ def register() -> None:
             return
         from . import patches
 
-        # The kernels' run-time tuner would compile and time variants at the first decode of each new shape,
-        # mid-serving (attention runs eagerly between piecewise graphs): serve with the tuned defaults instead.
-        os.environ.setdefault("KVARN_AUTOTUNE", "0")
-        if os.environ.get("KVARN_LOG_COMPILES", "0").strip() == "1":  # a log line per Triton compile, timed
-            from ..kernels.compile_log import install
+        from .. import settings
 
-            install()
+        if settings.get("KVARN_LOG_COMPILES"):  # a log line per Triton compile, timed
+            from ..kernels.runtime import install_compile_log
+
+            install_compile_log()
         _STATE["applied"] = patches.apply()
         log.debug("kvarn: plugin registered (%s)", ", ".join(_STATE["applied"]))

@@ -8,7 +8,6 @@ request lives in the 16-bit tail buffers (tails.py), reserved from the KV budget
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -27,7 +26,8 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ..formats import get_format
-from . import ops
+from . import ops, step_plan
+from .step_plan import StepPlan
 from .common import SUPPORTED_HEAD_SIZES, active_format, defer_flush_enabled, is_kvarn, kvarn_dtype_names
 from .tails import STEP, TAILS
 
@@ -79,7 +79,7 @@ def make_spec(layer, block_size: int) -> KvarnAttentionSpec:
 
 @dataclass
 class KvarnMetadata(AttentionMetadata):
-    plan: ops.StepPlan
+    plan: StepPlan
     num_actual_tokens: int
     block_table: torch.Tensor
     seq_lens: torch.Tensor
@@ -88,7 +88,9 @@ class KvarnMetadata(AttentionMetadata):
 
 def full_graph_decode_enabled() -> bool:
     """KVARN_FULL_GRAPH=0 turns full-graph decode off (attention then runs eagerly between piecewise graphs)."""
-    return os.environ.get("KVARN_FULL_GRAPH", "1") != "0"
+    from .. import settings
+
+    return bool(settings.get("KVARN_FULL_GRAPH"))
 
 
 class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
@@ -119,7 +121,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                   int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0)) + 1
         self._tail_slots = torch.full((cap,), self.slots, dtype=torch.int32, device=device)
         # the sink: per tail slot, the first block of the request whose first tokens its sink rows hold, and the
-        # per-row count of sink rows a step may read (ops.update_sink_lens; persistent: graph replays read it)
+        # per-row count of sink rows a step may read (step_plan.update_sink_lens; persistent: graph replays read it)
         self._sink_tags = TAILS.sink_tags(layer_names, self.slots, device)
         self._sink_lens = torch.zeros(cap, dtype=torch.int32, device=device)
         self._decode_kernels = torch.device(device).type == "cuda" and ops.decode_kernels_available()
@@ -131,10 +133,8 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         if self._decode_kernels:  # compiles what prefill steps launch, and syncs: before any graph capture
             from .warmup import warm_up
 
-            fused = ops.prefill_mode() == "kernel" or flash_varlen(kv_cache_spec.head_size) is None
             for hq, hk in _head_counts(vllm_config, layer_names, kv_cache_spec):
-                warm_up(hk, hq, kv_cache_spec.head_size, dtype, self.fmt, device, fused_prefill=fused,
-                        defer=self._defer)
+                warm_up(hk, hq, kv_cache_spec.head_size, dtype, self.fmt, device, defer=self._defer)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvarnMetadata:
@@ -156,12 +156,12 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         # pageable source: the copy is staged before this returns, so the host array can be reused next step. The
         # plan's tail_slots is this view of the persistent buffer (same address every step: graph replays).
         self._tail_slots[:R].copy_(torch.from_numpy(rows), non_blocking=True)
-        plan = ops.build_plan(cm.query_start_loc_cpu, np.asarray(seq_cpu), R, rows, cm.block_table_tensor,
-                              self.fmt.group, self.device, decode_minimal=self._decode_kernels,
-                              tail_slots_dev=self._tail_slots[:R], sink=self.fmt.sink_tokens)
+        plan = step_plan.plan_step(cm.query_start_loc_cpu, np.asarray(seq_cpu), R, rows, cm.block_table_tensor,
+                                   self.fmt.group, self.device, decode_minimal=self._decode_kernels,
+                                   tail_slots_dev=self._tail_slots[:R], sink=self.fmt.sink_tokens)
         if R > self._sink_lens.shape[0]:  # as _tail_slots above
             self._sink_lens = torch.zeros(R + 1, dtype=torch.int32, device=self.device)
-        ops.update_sink_lens(plan, self._sink_tags, cm.block_table_tensor, self._sink_lens)
+        step_plan.update_sink_lens(plan, self._sink_tags, cm.block_table_tensor, self._sink_lens)
         if self._defer and plan.decode_only:
             # not in a step that schedules a new or resumed request: its prefix hit may read a block another row
             # completes in this very step (vLLM caches blocks as it schedules them). The flag is device data, so
@@ -180,7 +180,7 @@ _FA: dict[int, tuple | None] = {}
 
 def flash_varlen(head_size: int) -> tuple | None:
     """(vLLM's flash_attn_varlen_func, its FA version) for this head size, or None where it is unavailable (then
-    first chunks use the torch path and continuation chunks the fused prefill kernel); looked up once."""
+    first and continuation chunks use the torch varlen); looked up once."""
     if head_size not in _FA:
         _FA[head_size] = None
         try:

@@ -10,7 +10,7 @@ Each patch is idempotent (marked on the patched object) and leaves every other d
    dims, ALiBi, soft-cap, sinks) a 16-bit cache ("auto"), said once per reason; `Attention.get_kv_cache_spec`
    returns `KvarnAttentionSpec` (true page bytes) for KVarN layers.
 4. config: `EngineArgs.create_engine_config` checks block size / model dtype / head size / speculative decoding with
-   an error naming the fix, sets the block size to the tile and max_num_seqs to DEFAULT_KVARN_SEQS when unset.
+   an error naming the fix, sets the block size to the tile and max_num_seqs to DEFAULT_MAX_NUM_SEQS when unset.
 5. worker: `Worker.determine_available_memory` subtracts the 16-bit tail buffers (max_num_seqs + 1 slots per KVarN
    layer) from the KV budget, so vLLM's "GPU KV cache size" and num_gpu_blocks are what really fits;
    `Worker.init_device` hooks the model runner so every step knows each batch row's tail slot (tails.py).
@@ -25,7 +25,7 @@ import typing
 
 import numpy as np
 
-from ..capacity import DEFAULT_KVARN_SEQS
+from ..capacity import DEFAULT_MAX_NUM_SEQS
 from ..errors import KvarnError
 from ..formats import get_format
 from .common import (SUPPORTED_HEAD_SIZES, SUPPORTED_VLLM, fallback_reason, is_kvarn, kvarn_dtype_names,
@@ -244,9 +244,9 @@ def check_args_before(args) -> None:
             f"--kv-cache-dtype {fmt.name} needs --block-size {fmt.group} (one vLLM block = one {fmt.group}-token "
             f"tile), got --block-size {args.block_size}; pass --block-size {fmt.group} or leave it unset")
     if args.max_num_seqs is None:
-        args.max_num_seqs = DEFAULT_KVARN_SEQS
+        args.max_num_seqs = DEFAULT_MAX_NUM_SEQS
         _once("seqs", "kvarn: max_num_seqs defaults to %d (the 16-bit tail buffer is reserved for that many "
-              "requests; set --max-num-seqs to change it)", DEFAULT_KVARN_SEQS)
+              "requests; set --max-num-seqs to change it)", DEFAULT_MAX_NUM_SEQS)
     if getattr(args, "speculative_config", None):
         raise KvarnConfigError(f"--kv-cache-dtype {fmt.name} does not support speculative decoding yet; "
                                "drop --speculative-config or use another kv cache dtype")

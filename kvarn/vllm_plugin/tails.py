@@ -122,7 +122,7 @@ class TailBuffers:
         self.slots = max(self.slots, slots)
 
     def sink_tags(self, layer_names, slots: int, device) -> torch.Tensor:
-        """The sink ownership tags (ops.update_sink_lens) of the slots these layers' buffers hold: one int32 [S + 1]
+        """The sink ownership tags (step_plan.update_sink_lens) of the slots these layers' buffers hold: one int32 [S + 1]
         per layer set, shared by every metadata builder of those layers (their claims must see each other)."""
         key = tuple(sorted(layer_names))
         t = self._tags.get(key)
@@ -171,7 +171,7 @@ class TailBuffers:
 
 
 _LOG = logging.getLogger("vllm.kvarn")
-SLOW_LAUNCH_S = 0.1  # a deferred flush whose launch takes longer is logged (the session-11 A/B's unexplained stall)
+SLOW_LAUNCH_S = 0.1  # a deferred flush whose launch takes longer is logged (a stall then has a line to match)
 
 
 class PendingFlush:

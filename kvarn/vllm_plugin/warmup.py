@@ -2,13 +2,10 @@
 
 vLLM's own warm-up (profile run, CUDA-graph capture) runs only decode-only steps through this backend, so the
 kernels that prefill steps launch (the tile store of a prompt, the record decoder of a continuation chunk, the
-eager decode of a mixed batch) used to compile at their first use, under load: on the H200 (session 12) two store
-variants of 4.8-6.3 s and the record decoder's 1.2 s in every KVarN run, up to 7.6 s of it inside a timed burst (a
-stall of every running request; `vllm serve`'s TTFT p50 5.1 s). Here a few synthetic steps on scratch tensors run
-the same ops paths instead; the scratch shapes differ from the real ones only in the sizes that the kernels do not
-specialise on (kvarn.kernels.common.serving_jit), so the compiled variants are the ones real steps use.
-Not covered (opt-in modes): KVARN_AUTOTUNE=1 (the tuner keys on real batch and context sizes) and
-KVARN_STORE_DECODE_GRID=compact (a constexpr per power of two of an eager decode batch).
+eager decode of a mixed batch) would compile at their first use, under load: seconds each, a stall of every
+running request. Here a few synthetic steps on scratch tensors run the same ops paths instead; the scratch shapes
+differ from the real ones only in the sizes that the kernels do not specialise on (kvarn.kernels.runtime.
+serving_jit), so the compiled variants are the ones real steps use.
 """
 from __future__ import annotations
 
@@ -19,8 +16,10 @@ import numpy as np
 import torch
 
 from ..formats import KVFormat
+from ..method.paged import raw_attention_torch, varlen_attention_torch
 from . import ops
 from .common import backend_env
+from .step_plan import plan_step, update_sink_lens
 
 _LOG = logging.getLogger("vllm.kvarn")
 _DONE: set = set()
@@ -32,29 +31,18 @@ def _torch_varlen(scale: float):
 
     def run(q, k, v, cu, max_len, cu_k=None, max_k=None):
         if cu_k is None:
-            return ops.raw_attention_torch(q, k, v, cu.cpu(), scale)
-        return ops.dense_varlen_torch(q, k, v, cu.cpu().numpy(), cu_k.cpu().numpy(), scale)
+            return raw_attention_torch(q, k, v, cu.cpu(), scale)
+        return varlen_attention_torch(q, k, v, cu.cpu().numpy(), cu_k.cpu().numpy(), scale)
 
     return run
 
 
-def fused_chunk_lens(num_heads: int, num_kv_heads: int) -> list[int]:
-    """Continuation-chunk lengths that compile every variant of the fused prefill kernel: its BQ constexpr is the
-    chunk's longest query rounded up to a power of two, capped at ROWS_PER_PROGRAM / padded GQA group."""
-    from ..kernels.decode import group_geometry
-    from ..kernels.prefill import ROWS_PER_PROGRAM
-
-    top = max(2, ROWS_PER_PROGRAM // group_geometry(num_heads, num_kv_heads)[1])
-    return [1 << i for i in range(1, top.bit_length()) if 1 << i <= top]
-
-
 def synthetic_steps(num_kv_heads: int, num_heads: int, head_size: int, dtype: torch.dtype, fmt: KVFormat,
-                    device, *, fused_prefill: bool = False, defer: bool = False) -> list:
+                    device, *, defer: bool = False) -> list:
     """Steps of two requests through ops, as the backend's forward runs them: (1) two fresh prompts that complete
     a tile each and leave tokens in the tail (store_tiles, raw attention); (2) a mixed step, one decode row
     (decode_attention, eagerly) and one continuation chunk over a stored tile (the record decoder + varlen
-    attention); with fused_prefill (KVARN_PREFILL=kernel, or no FlashAttention) more mixed steps, one per chunk
-    length of fused_chunk_lens; (3) a decode-only step run eagerly (store_decode + decode_attention: batches above
+    attention); (3) a decode-only step run eagerly (store_decode + decode_attention: batches above
     the largest captured size, --enforce-eager), and with `defer` (on a GPU) once more with a deferral flag of 0
     (the DEFER variants, which graph capture compiles only when graphs are on). Returns the plans."""
     g, sink = fmt.group, fmt.sink_tokens
@@ -65,7 +53,7 @@ def synthetic_steps(num_kv_heads: int, num_heads: int, head_size: int, dtype: to
     def rnd(*shape):
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-    nb = 4  # blocks per request: room for the fused chunk lengths (up to 126 more tokens)
+    nb = 4  # blocks per request
     cache = torch.zeros(2 * nb + 1, H, fmt.record_bytes(D), dtype=torch.uint8, device=device)
     tail_k = torch.zeros(3, H, g + sink, D, dtype=dtype, device=device)  # slots 0, 1 and the padding row
     tail_v = torch.zeros_like(tail_k)
@@ -74,14 +62,13 @@ def synthetic_steps(num_kv_heads: int, num_heads: int, head_size: int, dtype: to
     tags = torch.full((3,), -1, dtype=torch.int32, device=device)
     sink_lens = torch.zeros(3, dtype=torch.int32, device=device)
     scale = D ** -0.5
-    varlen = None if fused_prefill else _torch_varlen(scale)  # None: continuation chunks take the fused kernel
+    varlen = _torch_varlen(scale)
     plans, lens = [], np.zeros(2, dtype=np.int64)
-    mixed = [[1, n] for n in ([5] + (fused_chunk_lens(Hq, H) if fused_prefill else []))]
-    for qlen in [[g + 3, g + 2]] + mixed:
+    for qlen in ([g + 3, g + 2], [1, 5]):
         qsl = np.concatenate([[0], np.cumsum(qlen)])
         seq = lens + np.asarray(qlen)
-        plan = ops.build_plan(qsl, seq, 2, slots, bt, g, device, sink=sink)
-        ops.update_sink_lens(plan, tags, bt, sink_lens)
+        plan = plan_step(qsl, seq, 2, slots, bt, g, device, sink=sink)
+        update_sink_lens(plan, tags, bt, sink_lens)
         n = int(qsl[-1])
         q, k, v = rnd(n, Hq, D), rnd(n, H, D), rnd(n, H, D)
         ops.store(plan, k, v, cache, tail_k, tail_v, fmt)
@@ -94,10 +81,10 @@ def synthetic_steps(num_kv_heads: int, num_heads: int, head_size: int, dtype: to
     for flag in [False] + ([torch.zeros(1, dtype=torch.int32, device=device)] if defer and on_gpu else []):
         lens = lens + 1
         seq_dev = torch.from_numpy(lens.astype(np.int32)).to(device)
-        plan = ops.build_plan(np.arange(3), lens, 2, slots, bt, g, device, decode_minimal=on_gpu,
+        plan = plan_step(np.arange(3), lens, 2, slots, bt, g, device, decode_minimal=on_gpu,
                               tail_slots_dev=slots_dev, sink=sink)
         plan.defer = flag  # a device flag of 0: the DEFER kernels, flushing at once as without deferral
-        ops.update_sink_lens(plan, tags, bt, sink_lens)
+        update_sink_lens(plan, tags, bt, sink_lens)
         q, k, v = rnd(2, Hq, D), rnd(2, H, D), rnd(2, H, D)
         ops.decode_step(plan, q, k, v, torch.empty_like(q), cache, bt, seq_dev, slots_dev, tail_k, tail_v, fmt,
                         scale, raw_varlen=varlen)
@@ -106,28 +93,23 @@ def synthetic_steps(num_kv_heads: int, num_heads: int, head_size: int, dtype: to
 
 
 def warm_up(num_kv_heads: int, num_heads: int, head_size: int, dtype: torch.dtype, fmt: KVFormat, device, *,
-            fused_prefill: bool = False, defer: bool = False) -> float:
-    """Once per process and shape: the kernels' device checks (kernels.prepare), the synthetic steps, and with the
-    deferred flush its one-launch kernel. Syncs: call it before graph capture (the metadata builder's __init__). A
+            defer: bool = False) -> float:
+    """Once per process and shape: the synthetic steps, and with the deferred flush its one-launch kernel. Syncs: call it before graph capture (the metadata builder's __init__). A
     failure is logged, not raised (the kernels then compile at first use, as before). Returns the seconds it took
     (0.0 when already done, failed or not on CUDA)."""
     device = torch.device(device)
     if device.type != "cuda":
         return 0.0
-    steps_key = (num_kv_heads, num_heads, head_size, dtype, fmt.name, device, fused_prefill, defer)
+    steps_key = (num_kv_heads, num_heads, head_size, dtype, fmt.name, device, defer)
     flush_key = ("flush", num_kv_heads, head_size, dtype, fmt.name, device)
     todo = [k for k in (steps_key, flush_key if defer else None) if k is not None and k not in _DONE]
     if not todo:
         return 0.0
     t0 = time.perf_counter()
     try:
-        from ..kernels import prepare
-
-        prepare(head_size, device)
         if steps_key in todo:
-            synthetic_steps(num_kv_heads, num_heads, head_size, dtype, fmt, device, fused_prefill=fused_prefill,
-                            defer=defer)
-        if flush_key in todo:  # its first flush would otherwise compile mid-run (BENCHMARKS.md, session 10)
+            synthetic_steps(num_kv_heads, num_heads, head_size, dtype, fmt, device, defer=defer)
+        if flush_key in todo:  # its first flush would otherwise compile mid-run
             from ..kernels.store import compile_flush_layers
 
             compile_flush_layers(num_kv_heads, head_size, fmt.group + fmt.sink_tokens, dtype, fmt, device)
@@ -138,8 +120,8 @@ def warm_up(num_kv_heads: int, num_heads: int, head_size: int, dtype: torch.dtyp
         return 0.0
     _DONE.update(todo)
     secs = time.perf_counter() - t0
-    # the knobs in the log too: what a run used is then readable from its log alone (bench rows carry backend_env)
-    _LOG.info("kvarn: kernels warmed up for %d/%d heads, head_dim %d, %s in %.1f s (deferred flush %s; knobs: %s)",
+    # the settings in the log too: what a run used is then readable from its log alone (rows carry them as well)
+    _LOG.info("kvarn: kernels warmed up for %d/%d heads, head_dim %d, %s in %.1f s (deferred flush %s; %s)",
               num_heads, num_kv_heads, head_size, str(dtype).replace("torch.", ""), secs, "on" if defer else "off",
-              backend_env() or "defaults")
+              backend_env())
     return secs

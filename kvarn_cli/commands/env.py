@@ -1,4 +1,5 @@
-"""`kvarn env`: versions, git sha, CUDA, driver and GPUs (the provenance every result row carries)."""
+"""`kvarn env`: versions, git sha, CUDA, driver and GPUs (the provenance every result row carries), and the KVARN_*
+settings (kvarn.settings) with their values in this environment."""
 from __future__ import annotations
 
 import typer
@@ -23,3 +24,12 @@ def register(app: typer.Typer) -> None:
                 v = "; ".join(f"{g['index']}: {g['name']} {g['memory_gib']} GiB" for g in v) or "none"
             t.add_row(k, "absent" if v is None else str(v))
         out.print(t)
+        from kvarn import settings
+
+        s = Table(title="KVARN_* settings (kvarn/settings.py)")
+        for c in ("name", "value", "default", "changes results", "what it does"):
+            s.add_column(c, overflow="fold")
+        for row in settings.table():
+            s.add_row(row["name"], str(settings.get(row["name"])), str(row["default"]),
+                      "yes" if row["changes_results"] else "no", row["doc"])
+        out.print(s)

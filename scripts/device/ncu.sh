@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Nsight Compute profile of one decode_attention call per config (scripts/device/ncu_decode.py): every launch's
+# Nsight Compute profile of one decode_attention call (scripts/device/ncu_decode.py): every launch's
 # duration, occupancy, issue activity and warp-stall reasons, and the records kernel's per-instruction stall samples.
 # Firecracker machines only (gVisor has no counters); clocks left alone (--clock-control none).
-#   KVARN_NCU_CONFIGS=u2k2v1w2s5x1n8L2p2,u2k2v1w2s5x1n8L2p2t1g1 bash scripts/device/ncu.sh
+#   bash scripts/device/ncu.sh
 # Writes $OUT/decode.ncu-rep (open in the Nsight Compute GUI), raw.csv (every metric), source_<i>.csv (SASS with
 # samples per records-kernel launch) and prints a short table last.
 set -u
@@ -22,7 +22,7 @@ import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
 h = rows[0]
 k = h.index("Kernel Name"); i = h.index("ID")
-print(" ".join(r[i] for r in rows[2:] if "pair_pipe" in r[k] or "attention_pair" in r[k]))
+print(" ".join(r[i] for r in rows[2:] if "records_kernel" in r[k]))
 PY
 ); do
   "$NCU" -i "$OUT/decode.ncu-rep" --page source --csv --print-source sass --kernel-id ":::$((id + 1))" \

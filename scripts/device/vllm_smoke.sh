@@ -5,8 +5,7 @@
 # Stages (each engine in its own process with a timeout; a failure never stops the run):
 #   0 plugin/CLI checks (no engine), kernels-vs-torch ops check on the GPU
 #   1 SmolLM2 fp16 eager MRv2 (baseline: chunked-prefill perplexity, greedy tokens)
-#   2 SmolLM2 kvarn_k4v2_g128: eager MRv2, eager MRv1, CUDA graphs MRv2 (full-graph decode), the same with
-#     KVARN_PREFILL=kernel, CUDA graphs MRv1
+#   2 SmolLM2 kvarn_k4v2_g128: eager MRv2, eager MRv1, CUDA graphs MRv2 (full-graph decode), CUDA graphs MRv1
 #   3 Qwen3-8B shape, dummy weights, kvarn_k4v2_g128, CUDA graphs: vLLM's KV capacity (>= 4.4x FP16's 791,792) +
 #     a 16 x (4096 + 128) burst
 #   4 the other presets (g64, k4v4, k2v2), a preemption run, a prefix-cache-hit check
@@ -183,9 +182,6 @@ run_case smol_fp16_eager_v2  ""                            '{"case":"smol_fp16_e
 run_case smol_g128_eager_v2  ""                            '{"case":"smol_g128_eager_v2","kv":"kvarn_k4v2_g128","block_size":128,'"$S"'}'
 run_case smol_g128_eager_v1  "VLLM_USE_V2_MODEL_RUNNER=0"  '{"case":"smol_g128_eager_v1","kv":"kvarn_k4v2_g128","block_size":128,'"$S"'}'
 run_case smol_g128_graph_v2  ""                            '{"case":"smol_g128_graph_v2","kv":"kvarn_k4v2_g128","block_size":128,"eager":false,'"$S"'}'
-# continuation chunks through the fused prefill kernel on the records (KVARN_PREFILL=kernel; the default is dense):
-# same ppl expected
-run_case smol_g128_graph_kernel "KVARN_PREFILL=kernel"      '{"case":"smol_g128_graph_kernel","kv":"kvarn_k4v2_g128","block_size":128,"eager":false,'"$S"'}'
 # ---- stage 3: Qwen3-8B shape -----------------------------------------------------------------------------------
 QDIR=/tmp/models/qwen3-8b-dummy; mkdir -p "$QDIR"; cp suites/models/qwen3-8b.json "$QDIR/config.json"
 Q='"model":"'$QDIR'","repo":"'$REPO'","load_format":"dummy","skip_tokenizer_init":true,"util":0.9,"max_model_len":8192,"tasks":["burst"]'

@@ -4,19 +4,17 @@ in the same process, on the same shapes.
 Baseline: vLLM's FlashAttention (`vllm.vllm_flash_attn.flash_attn_varlen_func` over a 16-bit paged cache with a
 block table, as vLLM's own decode path calls it; FA3 on Hopper, else FA2) when vLLM imports, else PyTorch SDPA.
 GPU timing: CUDA events around each call, warm-up first, the median of `iters` runs; decode (ours against the
-baseline, and each sweep row against the default) from CUDA graphs of back-to-back calls replayed in turn, as vLLM
-runs a decode step, so launch gaps and drift over the run do not enter the ratio. Achieved bandwidth is the
+baseline) from CUDA graphs of back-to-back calls replayed in turn, as vLLM runs a decode step, so launch gaps and
+drift over the run do not enter the ratio. Achieved bandwidth is the
 packed bytes the kernel must read over its median time, shown against a measured device-to-device copy
 bandwidth. On a CPU everything runs through the Triton interpreter at small sizes: the numbers then only show
 the command works (the result says so).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -100,22 +98,19 @@ def time_ms(fn, dev: torch.device, iters: int, warmup: int = 3) -> float:
     return statistics.median(_once_ms(fn, dev) for _ in range(max(1, iters)))
 
 
-# calls per captured graph in paired_ms (8 x ~0.34 ms at the acceptance shape). A graph launch's GPU-side latency
-# (~30 us, H200) is shared by the 8 calls (~3.7 us each, ours and the baseline alike). At 36 calls per graph (one
-# Qwen3-8B step's layers) session 16 read 0.3743 ms for ours against FA3's 0.9710 (0.385x) where 8-call graphs on
-# another machine an hour earlier read 0.3357 / 0.9503 (0.353x). Session 17 (--timing all, SM clock read per replay)
-# separated it: the longer and hotter the burst, the lower the SM clock (1,980 -> 1,365-1,850 MHz); FA3 (DRAM-bound)
-# keeps its time, ours (issue-bound) scales with the clock
+# calls per captured graph in paired_ms: a graph launch's own GPU-side latency is shared by them (ours and the
+# baseline alike). Longer graphs are longer bursts: the SM clock drops under a long hot burst, which an issue-bound
+# kernel feels and a DRAM-bound one does not (--graph-calls, and --timing all with the clock read per replay)
 GRAPH_CALLS = 8
 
 
 TIMING_ORDERS = ("in-turn", "blocks", "gap")
-GAP_S = 0.02  # "gap": host idle before each timed replay, long enough for the clocks to settle back (H200: ms scale)
+GAP_S = 0.02  # "gap": host idle before each timed replay, long enough for the clocks to settle back
 
 
 def _sm_clock_mhz(dev: torch.device) -> int | None:
     """The SM clock now (NVML through torch; None without pynvml): read after a timed replay, it shows the clock
-    state each fn ran in (the H200's clock drops under load, and an issue-bound kernel feels it most)."""
+    state each fn ran in (a GPU's clock drops under load, and an issue-bound kernel feels it most)."""
     try:
         return int(torch.cuda.clock_rate(dev))
     except Exception:  # noqa: BLE001 - pynvml absent or unsupported: no clock column
@@ -135,8 +130,8 @@ def paired_timings(fns, dev: torch.device, iters: int, calls: int = GRAPH_CALLS,
     to back in one CUDA graph (no host launch gaps, as vLLM replays a decode step); a fn that cannot be captured is
     timed call by call in the same order (fallback=False: the capture error is raised). CPU: time_ms of each.
     order: "in-turn" replays the graphs alternately (A, B, A, B, ...) so clock ramps and a neighbour's load hit every
-    fn alike: call-by-call timing let one config read 0.56-0.77 ms across three runs of one session while
-    FlashAttention held 0.98-1.00 (session 13). But a fn then always starts in the power / clock state the previous
+    fn alike (timed call by call, a kernel's time wanders by a third across runs while the baseline holds). But a
+    fn then always starts in the power / clock state the previous
     one left: "blocks" times each fn's replays back to back in A-B-B-A blocks (its own steady state, as
     triton.testing.do_bench does; the mirrored order cancels a linear drift), "gap" keeps the alternation and idles
     the host GAP_S before each timed replay (every fn starts from the same idle state). clocks: a list to receive
@@ -235,9 +230,9 @@ def _kv_format(name: str):
     return fmt
 
 
-def _paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev, gen_seed=0):
+def paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev, gen_seed=0):
     """A KVarN paged cache filled by our own store kernel (real records), tail buffers and metadata."""
-    from .store import store_tiles
+    from ..kernels.store import store_tiles
 
     g = fmt.group
     n_full = ctx // g
@@ -345,19 +340,13 @@ def _baseline_decode(B, ctx, Hq, Hk, D, dtype, dev, scale, q):
 # ------------------------------------------------------------------------------------------------ targets
 
 
+
 def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="auto", check=False, iters=None,
-                 num_splits=None, dtype=torch.bfloat16, sweep=False, breakdown=False,
-                 graph_calls: int | None = None, timing: str = "in-turn", config: str | None = None) -> BenchResult:
-    """Time decode_attention (tuned/default config) against the 16-bit baseline. sweep=True also times every
-    entry of kvarn.kernels.decode.SWEEP_CONFIGS (each checked against the reference when check=True) and, for the
-    fastest, a few split counts; the rows go to extra['sweep'] (ms, GB/s, rel. error, splits). breakdown=True
-    also times each of the call's launches alone (kvarn.kernels.decode.LAUNCHES), in turn with the whole call:
-    extra['breakdown'] = {launch: ms less 'graph', ..., 'graph': ms per call of a graph of calls that launch
-    nothing (the graph launch's share), 'call': ms, 'between': call - graph - the launches (the gaps between
-    dependent kernels; a launch a config folds into another one reads ~0)}. graph_calls: calls per captured graph
-    (default GRAPH_CALLS; more calls = a longer back-to-back burst, closer to a loaded GPU's clocks). timing: a
-    paired_timings order for ours against the baseline, or "all": each of them, in extra['orders'] (the headline
-    in turn). config: a DecodeConfig name timed as "ours" instead of the default (and the sweep's reference)."""
+                 num_splits=None, dtype=torch.bfloat16, graph_calls: int | None = None,
+                 timing: str = "in-turn") -> BenchResult:
+    """Time decode_attention against the 16-bit baseline, both from CUDA graphs of `graph_calls` back-to-back calls
+    (default GRAPH_CALLS). timing: a paired_timings order, or "all": each of them, in extra['orders'] (the headline
+    in turn)."""
     if timing not in (*TIMING_ORDERS, "all"):
         raise KvarnError(f"unknown --timing {timing!r}; accepted: {', '.join((*TIMING_ORDERS, 'all'))}")
     dev = resolve_device(device)
@@ -366,26 +355,18 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
     if graph_calls is not None and graph_calls < 1:
         raise KvarnError(f"--graph-calls must be >= 1, got {graph_calls}")
     fmt = _kv_format(kv_dtype)
-    from .decode import LAUNCHES, SWEEP_CONFIGS, DecodeConfig, decode_attention
+    from ..kernels.decode import decode_attention, default_num_splits
 
-    # KVARN_SWEEP_CONFIGS="name,name,...": only these (any DecodeConfig name, e.g. one not in SWEEP_CONFIGS); parsed
-    # first, so a bad name is one line before anything runs
-    names = [n.strip() for n in os.environ.get("KVARN_SWEEP_CONFIGS", "").split(",") if n.strip()]
-    configs = [DecodeConfig.from_name(n) for n in names] if names else SWEEP_CONFIGS
-    own = {"config": DecodeConfig.from_name(config)} if config else {}
     iters = iters or (50 if dev.type == "cuda" else 2)
     B, ctx, Hq, Hk, D = batch, context, q_heads, kv_heads, head_dim
-    st = _paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev)
+    st = paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev)
     q = torch.randn(B, Hq, D, device=dev, dtype=dtype)
     scale = 1 / math.sqrt(D)
     out = torch.empty_like(q)
 
-    def run(dst=out, splits=num_splits, **kw):  # decode_attention on this cache (kw: config, launches)
+    def run(dst=out):
         decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                         st["tail_slots"], fmt, scale, num_splits=splits, out=dst, sink_lens=st["sink_lens"], **kw)
-
-    def ours():
-        run(**own)
+                         st["tail_slots"], fmt, scale, num_splits=num_splits, out=dst, sink_lens=st["sink_lens"])
 
     g = fmt.group
     nbytes = B * Hk * ((ctx // g) * fmt.record_bytes(D) + (ctx % g) * D * 2 * 2) + q.numel() * 2 * 2
@@ -395,121 +376,53 @@ def bench_decode(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="
     by_order, mhz = {}, {}
     for o in orders:
         mhz[o] = []
-        by_order[o] = paired_timings([ours, bfn], dev, iters, calls, warmup=3 if dev.type == "cuda" else 1, order=o,
+        by_order[o] = paired_timings([run, bfn], dev, iters, calls, warmup=3 if dev.type == "cuda" else 1, order=o,
                                      clocks=mhz[o])
     (ms, how), (bms, bhow) = by_order[orders[0]]  # "all": the headline stays in turn, the others beside it
     copy = copy_bandwidth_gbps(dev)
     gbps = nbytes / (ms * 1e-3) / 1e9
-    err, check_extra = None, {}
+    err, extra = None, {}
     if check:
         rows = min(B, 4)
-        ours()
+        run()
         ref = torch.stack(_reference_out(st, fmt, D, q, scale, rows))
         out32 = torch.empty(q.shape, dtype=torch.float32, device=dev)  # the kernel's own precision
-        run(out32, **own)
+        run(out32)
         err = _rel(out32[:rows], ref)
-        check_extra = {"rel_err_in_q_dtype": _rel(out[:rows], ref)}
-    from dataclasses import replace
-
-    from .common import layout
-    from .decode import DEFAULT_CONFIG, group_geometry, heuristic_splits, tuned_entries
-
-    check_extra["config"] = config or "default"
-    check_extra["timing"] = f"ours: {how}; baseline: {bhow}"  # a baseline timed call by call carries its launch
+        extra = {"rel_err_in_q_dtype": _rel(out[:rows], ref)}
+    extra["timing"] = f"ours: {how}; baseline: {bhow}"  # a baseline timed call by call carries its launch
     if len(orders) > 1:
-        check_extra["orders"] = {o: {"ms": a, "baseline_ms": b, "ratio": a / b if b else None,
-                                     "sm_mhz": mhz[o][0], "baseline_sm_mhz": mhz[o][1]}
-                                 for o, ((a, _), (b, _)) in by_order.items()}
+        extra["orders"] = {o: {"ms": a, "baseline_ms": b, "ratio": a / b if b else None,
+                               "sm_mhz": mhz[o][0], "baseline_sm_mhz": mhz[o][1]}
+                           for o, ((a, _), (b, _)) in by_order.items()}
     elif mhz[orders[0]] and mhz[orders[0]][0] is not None:
-        check_extra["sm_mhz"] = f"ours {mhz[orders[0]][0]}, baseline {mhz[orders[0]][1]} (median after each replay)"
-    check_extra["tuned"] = str(tuned_entries()) if dev.type == "cuda" else None
-    check_extra["heuristic_splits"] = heuristic_splits(own.get("config", DEFAULT_CONFIG), B, Hk,
-                                                       st["block_table"].shape[1], layout(fmt, D),
-                                                       group_geometry(Hq, Hk)[1], dev)
-    if breakdown:
-        def part(*names):
-            return lambda: run(launches=names, **own)
-        # every graph replay carries the graph launch's own latency once (~30 us on the H200, shared by its calls):
-        # a graph of calls that launch nothing measures it, and it is taken out of each launch's time
-        times = paired_ms([ours, part()] + [part(n) for n in LAUNCHES], dev, iters, calls, warmup=2)
-        graph = times[1]
-        parts = {n: t - graph for n, t in zip(LAUNCHES, times[2:])}
-        check_extra["breakdown"] = {**parts, "graph": graph, "call": times[0],
-                                    "between": times[0] - graph - sum(parts.values())}
-    if sweep:
-        rows_out = []
-        ref_rows = torch.stack(_reference_out(st, fmt, D, q, scale, min(B, 4))) if check else None
-
-        def one(cfg, splits=None, again=False):
-            def fn():
-                run(splits=splits, config=cfg)
-            row = {"config": cfg.name, "splits": splits, **({"again": True} if again else {})}
-            try:
-                t0 = time.perf_counter()
-                fn()
-                _sync(dev)
-                row["first_call_s"] = time.perf_counter() - t0  # compile + one run
-                # timed in turn with the default (heuristic splits): vs_default is this run's ratio, drift-free
-                row["ms"], row["default_ms"] = paired_ms([fn, ours], dev, iters, calls, warmup=2)
-                row["vs_default"] = row["ms"] / row["default_ms"]
-                row["gbps"] = nbytes / (row["ms"] * 1e-3) / 1e9
-                if ref_rows is not None:
-                    o32 = torch.empty(q.shape, dtype=torch.float32, device=dev)
-                    run(o32, splits, config=cfg)
-                    row["rel_err"] = _rel(o32[:ref_rows.shape[0]], ref_rows)
-            except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
-                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-            rows_out.append(row)
-            # each row also goes to stderr as it is measured: a sweep cut by a time limit keeps what it measured
-            print("sweep-row " + json.dumps(row), file=sys.stderr, flush=True)
-            return row
-
-        for cfg in configs:
-            one(cfg)
-        ok = [r for r in rows_out if "ms" in r and r.get("rel_err", 0.0) < 1e-3]
-        if ok:
-            best = min(ok, key=lambda r: r.get("vs_default", r["ms"]))  # the drift-free ratio decides
-            cfg = next(c for c in configs if c.name == best["config"])
-            h = check_extra["heuristic_splits"]
-            for sp in sorted({1, 2, 3, 4, 6, 8, 2 * h} - {h}):  # wave quantization: B*Hk*splits vs resident slots
-                one(replace(cfg, split_mult=1.0), sp)
-            # the heuristic's row once more, last: rows are timed one after another, so drift over the run (clocks, a
-            # neighbour's load) shows as a gap between its two rows; a split count should beat both to be a win
-            one(cfg, again=True)
-        check_extra["sweep"] = rows_out
+        extra["sm_mhz"] = f"ours {mhz[orders[0]][0]}, baseline {mhz[orders[0]][1]} (median after each replay)"
+    extra["splits"] = num_splits or default_num_splits(B, Hk, st["block_table"].shape[1], dev)
     return BenchResult("decode", str(dev), dev.type == "cpu", fmt.name, B, ctx, Hq, Hk, D, ms, bname, bms,
                        ms / bms if bms else None, nbytes, gbps, copy, gbps / copy, err,
                        {"num_splits": num_splits, "ideal_ratio_bytes": fmt.record_bytes(D) / (fmt.group * 4 * D),
-                        **check_extra})
+                        **extra})
 
 
 def bench_prefill(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="auto", check=False, iters=None,
                   chunk=None, dtype=torch.bfloat16) -> BenchResult:
+    """Time the backend's continuation-chunk path (kvarn.vllm_plugin.dense_prefill: records dequantized + tail into
+    16-bit K/V, then FlashAttention varlen where vLLM has it, else torch) against FlashAttention (or SDPA) over a
+    16-bit paged cache of the same context."""
     dev = resolve_device(device)
     _check_heads(q_heads, kv_heads, head_dim)
     _check_sizes(batch, context, chunk, iters=iters)
     fmt = _kv_format(kv_dtype)
-    from .prefill import prefill_attention
-
     iters = iters or (20 if dev.type == "cuda" else 1)
     B, ctx, Hq, Hk, D = batch, context, q_heads, kv_heads, head_dim
     chunk = min(chunk or (512 if dev.type == "cuda" else 16), ctx)
-    st = _paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev)
+    st = paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev)
     qsl = torch.arange(B + 1, dtype=torch.int32, device=dev) * chunk
     q = torch.randn(B * chunk, Hq, D, device=dev, dtype=dtype)
     scale = 1 / math.sqrt(D)
-    out = torch.empty_like(q)
-
-    def ours():
-        prefill_attention(q, st["cache"], st["block_table"], qsl, st["seq_lens"], st["tail_k"], st["tail_v"],
-                          st["tail_slots"], fmt, scale, chunk, out=out, sink_lens=st["sink_lens"])
-
-    ms = time_ms(ours, dev, iters, warmup=2 if dev.type == "cuda" else 1)
-    g = fmt.group
-    nbytes = B * Hk * ((ctx // g) * fmt.record_bytes(D) + (ctx % g) * D * 4) + 2 * q.numel() * 2
     # baseline: FA varlen, causal, chunk queries over a 16-bit paged cache of the same context
     fa = _flash_attn() if dev.type == "cuda" else None
-    bname, bms = "none", None
+    bname, bms, fa_ver = "none", None, None
     if fa is not None:
         bs = 16
         nblk = -(-ctx // bs)
@@ -518,14 +431,14 @@ def bench_prefill(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device=
         bt = torch.randperm(B * nblk, device=dev).view(B, nblk).to(torch.int32)
         sl = torch.full((B,), ctx, dtype=torch.int32, device=dev)
         for ver in (3, 2):
-            def run(ver=ver):
+            def base(ver=ver):
                 fa(q, kc, vc, max_seqlen_q=chunk, cu_seqlens_q=qsl, max_seqlen_k=ctx, seqused_k=sl,
                    softmax_scale=scale, causal=True, block_table=bt, out=torch.empty_like(q), fa_version=ver)
             try:
-                run()
+                base()
                 _sync(dev)
-                bms = time_ms(run, dev, iters)
-                bname = f"vllm FlashAttention {ver} (paged fp16, causal varlen)"
+                bms = time_ms(base, dev, iters)
+                bname, fa_ver = f"vllm FlashAttention {ver} (paged fp16, causal varlen)", ver
                 break
             except Exception:  # noqa: BLE001
                 continue
@@ -537,85 +450,64 @@ def bench_prefill(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device=
         bname = "torch SDPA (contiguous 16-bit, causal mask)"
         bms = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
             q4, k, v, attn_mask=mask, scale=scale, enable_gqa=Hq != Hk), dev, iters)
-    dense_extra, dense = _dense_prefill_runner(st, fmt, q, qsl, scale, fa, bname)
-    runners = {"dense": dense}
-    if dense is not None:  # the same path in the stored basis (KVARN_PREFILL=dense_rot)
-        runners["dense_rot"] = _dense_prefill_runner(st, fmt, q, qsl, scale, fa, bname, rotated=True)[1]
-    for key, fn in runners.items():
-        if fn is None:
-            continue
-        try:
-            fn()
-            _sync(dev)
-            dms = time_ms(fn, dev, iters)
-            dense_extra.update({f"{key}_ms": dms, f"{key}_ratio_vs_baseline": dms / bms if bms else None})
-        except Exception as e:  # noqa: BLE001 - report, keep the kernel's numbers
-            dense_extra[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
+    what, ours = _dense_prefill_runner(st, fmt, q, qsl, scale, fa if fa_ver else None, fa_ver)
+    ms = time_ms(ours, dev, iters, warmup=2 if dev.type == "cuda" else 1)
+    g = fmt.group
+    nbytes = B * Hk * ((ctx // g) * fmt.record_bytes(D) + (ctx % g) * D * 4) + 2 * q.numel() * 2
     copy = copy_bandwidth_gbps(dev)
     gbps = nbytes / (ms * 1e-3) / 1e9
-    err, check_extra = None, {}
+    err = None
     if check:
         rows = min(B, 2)
-        ours()
         ref = torch.cat(_reference_out(st, fmt, D, q, scale, rows, causal_q=[int(x) for x in qsl.tolist()]))
-        for key, fn in runners.items():
-            if fn is not None and f"{key}_ms" in dense_extra:
-                dense_extra[f"{key}_rel_err"] = _rel(fn()[: rows * chunk].float(), ref)
-        out32 = torch.empty(q.shape, dtype=torch.float32, device=dev)
-        prefill_attention(q, st["cache"], st["block_table"], qsl, st["seq_lens"], st["tail_k"], st["tail_v"],
-                          st["tail_slots"], fmt, scale, chunk, out=out32, sink_lens=st["sink_lens"])
-        err = _rel(out32[: rows * chunk], ref)
-        check_extra = {"rel_err_in_q_dtype": _rel(out[: rows * chunk], ref)}
+        err = _rel(ours()[: rows * chunk].float(), ref)
     return BenchResult("prefill", str(dev), dev.type == "cpu", fmt.name, B, ctx, Hq, Hk, D, ms, bname, bms,
                        ms / bms if bms else None, nbytes, gbps, copy, gbps / copy, err,
-                       {"chunk": chunk, **check_extra, **dense_extra})
+                       {"chunk": chunk, "path": what})
 
 
-def _dense_prefill_runner(st, fmt, q, qsl, scale, fa, bname, rotated=False):
-    """The backend's KVARN_PREFILL=dense path on the same inputs (records dequantized + tail into 16-bit K/V, then
-    FlashAttention varlen when the baseline found one, else torch): ({"dense_path": what}, callable) or ({}, None)."""
+def _dense_prefill_runner(st, fmt, q, qsl, scale, fa, fa_ver):
+    """(what runs, callable) of the backend's dense prefill path on these inputs, every request one continuation
+    chunk that reads the stored state (the chunk's own tokens are in the cache already)."""
     import types
 
     import numpy as np
 
-    try:
-        from ..vllm_plugin import ops as vops
-    except Exception:  # noqa: BLE001
-        return {}, None
+    from ..vllm_plugin.dense_prefill import dense_prefill
+
     plan = types.SimpleNamespace(cont_rows=np.arange(st["seq_lens"].shape[0]), seq_lens=st["seq_lens"].cpu().numpy(),
                                  qsl=qsl.cpu().numpy().astype(np.int64), tail_slots_np=st["tail_slots"].cpu().numpy(),
-                                 sink_lens=None)
+                                 sink_lens=st["sink_lens"])
     dec = "Triton decoder" if st["cache"].is_cuda else "reference decoder"
     varlen, what = None, f"{dec} + torch varlen"
-    if fa is not None and bname.startswith("vllm FlashAttention"):
-        ver = int(bname.split()[2])
-
+    if fa is not None:
         def varlen(q_, k_, v_, cu, max_len, cu_k=None, max_k=None):
             return fa(q_, k_, v_, max_seqlen_q=max_len, cu_seqlens_q=cu, max_seqlen_k=max_k, cu_seqlens_k=cu_k,
-                      softmax_scale=scale, causal=True, fa_version=ver)
+                      softmax_scale=scale, causal=True, fa_version=fa_ver)
 
-        what = f"{dec} + FlashAttention {ver} varlen"
-    return {"dense_path": what}, lambda: vops.dense_prefill(plan, q, st["cache"], st["block_table"], st["tail_k"],
-                                                            st["tail_v"], fmt, scale, varlen, rotated=rotated)
+        what = f"{dec} + FlashAttention {fa_ver} varlen"
+    return what, lambda: dense_prefill(plan, q, st["cache"], st["block_table"], st["tail_k"], st["tail_v"], fmt, scale,
+                                       varlen)
 
 
 def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="auto", check=False, iters=None,
-                model="qwen3-8b", dtype=torch.bfloat16) -> BenchResult:
+                model="qwen3-8b", dtype=torch.bfloat16, balance_iters: list[int] | None = None) -> BenchResult:
     """One tile flush (one request, every KV head) x the model's layers, against one decode step's attention
     (decode_attention at --batch/--context x layers). The baseline column is that decode step. On a GPU the flush
     is timed as a decode step pays it: the layers' flushes replayed from one CUDA graph (step_ms); the call-by-call
-    time with its host launch is reported beside it (flush_host_ms_all_layers)."""
+    time with its host launch is reported beside it (flush_host_ms_all_layers). balance_iters: balancing iteration
+    counts to time the flush at, side by side (extra['flush_ms_by_iters']; default: the format's own)."""
     dev = resolve_device(device)
+    from ..kernels.decode import decode_attention
+    from ..kernels.store import flush_layers, store_tiles
     from ..shapes import resolve_model
-    from .decode import decode_attention
-    from .store import flush_layers, store_tiles
 
     shape = resolve_model(model)
     _check_heads(q_heads, kv_heads, head_dim)
     _check_sizes(batch, context, iters=iters)
     fmt = _kv_format(kv_dtype)
-    _store_variant_names()  # a bad KVARN_STORE_VARIANTS / KVARN_STORE_ITERS fails before anything is timed
-    _store_iter_counts(fmt)
+    if balance_iters is not None and (not balance_iters or any(not 1 <= n <= 64 for n in balance_iters)):
+        raise KvarnError(f"--balance-iters {balance_iters}: accepted are counts in 1..64, e.g. 8,3")
     iters = iters or (50 if dev.type == "cuda" else 2)
     g, H, D, L = fmt.group, kv_heads, head_dim, shape.num_layers
     k = torch.randn(1, H, g, D, device=dev, dtype=dtype)
@@ -624,6 +516,8 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
     ids = torch.ones(1, dtype=torch.int32, device=dev)
     one = time_ms(lambda: store_tiles(k, v, cache, ids, fmt), dev, iters, warmup=2 if dev.type == "cuda" else 1)
     flush_ms = step_ms(lambda: store_tiles(k, v, cache, ids, fmt), L, dev, iters)
+    by_iters = {n: step_ms(lambda n=n: store_tiles(k, v, cache, ids, fmt, n), L, dev, iters)
+                for n in (balance_iters or []) if n != fmt.balance_iters}
     # a whole batch flushing at once (worst case step)
     kb = torch.randn(batch, H, g, D, device=dev, dtype=dtype)
     vb = torch.randn_like(kb)
@@ -631,7 +525,7 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
     idb = torch.arange(batch, dtype=torch.int32, device=dev)
     allb_ms = step_ms(lambda: store_tiles(kb, vb, cb, idb, fmt), L, dev, max(1, iters // 5), warmup=1)
     # the same tile of every layer in one launch (flush_layers: L caches and tails reached through an address
-    # table), as a deferred flush would run it once per step: GPU time (graph) and call time (eager, host included)
+    # table), as a deferred flush runs it once per step: GPU time (graph) and call time (eager, host included)
     tails_k = [torch.randn(2, H, g + fmt.sink_tokens, D, device=dev, dtype=dtype) for _ in range(L)]
     tails_v = [torch.randn_like(t) for t in tails_k]
     caches = [torch.zeros(2, H, fmt.record_bytes(D), dtype=torch.uint8, device=dev) for _ in range(L)]
@@ -639,16 +533,12 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
     layers_fn = lambda: flush_layers(tails_k, tails_v, caches, one_slot, ids, fmt)  # noqa: E731
     layers_ms = step_ms(layers_fn, 1, dev, iters)
     layers_host_ms = time_ms(layers_fn, dev, iters, warmup=1)
-    st = _paged_kvarn(fmt, batch, context, H, D, dtype, dev)
+    st = paged_kvarn(fmt, batch, context, H, D, dtype, dev)
     q = torch.randn(batch, q_heads, D, device=dev, dtype=dtype)
     dec = time_ms(lambda: decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"],
                                            st["tail_v"], st["tail_slots"], fmt, 1 / math.sqrt(D),
                                            sink_lens=st["sink_lens"]), dev, iters)
     attn_ms = dec * L
-    # the headline numbers before the (long) variant table: a run cut by its time limit still reports them
-    print("store-main " + json.dumps({"flush_ms": flush_ms, "flush_host_ms": one * L, "flush_layers_ms": layers_ms,
-                                      "flush_layers_host_ms": layers_host_ms, "decode_step_attn_ms": attn_ms}),
-          file=sys.stderr, flush=True)
     nbytes = H * (2 * g * D * 2 + fmt.record_bytes(D))
     copy = copy_bandwidth_gbps(dev)
     gbps = nbytes / (flush_ms / L * 1e-3) / 1e9
@@ -664,109 +554,16 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
         err = max(_rel(kd, kr), _rel(vd, vr))
         check_extra = {"quant_err_v_ours": _rel(vd, v[0:1]), "quant_err_v_reference": _rel(vr, v[0:1]),
                        "quant_err_k_ours": _rel(kd, k[0:1]), "quant_err_k_reference": _rel(kr, k[0:1])}
-    extra = {**check_extra, "model": shape.name, "layers": L, "flush_ms_all_layers": flush_ms,
-             "flush_host_ms_all_layers": one * L, "decode_step_attn_ms": attn_ms,
+    extra = {**check_extra, "model": shape.name, "layers": L, "balance_iters": fmt.balance_iters,
+             "flush_ms_all_layers": flush_ms, "flush_host_ms_all_layers": one * L, "decode_step_attn_ms": attn_ms,
              "flush_frac_of_step": flush_ms / attn_ms, "batch_flush_ms_all_layers": allb_ms,
              "amortized_frac": (batch / g) * flush_ms / attn_ms, "flush_layers_ms": layers_ms,
-             "flush_layers_host_ms": layers_host_ms, "flush_layers_frac_of_step": layers_ms / attn_ms,
-             "variants": _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check)}
+             "flush_layers_host_ms": layers_host_ms, "flush_layers_frac_of_step": layers_ms / attn_ms}
+    if by_iters:
+        extra["flush_ms_by_iters"] = {fmt.balance_iters: flush_ms, **by_iters}
     return BenchResult("store", str(dev), dev.type == "cpu", fmt.name, batch, context, q_heads, kv_heads, D,
                        flush_ms, f"decode attention step x {L} layers", attn_ms, flush_ms / attn_ms, nbytes, gbps,
                        copy, gbps / copy, err, extra)
-
-
-def _store_variant_names(interpreter: bool = False) -> list[str]:
-    """KVARN_STORE_VARIANTS (comma list of kvarn.kernels.store.BALANCE_VARIANTS), else every variant on a GPU and
-    only the default one in the interpreter (each variant costs minutes there; their numbers mean nothing)."""
-    from . import store as S
-
-    only = [b.strip() for b in os.environ.get("KVARN_STORE_VARIANTS", "").split(",") if b.strip()]
-    bad = [b for b in only if b not in S.BALANCE_VARIANTS]
-    if bad:
-        raise KvarnError(f"KVARN_STORE_VARIANTS: unknown balance variant(s) {', '.join(bad)}; accepted: "
-                         f"{', '.join(S.BALANCE_VARIANTS)}")
-    return only or ([S.STORE_BALANCE] if interpreter else list(S.BALANCE_VARIANTS))
-
-
-def _store_variants(fmt, k, v, kb, vb, batch, dev, iters, L, check) -> list:
-    """Every store variant (kvarn.kernels.store BALANCE_VARIANTS x DECODE_GRIDS) on the same inputs, all ms per
-    decode step of L layers (step_ms: on a GPU, L calls replayed from one CUDA graph, as a captured step runs them):
-    flush_ms = one tile (every head) per call, as `ms`; flush_host_ms = the same call by call with its host launch
-    (what the session-7 and earlier tables measured: the launch, not the kernel, for the small grids);
-    batch_flush_ms = --batch tiles per call; decode_idle_ms / decode_one_ms = store_decode (tail write + store
-    launch) for a step where no row / one row completes its tile (the CUDA-graph decode path runs it every layer).
-    The balance column names the kernel variant (store.BALANCE_VARIANTS: log, mul, mulsm = mul + 32-channel blocked
-    rotation
-    and byte pack, fused = mul with 2 cross-warp reductions per iteration, fusedsm = both, fusedsm4w = fusedsm
-    on 4 warps); KVARN_STORE_BALANCE=<name> makes one the process default. KVARN_STORE_VARIANTS="mul,fused,..."
-    limits the table to those balance variants; each row also goes to stderr as it is measured ("store-row {json}")
-    so a run cut by its time limit keeps what it measured."""
-    from . import store as S
-
-    g, H, D = fmt.group, k.shape[1], k.shape[-1]
-    it = max(1, iters // 5)
-    cache = torch.zeros(batch + 1, H, fmt.record_bytes(D), dtype=torch.uint8, device=dev)
-    ids = torch.ones(1, dtype=torch.int32, device=dev)
-    idb = torch.arange(batch, dtype=torch.int32, device=dev)
-    # decode: row b has seq_len g*(b+1)+1 (mid-tile); "one" makes row 0 complete its first tile
-    kd = torch.randn(batch, H, D, device=dev, dtype=k.dtype)
-    tail_k = torch.randn(batch + 1, H, g + fmt.sink_tokens, D, device=dev, dtype=k.dtype)  # as the backend
-    tail_v = torch.randn_like(tail_k)
-    slots = torch.arange(batch, dtype=torch.int32, device=dev)
-    bt = torch.arange(batch * (batch + 2), dtype=torch.int32, device=dev).reshape(batch, batch + 2) % (batch + 1)
-    idle = (torch.arange(batch, dtype=torch.int32, device=dev) + 1) * g + 1
-    one = idle.clone()
-    one[0] = g
-    ref = None
-    if check:
-        from ..method.reference import dequantize_tiles, quantize_tiles
-
-        ref = dequantize_tiles(quantize_tiles(k, v, fmt), fmt, D)
-    rows = []
-    for n_it in _store_iter_counts(fmt):
-        for bal in _store_variant_names(dev.type == "cpu"):
-            for grid in S.DECODE_GRIDS:
-                # the balance label carries a non-default iteration count ("fused/i3"): the printed tables stay as
-                # they are, and the error column compares it with the reference at the format's own count
-                label = bal if n_it == fmt.balance_iters else f"{bal}/i{n_it}"
-                row = {"balance": label, "decode_grid": grid, "balance_iters": n_it}
-                try:
-                    if grid == S.DECODE_GRIDS[0]:  # store_tiles does not depend on the decode grid
-                        def flush(bal=bal, n_it=n_it):
-                            S.store_tiles(k, v, cache, ids, fmt, n_it, balance=bal)
-                        row["flush_ms"] = step_ms(flush, L, dev, iters)
-                        row["flush_host_ms"] = L * time_ms(flush, dev, iters, warmup=1)
-                        row["batch_flush_ms"] = step_ms(lambda: S.store_tiles(kb, vb, cache[:batch], idb, fmt, n_it,
-                                                                              balance=bal), L, dev, it, warmup=1)
-                        if ref is not None:
-                            S.store_tiles(k, v, cache, ids, fmt, n_it, balance=bal)
-                            got = dequantize_tiles(cache[1:2], fmt, D)
-                            row["rel_err"] = max(_rel(got[0], ref[0]), _rel(got[1], ref[1]))
-                    for name, sl in (("decode_idle_ms", idle), ("decode_one_ms", one)):
-                        def dec(sl=sl, bal=bal, grid=grid, n_it=n_it):
-                            S.store_decode(kd, kd, cache, bt, sl, tail_k, tail_v, slots, fmt, n_it, balance=bal,
-                                           grid=grid)
-                        row[name] = step_ms(dec, L, dev, it, warmup=1)
-                except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
-                    row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-                rows.append(row)
-                print("store-row " + json.dumps(row), file=sys.stderr, flush=True)
-    return rows
-
-
-def _store_iter_counts(fmt) -> list[int]:
-    """KVARN_STORE_ITERS="8,3": balancing iteration counts the store table times side by side (default: the
-    format's own, KVARN_BALANCE_ITERS / 3)."""
-    spec = os.environ.get("KVARN_STORE_ITERS", "").strip()
-    if not spec:
-        return [fmt.balance_iters]
-    try:
-        counts = [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        counts = []
-    if not counts or any(c < 1 or c > 64 for c in counts):
-        raise KvarnError(f"KVARN_STORE_ITERS={spec!r}: a comma list of balancing iteration counts in 1..64, e.g. 8,3")
-    return counts
 
 
 TARGETS = {"decode": bench_decode, "prefill": bench_prefill, "store": bench_store}

@@ -1,5 +1,5 @@
-"""Shared host-side helpers for the KVarN Triton kernels: record field offsets, format checks, the Hadamard
-matrix on the kernel's device.
+"""Host-side facts about KVarN records that every kernel launch needs: the byte offset of each record field
+(docs/format.md) and the argument checks of the cache and tail buffers.
 
 Everything here runs on the host from shapes and the format only (never reads device values), so the launches
 that use it stay CUDA-graph capturable.
@@ -9,22 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ..errors import KvarnError
 from ..formats import KVFormat, get_format
 
-FP16_MAX = 65504.0
-
-
-def serving_jit(ints=(), index_ptrs=()):
-    """triton.jit for a kernel that serving steps launch. `ints`: arguments that change from step to step (row,
-    tile and split counts, the block table's width): Triton would otherwise compile one variant for 1, one for
-    multiples of 16 and one for the rest, each at its first use, mid-run (H200, session 12: 4.8-6.3 s per variant of
-    the store kernel, a stall of every running request; vLLM's JIT monitor warns about each). `index_ptrs`: index
-    tensors that may be slices at any offset, not specialised on 16-byte alignment (scalar loads: nothing to
-    vectorise). What the engine's warm-up compiles is then what every later step runs."""
-    return triton.jit(do_not_specialize=list(ints), do_not_specialize_on_alignment=list(index_ptrs))
+HEAD_DIMS = (64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -45,12 +34,21 @@ class RecordLayout:
     cv: int
     size: int
 
+    def offsets(self) -> dict:
+        """The kernels' OFF_* constexprs."""
+        return dict(OFF_PK=self.pk, OFF_SK=self.sk, OFF_ZK=self.zk, OFF_RK=self.rk,
+                    OFF_PV=self.pv, OFF_SV=self.sv, OFF_ZV=self.zv, OFF_CV=self.cv)
+
+
+def as_format(fmt: KVFormat | str) -> KVFormat:
+    return get_format(fmt) if isinstance(fmt, str) else fmt
+
 
 def layout(fmt: KVFormat | str, d: int) -> RecordLayout:
-    fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+    fmt = as_format(fmt)
     if fmt.family != "kvarn":
         raise KvarnError(f"{fmt.name} is not a KVarN format; the kvarn kernels take kvarn_* formats only")
-    if d not in (64, 128, 256):
+    if d not in HEAD_DIMS:
         raise KvarnError(f"head dim {d} is not supported by the kvarn kernels; accepted: 64, 128, 256")
     g, kb, vb = fmt.group, int(fmt.key_bits), int(fmt.value_bits)
     off = 0
@@ -60,52 +58,19 @@ def layout(fmt: KVFormat | str, d: int) -> RecordLayout:
         offs[name] = off
         off += n
     size = fmt.record_bytes(d)
-    assert off <= size and all(v % 2 == 0 for v in offs.values())
+    # every field starts on 4 bytes: the decode kernel reads the fp16 runs as int32 pairs
+    assert off <= size and all(v % 4 == 0 for v in offs.values()) and size % 16 == 0
     return RecordLayout(g=g, d=d, kb=kb, vb=vb, size=size, **offs)
-
-
-def as_format(fmt: KVFormat | str) -> KVFormat:
-    return get_format(fmt) if isinstance(fmt, str) else fmt
-
-
-_HN: dict[tuple, torch.Tensor] = {}
-
-
-def hadamard_fp32(d: int, device) -> torch.Tensor:
-    """Orthonormal Hn (fp32, contiguous) on `device`, cached. Call `prepare()` before CUDA-graph capture so the
-    first (host-to-device) copy never happens inside a capture."""
-    dev = torch.device(device)
-    key = (d, str(dev))
-    h = _HN.get(key)
-    if h is None:
-        from ..method.hadamard import hadamard
-
-        h = hadamard(d, dev, torch.float32).contiguous()
-        _HN[key] = h
-    return h
-
-
-def prepare(head_dim: int, device) -> None:
-    """Warm the per-device state for one head dim; call once before graph capture: the Hadamard matrix, and on a
-    GPU the once-per-device check of the inline-PTX code unpack (kvarn.kernels.decode.asm_unpack_ok; it syncs)."""
-    hadamard_fp32(head_dim, device)
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        from .attention import mma_bf16
-        from .decode import asm_unpack_ok
-
-        if mma_bf16():
-            asm_unpack_ok(dev)  # (DecodeConfig.voff's own check runs at a voff config's first eager call)
 
 
 def check_cache(cache: torch.Tensor, lay: RecordLayout, name: str = "cache") -> None:
     if cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[-1] != lay.size:
         raise KvarnError(f"{name} must be uint8 [num_blocks, kv_heads, {lay.size}], got {cache.dtype} "
                          f"{tuple(cache.shape)}")
-    if cache.stride(-1) != 1 or cache.stride(1) != lay.size:
+    if cache.stride(-1) != 1 or cache.stride(1) != lay.size or cache.stride(0) % 4:
         raise KvarnError(f"{name} must have contiguous records (strides [*, {lay.size}, 1]), got {cache.stride()}")
-    if cache.storage_offset() % 2:
-        raise KvarnError(f"{name} must start at an even byte offset (fp16 fields)")
+    if cache.data_ptr() % 4:
+        raise KvarnError(f"{name} must start at a 4-byte aligned address (the kernels read fp16 pairs as int32)")
 
 
 def check_tail(tail_k: torch.Tensor, tail_v: torch.Tensor, hk: int, g: int, d: int) -> int:

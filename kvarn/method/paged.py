@@ -1,0 +1,128 @@
+"""The PyTorch reference over a paged KVarN cache: what the vLLM backend's kernels compute, written plainly.
+
+The backend runs these where its kernels cannot (CPU tests, no Triton) and the GPU tests compare the kernels with
+them. The cache is the backend's: records [num_blocks, Hk, record_bytes] addressed by a block table, plus per
+request a 16-bit tail buffer row [Hk, g + sink, D] holding the unfinished tile (rows [0, g)) and the first `sink`
+positions for good (rows g + pos).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..formats import KVFormat
+from .reference import dequantize_tiles, quantize_tiles, reference_attention
+
+TILES_PER_PASS = 256  # records dequantized per torch pass (bounds the fp32 temporaries: ~134 MB at Hk 8, D 128)
+
+
+def ragged_ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For segments i of counts[i] >= 0 values starts[i], starts[i] + 1, ...: (segment index, value) of every element,
+    segments in order (the concatenation of np.arange(starts[i], starts[i] + counts[i]))."""
+    seg = np.repeat(np.arange(len(counts)), counts)
+    first = np.cumsum(counts) - counts  # flat index of each segment's first element
+    return seg, np.asarray(starts, dtype=np.int64)[seg] + (np.arange(len(seg)) - first[seg])
+
+
+def store_tiles_torch(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor, fmt: KVFormat,
+                      iters: int | None = None) -> None:
+    """k, v [T, H, g, D] complete tiles -> records in cache at block_ids (< 0 skipped)."""
+    rec = quantize_tiles(k, v, fmt, iters=iters)  # [T, H, R]
+    keep = block_ids >= 0
+    if not bool(keep.all()):
+        rec, block_ids = rec[keep], block_ids[keep]
+    cache[block_ids.long()] = rec.to(cache.device)
+
+
+def _dequantize_into(cache, bids, dst0, k, v, fmt: KVFormat) -> None:
+    # records cache[bids] -> rows dst0[t] .. + g - 1 of k / v (the reference decoder, in passes)
+    g, Hk, D = fmt.group, k.shape[1], k.shape[2]
+    off = torch.arange(g, device=k.device)
+    for a in range(0, len(bids), TILES_PER_PASS):
+        kd, vd = dequantize_tiles(cache[bids[a:a + TILES_PER_PASS]], fmt, D)  # [n, Hk, g, D] fp32
+        idx = (dst0[a:a + TILES_PER_PASS, None] + off[None, :]).reshape(-1)
+        k[idx] = kd.transpose(1, 2).reshape(-1, Hk, D).to(k.dtype)
+        v[idx] = vd.transpose(1, 2).reshape(-1, Hk, D).to(v.dtype)
+
+
+def post_store_kv(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cache, block_table, tail_k, tail_v,
+                  fmt: KVFormat, dtype, sink_lens=None, dequantize: Callable | None = None):
+    """The K/V the attention of batch rows `rows` sees after this step's store (seq_lens / slots: their lengths and
+    tail slots, host), back to back: (k, v [sum seq_len, Hk, D] in `dtype`, cu_k int64 host). Full tiles come from
+    the records, dequantized to the original basis by `dequantize(cache, block_ids, dst_rows, k, v, fmt)` (the
+    kernel, kvarn.kernels.dequantize_to_rows) or, when None, by the reference decoder; the last seq_len % g tokens
+    from the tail rows; rows whose first tile is quantized take their first `sink` positions (sink_lens[i] of them,
+    a device tensor, where given) from the sink rows."""
+    g = fmt.group
+    s = np.asarray(seq_lens, dtype=np.int64)
+    slots = np.asarray(slots, dtype=np.int64)
+    cu_k = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(s, out=cu_k[1:])
+    Hk, D = cache.shape[1], tail_k.shape[-1]
+    dev = cache.device
+    k = torch.empty(int(cu_k[-1]), Hk, D, dtype=dtype, device=dev)
+    v = torch.empty_like(k)
+    n_full = s // g
+    seg, cols = ragged_ranges(np.zeros(len(rows), dtype=np.int64), n_full)  # (row, tile index) of every full tile
+    if len(seg):
+        bids = block_table[torch.from_numpy(np.asarray(rows)[seg]).to(dev), torch.from_numpy(cols).to(dev)].long()
+        dst0 = torch.from_numpy(cu_k[seg] + cols * g).to(dev)
+        (dequantize or _dequantize_into)(cache, bids, dst0, k, v, fmt)
+    tseg, tpos = ragged_ranges(np.zeros(len(rows), dtype=np.int64), s - n_full * g)
+    if len(tseg):
+        dst = torch.from_numpy(cu_k[tseg] + n_full[tseg] * g + tpos).to(dev)
+        sl, ps = torch.from_numpy(slots[tseg]).to(dev), torch.from_numpy(tpos).to(dev)
+        k[dst] = tail_k[sl, :, ps].to(dtype)
+        v[dst] = tail_v[sl, :, ps].to(dtype)
+    sink = tail_k.shape[2] - g  # rows with a quantized first tile read its first positions from the sink rows
+    if sink:
+        sseg, spos = ragged_ranges(np.zeros(len(rows), dtype=np.int64), np.where(n_full > 0, sink, 0))
+        if len(sseg):
+            dst = torch.from_numpy(cu_k[sseg] + spos).to(dev)
+            sl, ps = torch.from_numpy(slots[sseg]).to(dev), torch.from_numpy(g + spos).to(dev)
+            tk, tv = tail_k[sl, :, ps].to(dtype), tail_v[sl, :, ps].to(dtype)
+            if sink_lens is not None:  # sink_lens[i] of row i's sink rows are its own (device: no sync)
+                own = sink_lens.to(dev)[torch.from_numpy(sseg).to(dev)]
+                use = (torch.from_numpy(spos).to(dev) < own)[:, None, None]
+                tk, tv = torch.where(use, tk, k[dst]), torch.where(use, tv, v[dst])
+            k[dst] = tk
+            v[dst] = tv
+    return k, v, cu_k
+
+
+def varlen_attention_torch(q, k, v, cu_q, cu_k, scale):
+    """FlashAttention's bottom-right causal varlen, in torch: segment i's queries are the last q_len_i positions of
+    its k_len_i keys. q [Nq, Hq, D], k/v [Nk, Hk, D]; cu_* host sequences. Returns float32 [Nq, Hq, D]."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for i in range(len(cu_q) - 1):
+        a, e, ka, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        if e <= a:
+            continue
+        o = reference_attention(q[a:e].transpose(0, 1), k[ka:ke].transpose(0, 1), v[ka:ke].transpose(0, 1), scale,
+                                causal_offset=(ke - ka) - (e - a))
+        out[a:e] = o.transpose(0, 1)
+    return out
+
+
+def raw_attention_torch(q, k, v, cu, scale):
+    """Causal attention of each segment over its own raw K/V. q [N, Hq, D], k/v [N, Hk, D]. Returns float32."""
+    cu = [int(x) for x in cu]
+    return varlen_attention_torch(q, k, v, cu, cu, scale)
+
+
+def cached_attention_torch(q, cache, block_table, qsl, seq_lens, tail_k, tail_v, tail_slots, fmt, scale,
+                           sink_lens=None):
+    """Each row's q tokens (the last q_len positions) attend causally over the post-store state (post_store_kv).
+    q [Nq, Hq, D]; qsl / seq_lens / tail_slots host sequences. Returns float32 [Nq, Hq, D]."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for b in range(len(seq_lens)):
+        a, e, s = int(qsl[b]), int(qsl[b + 1]), int(seq_lens[b])
+        if e <= a or s <= 0:
+            continue
+        k, v, _ = post_store_kv(np.array([b]), np.array([s]), np.array([int(tail_slots[b])]), cache, block_table,
+                                tail_k, tail_v, fmt, torch.float32,
+                                sink_lens=None if sink_lens is None else torch.tensor([int(sink_lens[b])]))
+        out[a:e] = varlen_attention_torch(q[a:e], k, v, [0, e - a], [0, s], scale)
+    return out

@@ -1,0 +1,228 @@
+"""The plan of one forward step of the vLLM backend, built once on the host from the CPU copies of
+`query_start_loc` / `seq_lens` and shared by all layers (no vLLM import; tested on CPU). For the flattened new
+tokens of the batch it says:
+
+* which tiles complete in this step (batch row, tile index -> block id from the block table) and, for each of their
+  g positions, where the 16-bit token comes from: this step's new K/V, or the request's tail row (earlier steps);
+* which new tokens go to the tail (those of the unfinished last tile) at which tail row / position, and which to
+  the sink rows;
+* how attention splits: rows with no prior context (first prefill chunk) attend to the raw new Q/K/V (exact, as
+  FlashAttention would); decode rows (one new token) and continuation rows (several: chunked prefill, a
+  prefix-cache hit, spec-decode verify) attend to the post-store cache state.
+
+Semantics shared with the PyTorch reference cache: a tile is quantized once, when its g tokens exist; the store
+runs before attention in the layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..method.paged import ragged_ranges
+
+
+@dataclass
+class StepPlan:
+    num_reqs: int
+    num_tokens: int
+    group: int
+    # host copies
+    qsl: np.ndarray  # int64 [R + 1]
+    seq_lens: np.ndarray  # int64 [R]
+    ctx_lens: np.ndarray  # int64 [R]
+    tail_slots_np: np.ndarray  # int32 [R]
+    # store (device)
+    num_tiles: int
+    tile_block_ids: torch.Tensor | None  # int32 [T]
+    tile_new_dst: torch.Tensor | None  # int64 [n1]: flat (tile * g + offset) filled from new tokens
+    tile_new_src: torch.Tensor | None  # int64 [n1]: new-token index
+    tile_tail_dst: torch.Tensor | None  # int64 [n2]: flat (tile * g + offset) filled from the tail
+    tile_tail_slot: torch.Tensor | None  # int64 [n2]
+    tile_tail_pos: torch.Tensor | None  # int64 [n2]
+    tail_tok: torch.Tensor | None  # int64 [n3]: new tokens of unfinished tiles
+    tail_slot: torch.Tensor | None  # int64 [n3]
+    tail_pos: torch.Tensor | None  # int64 [n3]
+    # attention (device)
+    tail_slots: torch.Tensor | None  # int32 [R] (a minimal decode plan: only the builder's persistent buffer)
+    raw_rows: np.ndarray  # rows with no prior context
+    raw_tok: torch.Tensor | None  # int64 token indexes of raw rows (compacted order)
+    raw_cu: torch.Tensor | None  # int32 [n_raw + 1]
+    raw_max: int
+    dec_rows: np.ndarray  # rows with context and one new token
+    dec_rows_t: torch.Tensor | None
+    dec_tok: torch.Tensor | None
+    cont_rows: np.ndarray  # rows with context and several new tokens
+    cont_rows_t: torch.Tensor | None
+    cont_tok: torch.Tensor | None
+    cont_qsl: torch.Tensor | None  # int32 [n_cont + 1]
+    cont_max_q: int
+    # one token per row, row b = token b, padding rows (no token) only at the end: the decode fast path
+    decode_only: bool = False
+    # decode_only with only the host fields (plan_step's decode_minimal): the decode kernels must run it
+    minimal: bool = False
+    # decode_only under the deferred flush (common.defer_flush_enabled): the builder's int32 [1] device flag (1: a
+    # tile completed this step stays in the tail; 0: stored at once), read by the kernels at run time so that one
+    # captured decode graph serves both; False: not deferred (the kernels' default variants)
+    defer: bool | torch.Tensor = False
+    # the attention sink (the first `sink` positions, 16-bit for good in tail rows g + pos): new tokens below it
+    sink: int = 0
+    sink_tok: torch.Tensor | None = None  # int64 [n4]
+    sink_slot: torch.Tensor | None = None  # int64 [n4]
+    sink_pos: torch.Tensor | None = None  # int64 [n4]
+    # int32 [R] device: sink rows each batch row may read (sink, or 0 where its slot's rows hold another request's
+    # tokens: a prefix-cache hit); None = all `sink` (set by the metadata builder through update_sink_lens)
+    sink_lens: torch.Tensor | None = None
+
+    @property
+    def pure_prefill(self) -> bool:
+        return len(self.dec_rows) == 0 and len(self.cont_rows) == 0
+
+
+def to_device(a, dtype, device) -> torch.Tensor | None:
+    if a is None or len(a) == 0:
+        return None
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device, non_blocking=True)
+
+
+def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, block_table: torch.Tensor,
+               group: int, device, decode_minimal: bool = False,
+               tail_slots_dev: torch.Tensor | None = None, sink: int = 0) -> StepPlan:
+    """qsl_cpu [>= R + 1], seq_lens_cpu [>= R] (host), tail_slots_np int32 [R], block_table [R, max_blocks].
+
+    Vectorized over rows (numpy on the host arrays, no Python loop per row; non-blocking host->device copies, no
+    sync); the output equals tests/plan_reference.py (a per-row loop) field for field.
+    decode_minimal: a decode_only step gets only its host fields (the decode kernels read everything else on the
+    device): no host->device copies on the steps a full CUDA graph replays.
+    tail_slots_dev: tail_slots_np already on the device (the builder's persistent buffer): used as the plan's
+    `tail_slots` instead of another copy. sink: the format's 16-bit sink tokens (0 <= sink < group; the tail
+    buffers then have group + sink rows)."""
+    g = group
+    R = int(num_reqs)
+    qsl = np.asarray(qsl_cpu[: R + 1], dtype=np.int64)
+    seq = np.asarray(seq_lens_cpu[:R], dtype=np.int64)
+    slots_r = np.asarray(tail_slots_np[:R], dtype=np.int64)
+    qlen = np.diff(qsl)
+    ctx = seq - qlen
+    n_tok = int(qsl[-1]) if R else 0
+    active = qlen > 0
+    act = np.nonzero(active)[0]
+    n_act = len(act)
+    decode_only = bool(n_act > 0 and (qlen <= 1).all() and (act == np.arange(n_act)).all()
+                       and (qsl[:n_act] == np.arange(n_act)).all())
+    if decode_only and decode_minimal:
+        return StepPlan(
+            num_reqs=R, num_tokens=n_tok, group=g, qsl=qsl, seq_lens=seq, ctx_lens=ctx,
+            tail_slots_np=np.asarray(tail_slots_np[:R], dtype=np.int32), num_tiles=0, tile_block_ids=None,
+            tile_new_dst=None, tile_new_src=None, tile_tail_dst=None, tile_tail_slot=None, tile_tail_pos=None,
+            tail_tok=None, tail_slot=None, tail_pos=None, tail_slots=tail_slots_dev,
+            raw_rows=np.zeros(0, dtype=np.int64),
+            raw_tok=None, raw_cu=None, raw_max=0, dec_rows=act, dec_rows_t=None, dec_tok=None,
+            cont_rows=np.zeros(0, dtype=np.int64), cont_rows_t=None, cont_tok=None, cont_qsl=None, cont_max_q=0,
+            decode_only=True, minimal=True, sink=sink)
+    c, s, q0, slot = ctx[act], seq[act], qsl[:-1][act], slots_r[act]
+
+    # tiles [c // g, s // g) of each active row complete in this step, in row order then tile order
+    first, last_full = c // g, s // g
+    t_seg, t_cols = ragged_ranges(first, np.maximum(last_full - first, 0))
+    n_tiles = len(t_seg)
+    tile_block_ids = None
+    new_dst = new_src = tl_dst = tl_slot = tl_pos = None
+    if n_tiles:
+        t_rows = act[t_seg]
+        rows_t = to_device(t_rows, np.int64, device)
+        cols_t = to_device(t_cols, np.int64, device)
+        tile_block_ids = block_table[rows_t, cols_t].to(torch.int32)
+        # offsets [0, old) of a tile were written in earlier steps (tail), [old, g) come from the new tokens
+        lo = t_cols * g
+        tc = c[t_seg]
+        old = np.maximum(0, tc - lo)
+        off = np.arange(g)[None, :]
+        dst = np.arange(n_tiles)[:, None] * g + off  # [T, g]
+        from_new = off >= old[:, None]
+        new_dst = dst[from_new]
+        new_src = ((q0[t_seg] + lo - tc)[:, None] + off)[from_new]
+        if not from_new.all():
+            from_tail = ~from_new
+            tl_dst = dst[from_tail]
+            tl_slot = np.broadcast_to(slot[t_seg][:, None], from_new.shape)[from_tail]
+            tl_pos = np.broadcast_to(off, from_new.shape)[from_tail]
+    # new tokens of the unfinished tile: positions [max(c, last_full * g), s) -> tail
+    start = np.maximum(c, last_full * g)
+    u_seg, pos = ragged_ranges(start, np.maximum(s - start, 0))
+    tail_tok = tail_slot = tail_pos = None
+    if len(u_seg):
+        tail_tok = q0[u_seg] + (pos - c[u_seg])
+        tail_slot = slot[u_seg]
+        tail_pos = pos % g
+
+    # sink: new tokens at positions [c, min(s, sink)) -> tail rows g + pos
+    sink_tok = sink_slot = sink_pos = None
+    if sink:
+        k_seg, k_pos = ragged_ranges(c, np.maximum(np.minimum(s, sink) - c, 0))
+        if len(k_seg):
+            sink_tok, sink_slot, sink_pos = q0[k_seg] + (k_pos - c[k_seg]), slot[k_seg], g + k_pos
+    raw_rows = np.nonzero(active & (ctx == 0))[0]
+    dec_rows = np.nonzero(active & (ctx > 0) & (qlen == 1))[0]
+    cont_rows = np.nonzero(active & (ctx > 0) & (qlen > 1))[0]
+
+    def tok_of(rows):
+        if len(rows) == 0:
+            return None, None, 0
+        lens = qlen[rows]
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        return ragged_ranges(qsl[rows], lens)[1], cu, int(lens.max())
+
+    raw_tok, raw_cu, raw_max = tok_of(raw_rows)
+    dec_tok = qsl[dec_rows] if len(dec_rows) else None  # one token per decode row
+    cont_tok, cont_cu, cont_max = tok_of(cont_rows)
+    return StepPlan(
+        num_reqs=R, num_tokens=n_tok, group=g, qsl=qsl, seq_lens=seq, ctx_lens=ctx,
+        tail_slots_np=np.asarray(tail_slots_np[:R], dtype=np.int32),
+        num_tiles=n_tiles, tile_block_ids=tile_block_ids,
+        tile_new_dst=to_device(new_dst, np.int64, device), tile_new_src=to_device(new_src, np.int64, device),
+        tile_tail_dst=to_device(tl_dst, np.int64, device), tile_tail_slot=to_device(tl_slot, np.int64, device),
+        tile_tail_pos=to_device(tl_pos, np.int64, device),
+        tail_tok=to_device(tail_tok, np.int64, device), tail_slot=to_device(tail_slot, np.int64, device),
+        tail_pos=to_device(tail_pos, np.int64, device),
+        tail_slots=(tail_slots_dev if tail_slots_dev is not None else
+                    torch.from_numpy(np.asarray(tail_slots_np[:R], dtype=np.int32)).to(device, non_blocking=True)),
+        raw_rows=raw_rows, raw_tok=to_device(raw_tok, np.int64, device), raw_cu=to_device(raw_cu, np.int32, device), raw_max=raw_max,
+        dec_rows=dec_rows, dec_rows_t=to_device(dec_rows, np.int64, device), dec_tok=to_device(dec_tok, np.int64, device),
+        cont_rows=cont_rows, cont_rows_t=to_device(cont_rows, np.int64, device), cont_tok=to_device(cont_tok, np.int64, device),
+        cont_qsl=to_device(cont_cu, np.int32, device), cont_max_q=cont_max, decode_only=decode_only, sink=sink,
+        sink_tok=to_device(sink_tok, np.int64, device), sink_slot=to_device(sink_slot, np.int64, device),
+        sink_pos=to_device(sink_pos, np.int64, device),
+    )
+
+
+def update_sink_lens(plan: StepPlan, tags: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor) -> None:
+    """The sink bookkeeping of one step (the metadata builder runs it once, before the layers; device ops, no sync).
+    tags int32 [S + 1]: per tail slot, the block id of the first tile of the request whose first tokens its sink
+    rows hold. Rows that write positions below the sink this step claim their slot (tag = their first block); then
+    sink_lens[b] = sink where the slot's tag is row b's own first block, else 0. A request that starts on a
+    prefix-cache hit never wrote its first tokens, so it reads them from the records (as without a sink), unless
+    its slot last served a request with the same cached first block: the same tokens, the same K/V, a safe match
+    (a block's content changes as a first tile only through a write at position 0, which claims: the claim clears
+    every other slot's tag of that block id).
+    out: int32 [>= R] (a persistent buffer: CUDA graphs); plan.sink_lens becomes out[:R]."""
+    R = plan.num_reqs
+    if not plan.sink or R == 0:
+        return
+    dev = block_table.device
+    claim = np.nonzero((np.diff(plan.qsl) > 0) & (plan.ctx_lens < plan.sink))[0]
+    if len(claim):
+        rows = torch.from_numpy(claim).to(dev, non_blocking=True)
+        slots = torch.from_numpy(plan.tail_slots_np[claim].astype(np.int64)).to(dev, non_blocking=True)
+        new = block_table[rows, 0].to(tags.dtype)
+        # a block id is recycled by vLLM: a slot still tagged with a block now written as another request's first
+        # tile would hand a later prefix hit on it the old request's tokens, so those tags are cleared first
+        tags.masked_fill_(torch.isin(tags, new), -1)
+        tags[slots] = new
+    slots_r = (plan.tail_slots if plan.tail_slots is not None
+               else torch.from_numpy(plan.tail_slots_np[:R]).to(dev, non_blocking=True))
+    own = tags[slots_r[:R].long()] == block_table[:R, 0].to(tags.dtype)
+    out[:R] = own.to(out.dtype) * plan.sink
+    plan.sink_lens = out[:R]
