@@ -19,7 +19,7 @@ SERVING_KERNELS = {
                             {"block_ids_ptr", "src_rows_ptr", "seq_lens_ptr", "bt_ptr", "defer_ptr"}),
     "_flush_layers_kernel": ("store", {"n_tiles"}, {"slots_ptr", "blk_ptr"}),
     "_dequant_kernel": ("dequant", set(), {"block_ids_ptr", "dst_ptr"}),
-    "rotate_queries_kernel": ("decode", {"R"}, set()),
+    "scale_queries_kernel": ("decode", {"R"}, set()),
     "records_kernel": ("decode", {"num_splits", "stride_btb"}, set()),
     "merge_kernel": ("tail", {"R", "num_splits"}, set()),
 }

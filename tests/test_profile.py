@@ -16,11 +16,11 @@ KERNELS = [
     ("void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16, (vllm::Fp8KVCacheDataType)0>"
      "(__nv_bfloat16 const*, __nv_bfloat16 const*, __nv_bfloat16*, __nv_bfloat16*, long const*, int, int, int)",
      None, "kv_store"),
-    ("kvarn_attention_kernel", "kvarn::attention[decode]", "kvarn_decode"),
-    ("kvarn_attention_kernel", "kvarn::attention[prefill]", "kvarn_prefill"),
-    ("rotate_rows_kernel", "kvarn::attention[decode]", "kvarn_decode"),
-    ("finish_kernel", None, "kvarn_decode"),
-    ("tail_attention_kernel", "kvarn::attention[decode]", "kvarn_tail"),
+    ("records_kernel", "kvarn::attention[decode]", "kvarn_decode"),
+    ("_dequant_kernel", "kvarn::attention[prefill]", "kvarn_prefill"),
+    ("scale_queries_kernel", "kvarn::attention[decode]", "kvarn_decode"),
+    ("merge_kernel", None, "kvarn_decode"),
+    ("_decode_tail_kernel", "kvarn::store", "kvarn_tail"),
     ("_store_tail_kernel", "kvarn::store", "kvarn_tail"),
     ("void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<at::native::index_put_kernel_impl"
      "<at::native::OpaqueType<2> >(at::TensorIterator&, c10::ArrayRef<long>, c10::ArrayRef<long>)::{lambda(char*, "
@@ -129,7 +129,7 @@ def _trace():
         {"ph": X, "cat": "kernel", "name": "void at::native::index_elementwise_kernel<128, 4>", "ts": 1000,
          "dur": 10, "args": {"correlation": 1}},
         {"ph": X, "cat": "kernel", "name": "_store_tiles_kernel", "ts": 1010, "dur": 30, "args": {"correlation": 2}},
-        {"ph": X, "cat": "kernel", "name": "kvarn_attention_kernel", "ts": 1040, "dur": 100,
+        {"ph": X, "cat": "kernel", "name": "records_kernel", "ts": 1040, "dur": 100,
          "args": {"correlation": 3}},
         {"ph": X, "cat": "kernel", "name": "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "ts": 1100, "dur": 100,
          "args": {"correlation": 4}},  # overlaps the attention kernel by 40 us (another stream)

@@ -5,7 +5,7 @@ Public API (the vLLM backend calls exactly this):
 
     decode_attention(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, scale,
                      num_splits=None, out=None, *, sink_lens=None, defer=False) -> out
-        q           [B, Hq, D] fp16/bf16, NOT rotated (the first launch rotates it)
+        q           [B, Hq, D] fp16/bf16
         cache       uint8 [num_blocks, Hk, record_bytes(D)]
         block_table int32 [B, max_blocks]: record row of each full tile of request b
         seq_lens    int32 [B]: tokens visible to the query; seq_len // g full tiles come from records, the last
@@ -26,11 +26,12 @@ Public API (the vLLM backend calls exactly this):
 
 Three launches with grids fixed by the shapes, no host sync, so a decode step can be captured in a CUDA graph:
 
-    1. rotate_queries_kernel   qr = q @ Hn * scale * log2(e) (fp32): the records hold K and V rotated by Hn
+    1. scale_queries_kernel    qr = q * scale * log2(e) (fp32): the records hold K as is and V rotated by Hn
     2. records_kernel          grid (B, Hk * (num_splits + 1)): program (b, kvh, split) attends over its run of
                                record tiles; the last Hk programs of each request attend over the 16-bit tail
                                (kvarn.kernels.tail.tail_partial), so the tail needs no launch of its own
-    3. tail.merge_kernel       the partials weighted by their log-sum-exp, the record part rotated back
+    3. tail.merge_kernel       the partials weighted by their log-sum-exp, the record part (values' basis) rotated
+                               back
 
 The math of one record tile (kvarn-method.md: K = ((codes * sK + zK) * rK), V = (codes * sV + zV) * cV): the scales
 fold out of the dot products, which then run on the raw codes,
@@ -54,8 +55,7 @@ import triton.language as tl
 
 from ..errors import KvarnError
 from ..formats import KVFormat
-from .device import (LOG2E, hadamard_pm1, partial_stats, pdl_sync, records_end, sink_start, split16, split_tiles,
-                     x_times_h)
+from .device import LOG2E, partial_stats, pdl_sync, records_end, sink_start, split16, split_tiles
 from .records import as_format, check_cache, check_tail, defer_flag, f16_view, layout
 from .runtime import compiled, pdl_supported, programs_per_sm, serving_jit, sm_count
 from .tail import merge_kernel, tail_partial
@@ -67,7 +67,7 @@ from .tail import merge_kernel, tail_partial
 RECORD_WARPS = 2
 RECORD_STAGES = 5
 MMA_N = 8  # the group's query heads as N, padded: mma.sync m16n8 tiles
-# warps of the query rotation and the merge: each program builds the +-1 Hadamard in registers and rotates 16 rows;
+# warps of the query scaling and the merge (which builds the +-1 Hadamard in registers and rotates 16 rows back);
 # at large batches there is about one program per SM, so its instruction chain is the launch's time
 ROT_WARPS = 8
 
@@ -112,7 +112,7 @@ def _halves(x, M: tl.constexpr, N: tl.constexpr):
 
 @triton.jit
 def _query_planes(q_ptrs, mask, DP: tl.constexpr, PERK: tl.constexpr):
-    """The rotated, scaled query as the key byte planes' channel blocks [DP, BN] (plane j sits DP channels further),
+    """The scaled query as the key byte planes' channel blocks [DP, BN] (plane j sits DP channels further),
     normalised by max |q| so that |q * sK| <= |sK| stays in the fp16 range; returns the planes (planes 2-3 repeat
     plane 0 when there are 2) and that norm, which goes back in with rK."""
     p0 = tl.load(q_ptrs, mask=mask, other=0.0)
@@ -241,19 +241,17 @@ def _value_dots(pv, ps, D2: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, VB
 
 
 @serving_jit(ints=["R"])
-def rotate_queries_kernel(x_ptr, y_ptr, R, scale, stride_xn, stride_xh, HQ: tl.constexpr, D: tl.constexpr,
-                          BR: tl.constexpr, COMPILED: tl.constexpr, PDL: tl.constexpr = 0):
-    """y[r] = (x[n, h] * scale) @ Hn for the R = N*HQ rows r = n*HQ + h; y fp32 [R, D] contiguous. PDL: the Hadamard
-    is built before waiting for the previous kernel."""
+def scale_queries_kernel(x_ptr, y_ptr, R, scale, stride_xn, stride_xh, HQ: tl.constexpr, D: tl.constexpr,
+                         BR: tl.constexpr, PDL: tl.constexpr = 0):
+    """y[r] = x[n, h] * scale for the R = N*HQ rows r = n*HQ + h; y fp32 [R, D] contiguous: the records kernel's
+    query operand (keys are stored unrotated, so the query needs no rotation)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     di = tl.arange(0, D)
     ok = r < R
     off = (r // HQ).to(tl.int64) * stride_xn + (r % HQ) * stride_xh
-    h = hadamard_pm1(D, COMPILED)
     pdl_sync(PDL)
     x = tl.load(x_ptr + off[:, None] + di[None, :], mask=ok[:, None], other=0.0).to(tl.float32) * scale
-    y = x_times_h(x, h, D, COMPILED)
-    tl.store(y_ptr + r.to(tl.int64)[:, None] * D + di[None, :], y, mask=ok[:, None])
+    tl.store(y_ptr + r.to(tl.int64)[:, None] * D + di[None, :], x, mask=ok[:, None])
 
 
 @serving_jit(ints=["num_splits", "stride_btb"])
@@ -274,7 +272,7 @@ def records_kernel(
     tiles; the Hk programs after them attend over the tail of KV head p - Hk * num_splits. Last in the grid, the
     tail programs fill the slots the record programs' last wave leaves free. Offsets and strides of the cache are
     in fp16 (2-byte) units."""
-    pdl_sync(PDL)  # the query rotation's output, qr, is read below
+    pdl_sync(PDL)  # the scaled query, qr, is read below
     b = tl.program_id(0)
     p = tl.program_id(1)
     n_records = (HQ // GROUP) * num_splits
@@ -473,8 +471,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
     po_t = torch.empty(R * D, dtype=torch.float32, device=dev)
     plse = torch.empty(R * (splits + 1), dtype=torch.float32, device=dev)
 
-    rotate_queries_kernel[(triton.cdiv(R, 16),)](q, qr, R, qk, q.stride(0), q.stride(1), HQ=Hq, D=D, BR=16,
-                                                 COMPILED=comp, num_warps=ROT_WARPS, **pdl)
+    scale_queries_kernel[(triton.cdiv(R, 16),)](q, qr, R, qk, q.stride(0), q.stride(1), HQ=Hq, D=D, BR=16,
+                                                num_warps=ROT_WARPS, **pdl)
     # the tail on tensor cores where compiled and the buffers are 16-bit; TT rows per step, TS over the sink's rows
     tensor_cores = bool(comp) and all(t.dtype in (torch.float16, torch.bfloat16) for t in (tail_k, tail_v))
     tt = (64 if D <= 128 else 32) if tensor_cores else 16

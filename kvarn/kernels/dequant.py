@@ -8,12 +8,13 @@ Public API:
         block_ids  int32/int64 [T]: records to decode (every head of each)
         dst_rows   int64 [T]: row of k_out / v_out where tile t's token 0 goes (tokens 0..g-1 -> dst_rows[t] + i)
         k_out      [N, H, D] fp16 / bf16 / fp32 (v_out alike)
-        Writes what kvarn.method.reference.dequantize_tiles(cache[block_ids], fmt, D) gives (fp32 math, the +-1
-        Hadamard on tensor cores with a 3-way bf16 split of the operand as in the store kernel), cast to k_out's dtype.
+        Writes what kvarn.method.reference.dequantize_tiles(cache[block_ids], fmt, D) gives (fp32 math, the values'
+        +-1 Hadamard on tensor cores with a 3-way bf16 split of the operand as in the store kernel), cast to k_out's
+        dtype.
 
-One program per (tile, head, key token block | value byte plane). Keys: byte plane j of PK holds channels j*DP.. of every token, so
-K^T = sum_j H[:, plane j] @ X_j with X_j = (codes_j * sK + zK) * rK (the rotation back, Hn symmetric); values: byte
-plane j of PV holds tokens j*BT.., V rows = ((codes_j * sV + zV) * cV) @ Hn. Head dims 64, 128 and 256.
+One program per (tile, head, key token block | value byte plane). Keys are stored unrotated: byte plane j of PK
+holds channels j*DP.. of every token, K^T rows j*DP.. = (codes_j * sK + zK) * rK; values: byte plane j of PV holds
+tokens j*BT.., V rows = ((codes_j * sV + zV) * cV) @ Hn (the rotation back, Hn symmetric). Head dims 64, 128, 256.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import triton.language as tl
 
 from ..errors import KvarnError
 from ..formats import KVFormat
-from .device import h_times_x, hadamard_pm1, hadamard_pm1_cols, x_times_h
+from .device import hadamard_pm1, x_times_h
 from .records import as_format, check_cache, f16_view, layout
 from .runtime import compiled, serving_jit
 
@@ -55,15 +56,13 @@ def _dequant_kernel(cache_ptr, cache16_ptr, block_ids_ptr, dst_ptr, k_ptr, v_ptr
         tk = part * TBK + tl.arange(0, TBK)
         pk = tl.load(cache_ptr + rec + OFF_PK + ci[:, None] * G + tk[None, :]).to(tl.int32)  # [DP, TBK] bytes
         rk = tl.load(cache16_ptr + rec16 + OFF_RK // 2 + tk).to(tl.float32)
-        kt = tl.zeros([D, TBK], dtype=tl.float32)  # K^T of these tokens, unrotated
         for j in tl.static_range(PERK):
             sk = tl.load(cache16_ptr + rec16 + OFF_SK // 2 + j * DP + ci).to(tl.float32)
             zk = tl.load(cache16_ptr + rec16 + OFF_ZK // 2 + j * DP + ci).to(tl.float32)
             kcode = ((pk >> (j * KB)) & MASK_K).to(tl.float32)
-            x = (kcode * sk[:, None] + zk[:, None]) * rk[None, :]  # rotated K^T rows of plane j [DP, TBK]
-            kt += h_times_x(hadamard_pm1_cols(D, DP, j, COMPILED), x, D, COMPILED)
-        kdst = k_ptr + (row0 + tk)[None, :] * stride_kn + head * stride_kh + di[:, None]
-        tl.store(kdst, kt.to(k_ptr.dtype.element_ty))
+            x = (kcode * sk[:, None] + zk[:, None]) * rk[None, :]  # K^T rows of channels j*DP.. [DP, TBK]
+            kdst = k_ptr + (row0 + tk)[None, :] * stride_kn + head * stride_kh + (j * DP + ci)[:, None]
+            tl.store(kdst, x.to(k_ptr.dtype.element_ty))
     else:
         PERV: tl.constexpr = 8 // VB
         BT: tl.constexpr = G // PERV

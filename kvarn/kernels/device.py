@@ -20,13 +20,7 @@ from triton.language.extra.cuda import libdevice
 
 @triton.jit
 def hadamard_pm1(D: tl.constexpr, COMPILED: tl.constexpr):
-    return hadamard_pm1_cols(D, D, 0, COMPILED)
-
-
-@triton.jit
-def hadamard_pm1_cols(D: tl.constexpr, DP: tl.constexpr, J: tl.constexpr, COMPILED: tl.constexpr):
-    """Columns J*DP .. (J+1)*DP - 1 of the +-1 Hadamard, [D, DP] (for the planar key planes)."""
-    return hadamard_pm1_block(D, DP, 0, J * DP, COMPILED)
+    return hadamard_pm1_block(D, D, 0, 0, COMPILED)
 
 
 @triton.jit
@@ -78,13 +72,6 @@ def x_times_h(x, h, D: tl.constexpr, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def h_times_x(h, x, D: tl.constexpr, COMPILED: tl.constexpr):
-    """(H @ x) / sqrt(D) for fp32 x [D, N]."""
-    acc = tl.zeros([h.shape[0], x.shape[1]], dtype=tl.float32)
-    return rot_scale(h_times_x_acc(h, x, acc, COMPILED), D)
-
-
-@triton.jit
 def x_times_h_acc(x, h, acc, COMPILED: tl.constexpr):
     """acc + x @ h (unscaled) for fp32 x [M, K], +-1 h [K, N]: x_times_h is this from zero, then rot_scale; a
     blocked x @ H sums K-blocks of it. The fp32 x is split into three bf16 parts (hi + mid + lo) on the GPU, so
@@ -96,19 +83,6 @@ def x_times_h_acc(x, h, acc, COMPILED: tl.constexpr):
         acc = tl.dot(lo, h, acc=acc, out_dtype=tl.float32)
     else:
         acc = tl.dot(x, h, acc=acc, input_precision="ieee")
-    return acc
-
-
-@triton.jit
-def h_times_x_acc(h, x, acc, COMPILED: tl.constexpr):
-    """acc + h @ x (unscaled) for +-1 h [M, K], fp32 x [K, N] (see x_times_h_acc)."""
-    if COMPILED:
-        hi, mid, lo = _split3(x)
-        acc = tl.dot(h, hi, acc=acc, out_dtype=tl.float32)
-        acc = tl.dot(h, mid, acc=acc, out_dtype=tl.float32)
-        acc = tl.dot(h, lo, acc=acc, out_dtype=tl.float32)
-    else:
-        acc = tl.dot(h, x, acc=acc, input_precision="ieee")
     return acc
 
 

@@ -6,7 +6,7 @@ Public API (the vLLM backend codes against these; signatures are stable):
         k, v       [T, H, g, D] fp16/bf16/fp32: T complete tiles per KV head, token rows, NOT rotated
         cache      uint8 [num_blocks, H, record_bytes(D)] (records contiguous)
         block_ids  int32 [T]: the block (record row) each tile goes to; entries < 0 are skipped (padding)
-        One program per (tile, head, keys|values): sanitize (NaN -> 0, clamp to the fp16 range), rotate by Hn (fp32 dot),
+        One program per (tile, head, keys|values): sanitize (NaN -> 0, clamp to the fp16 range), rotate values by Hn,
         balance (Sinkhorn-like, `iters` iterations, best iterate kept), round, fold, pack; fp32 math throughout.
         Writes the bytes kvarn.method.reference.quantize_tiles would (codes may differ by one where a value sits
         on a rounding boundary, because of fp32 reduction order / exp ulps).
@@ -38,7 +38,7 @@ import triton.language as tl
 
 from ..errors import KvarnError
 from ..formats import KVFormat
-from .device import h_times_x, h_times_x_acc, hadamard_pm1_block, rot_scale, x_times_h, x_times_h_acc
+from .device import hadamard_pm1_block, rot_scale, x_times_h, x_times_h_acc
 from .records import as_format, check_cache, check_tail, defer_flag, f16_view, layout
 from .runtime import compiled, serving_jit
 
@@ -192,21 +192,6 @@ def _sanitize(x):
 
 
 @triton.jit
-def _keys_rotated_blocked(kp, stride_kg, D: tl.constexpr, G: tl.constexpr, RB: tl.constexpr,
-                          COMPILED: tl.constexpr):
-    # X = Hn @ K^T [D, g] accumulated over RB-channel blocks of K: X += H[:, blk] @ K^T[blk, :]. Only one block
-    # of H and of the split K is alive at a time (the whole-tile form needs H twice + three split copies of K in
-    # shared memory: 448 KiB at D=256, g=128).
-    gi = tl.arange(0, G)
-    acc = tl.zeros([D, G], dtype=tl.float32)
-    for kb in range(0, D, RB):
-        ki = kb + tl.arange(0, RB)
-        kt = _sanitize(tl.load(kp + gi[None, :] * stride_kg + ki[:, None]).to(tl.float32))
-        acc = h_times_x_acc(hadamard_pm1_block(D, RB, 0, kb, COMPILED), kt, acc, COMPILED)
-    return rot_scale(acc, D)
-
-
-@triton.jit
 def _values_rotated_blocked(vp, stride_vg, D: tl.constexpr, G: tl.constexpr, RB: tl.constexpr,
                             COMPILED: tl.constexpr):
     # Y = V @ Hn [g, D] accumulated over RB-channel blocks of V: Y += V[:, blk] @ H[blk, :]
@@ -222,7 +207,7 @@ def _values_rotated_blocked(vp, stride_vg, D: tl.constexpr, G: tl.constexpr, RB:
 @triton.jit
 def _quantize_pack(x, dst, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
                    COMPILED: tl.constexpr):
-    # one rotated matrix [R, C] (keys: channels x tokens, values: tokens x channels) balanced and rounded, its codes
+    # one matrix [R, C] (keys: channels x tokens, values rotated: tokens x channels) balanced and rounded, its codes
     # packed at dst; returns the row scale, row zero and column scale to store beside them
     q, s, z, c = _balance_and_round(x, R, C, BITS, ITERS, COMPILED)
     _pack_store(q, dst, R, C, BITS)
@@ -236,19 +221,17 @@ def _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, 
                OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr, OFF_PV: tl.constexpr, OFF_SV: tl.constexpr,
                OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr, COMPILED: tl.constexpr, RB: tl.constexpr):
     """One (tile, head): keys when program_id(1) == 0, else values, from tile row `src` into record row `blk`:
-    sanitize (NaN -> 0, clamp to the fp16 range), rotate by Hn, balance and round, pack, store the vectors."""
+    sanitize (NaN -> 0, clamp to the fp16 range), rotate the values by Hn, balance and round, pack, store the
+    vectors."""
     base = blk.to(tl.int64) * stride_cb + head * stride_ch  # byte offset of the record
     b16 = base // 2
     di = tl.arange(0, D)
     gi = tl.arange(0, G)
     if tl.program_id(1) == 0:
-        # keys: X = (K @ Hn)^T = Hn @ K^T  [D, g] (Hn symmetric), rows = channels
+        # keys: K^T [D, g], rows = channels, in the original basis: per-channel rounding already gives every
+        # channel its own range, and a rotation would spread the RoPE'd key biases over all of them
         kp = k_ptr + src * stride_kt + head * stride_kh
-        if RB == 0:
-            kt = _sanitize(tl.load(kp + gi[None, :] * stride_kg + di[:, None]).to(tl.float32))
-            x = h_times_x(hadamard_pm1_block(D, D, 0, 0, COMPILED), kt, D, COMPILED)
-        else:
-            x = _keys_rotated_blocked(kp, stride_kg, D, G, RB, COMPILED)
+        x = _sanitize(tl.load(kp + gi[None, :] * stride_kg + di[:, None]).to(tl.float32))
         sk, zk, rk = _quantize_pack(x, cache_ptr + base + OFF_PK, D, G, KB, ITERS, COMPILED)
         tl.store(cache16_ptr + b16 + OFF_SK // 2 + di, sk.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_ZK // 2 + di, zk.to(tl.float16))
@@ -285,8 +268,8 @@ def _store_tiles_kernel(
     on the device, so the launch is the same every step (CUDA-graph safe). DEFER: the step's flag defer_ptr[0] set
     means the completed tiles stay in the tail (flush_layers writes them later); device data, so one captured graph
     serves steps with and without it.
-    RB > 0: the rotation accumulates over RB-channel blocks (D = 256: the whole-tile dots would overflow an sm_90's
-    shared memory)."""
+    RB > 0: the values' rotation accumulates over RB-channel blocks (D = 256: the whole-tile dots would overflow an
+    sm_90's shared memory)."""
     pid = tl.program_id(0)
     tile = pid // H
     head = pid % H
@@ -429,7 +412,7 @@ def compile_flush_layers(num_kv_heads: int, head_dim: int, tail_rows: int, dtype
     _flush_table(LayerTable([tk], [tv], [cache]), zero, zero, fmt)  # not through _TABLES: the real sets stay cached
 
 
-# Channel block of the blocked rotation per head dim (0 = whole-tile rotation). D=256 needs it on sm_90 (the
+# Channel block of the values' blocked rotation per head dim (0 = whole-tile rotation). D=256 needs it on sm_90 (the
 # whole-tile form asks for 448 KiB of shared memory); tests may override it to run the blocked path at small D.
 ROTATION_BLOCK = {64: 0, 128: 0, 256: 64}
 

@@ -190,9 +190,8 @@ def quantize_fields(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, iters: int 
     if g != fmt.group:
         raise KvarnError(f"{fmt.name} quantizes tiles of {fmt.group} tokens, got {g}")
     k, v = sanitize(k), sanitize(v)
-    if rotate:
-        hn = hadamard(d, k.device)
-        k, v = k @ hn, v @ hn
+    if rotate:  # values only: keys are quantized per channel, and rotating them would spread RoPE'd outliers
+        v = v @ hadamard(d, v.device)
     x = k.transpose(-1, -2)  # [D, g]: rows = channels -> per-channel key quantization
     qK, sK, zK, rK = _quantize_matrix(x, int(fmt.key_bits), iters, keep_best, balance)
     qV, sV, zV, cV = _quantize_matrix(v, int(fmt.value_bits), iters, keep_best, balance)
@@ -201,8 +200,9 @@ def quantize_fields(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, iters: int 
 
 def quantize_tiles(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, iters: int | None = None, keep_best: bool = True,
                    rotate: bool = True, balance: bool = True) -> torch.Tensor:
-    """k, v [..., g, D] (fp16/bf16/fp32) -> uint8 records [..., fmt.record_bytes(D)] (docs/format.md).
-    rotate=False / balance=False are ablations: their records decode with dequantize_tiles(rotated=True)."""
+    """k, v [..., g, D] (fp16/bf16/fp32) -> uint8 records [..., fmt.record_bytes(D)] (docs/format.md). Values are
+    rotated by Hn, keys are not. rotate=False / balance=False are ablations: their records decode with
+    dequantize_tiles(rotated=True)."""
     return pack_records(quantize_fields(k, v, fmt, iters, keep_best, rotate, balance), fmt, k.shape[-1])
 
 
@@ -212,13 +212,12 @@ def dequantize_fields(f: dict, rotated: bool = False):
     k = x.transpose(-1, -2).contiguous()
     v = (f["qV"].float() * f["sV"].unsqueeze(-1) + f["zV"].unsqueeze(-1)) * f["cV"].unsqueeze(-2)
     if not rotated:
-        hn = hadamard(k.shape[-1], k.device)
-        k, v = k @ hn, v @ hn  # Hn is symmetric and orthonormal: its own inverse
+        v = v @ hadamard(v.shape[-1], v.device)  # Hn is symmetric and orthonormal: its own inverse
     return k, v
 
 
 def dequantize_tiles(records: torch.Tensor, fmt: KVFormat, D: int, rotated: bool = False):
-    """uint8 records -> (k, v) float32 [..., g, D]; rotated=True gives the rotated basis K_r, V_r."""
+    """uint8 records -> (k, v) float32 [..., g, D]; rotated=True gives the stored basis (K as is, V @ Hn)."""
     return dequantize_fields(unpack_records(records, fmt, D), rotated)
 
 
