@@ -19,6 +19,7 @@ from ...errors import KvarnError
 from ...formats import get_format
 from ...method.textdata import SMOLLM2
 from ...shapes import resolve_model
+from ..accuracy import PPL_CHUNK, PPL_TOKENS, chunked_ppl, window_ids
 from ..config import BenchConfig, Cell
 from ..metrics import RequestRecord, summarize
 from ..prompts import random_prompts
@@ -43,12 +44,14 @@ def _torch_dtype(name: str):
 
 
 def load_hf_model(cfg: BenchConfig, device: str):
-    """(model, seconds). Dummy weights: random init from config.json (seeded). Real: the weights source."""
+    """(model, seconds, tokenizer or None). Dummy weights: random init from config.json (seeded), no tokenizer.
+    Real: the weights source, with its tokenizer when it has one (the accuracy window needs it)."""
     import torch
 
     t0 = time.perf_counter()
     dtype = _torch_dtype(cfg.model_dtype or "float32")
     src = cfg.weights
+    tok = None
     if cfg.dummy_weights or not src:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -59,13 +62,17 @@ def load_hf_model(cfg: BenchConfig, device: str):
     elif src == SMOLLM2:
         from ...method.textdata import load_model
 
-        model, _ = load_model(src, device="cpu", dtype=dtype)
+        model, tok = load_model(src, device="cpu", dtype=dtype)
     else:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True)  # never a download
+        try:
+            tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
+        except (OSError, ValueError):  # weights without a tokenizer: the row gets no accuracy, the burst still runs
+            tok = None
     model = model.to(device).eval()
-    return model, time.perf_counter() - t0
+    return model, time.perf_counter() - t0, tok
 
 
 def _cache_for(kv_dtype: str, model):
@@ -80,6 +87,14 @@ def _cache_for(kv_dtype: str, model):
     from ...method.hf_cache import KVCodecCache
 
     return KVCodecCache(fmt.name, config=model.config), ""
+
+
+def _last_logits_only(model) -> dict:
+    """Forward kwargs that compute the prefill's logits at its last position only (the one the next token needs):
+    the LM head over a whole prompt is a fifth of a small model's prefill time on a CPU."""
+    import inspect
+
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def _hf_cache():  # transformers is an extra: import the cache module only when the hf engine runs
@@ -124,6 +139,9 @@ class HfEngine(Engine):
             if c.engine_args not in ("{}", ""):
                 raise KvarnError("--engine-arg passes vLLM engine arguments; the hf engine takes none")
 
+    def max_tp(self, engine_args: dict) -> tuple[int | None, str]:
+        return 1, "the hf engine runs on one device (tensor parallelism needs --engine vllm and GPUs)"
+
     def _model(self, cfg: BenchConfig, device: str):
         key = (cfg.model_path, cfg.weights, cfg.dummy_weights, cfg.model_dtype, cfg.seed if cfg.dummy_weights else 0)
         if key not in self._models:
@@ -155,7 +173,7 @@ class HfEngine(Engine):
         cfg = cell.config
         device = hf_device()
         deadline = time.monotonic() + timeout_s
-        model, load_s = self._model(cfg, device)
+        model, load_s, tok = self._model(cfg, device)
         cache_probe, why = _cache_for(cfg.kv_dtype, model)
         if cache_probe is None:
             log.write(why + "\n")
@@ -176,7 +194,7 @@ class HfEngine(Engine):
                 t_send = time.perf_counter()  # later batches queue from the burst start, as in an engine
                 recs = [RequestRecord(prompt_len=len(p), start=start) for p in chunk]
                 ckw = _hf_cache().cache_kwarg(model)
-                out = model(input_ids=ids, use_cache=True, **{ckw: cache})
+                out = model(input_ids=ids, use_cache=True, **{ckw: cache}, **_last_logits_only(model))
                 nxt = out.logits[:, -1].argmax(-1)
                 now = time.perf_counter()
                 for r in recs:
@@ -204,6 +222,11 @@ class HfEngine(Engine):
         if device == "cuda":
             m["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
         info = {"hf_device": device}
+        if tok is not None and not cfg.dummy_weights:
+            t_ppl = time.perf_counter()
+            m.update(chunked_ppl(model, window_ids(tok), cfg.kv_dtype))
+            log.write(f"[kvarn] chunked perplexity of {PPL_TOKENS} Moby-Dick tokens (chunks of {PPL_CHUNK}): "
+                      f"{m['ppl']:.3f} (fp16 {m['ppl_fp16']:.3f}) in {time.perf_counter() - t_ppl:.1f} s\n")
         return EngineResult("ok", "", m, info)
 
 
