@@ -263,12 +263,12 @@ def build_plan(o: BenchOptions) -> Plan:
     if any(f.family == "kvarn" for f in formats) and engine_name == "vllm":
         notes.append("KVarN rows run with block_size = the preset's tile")
     if engine_name == "hf":
-        notes += hf_notes(formats, dummy, bool(o.kv_dtype))
+        notes += hf_notes(formats, dummy, bool(o.kv_dtype), shape)
     return Plan(engine, reason, shape, configs, cells, todo, out, timeout or engine.default_timeout_s, run_id, repeat,
                 notes)
 
 
-def hf_notes(formats, dummy: bool, asked: bool) -> list[str]:
+def hf_notes(formats, dummy: bool, asked: bool, shape: ModelShape | None = None) -> list[str]:
     """What the hf engine's numbers mean, said before they appear."""
     from .accuracy import PPL_TOKENS
 
@@ -277,6 +277,13 @@ def hf_notes(formats, dummy: bool, asked: bool) -> list[str]:
              "is the caches' real bytes after the burst (stored tiles, plus the 16-bit unfinished tile and sink)"
              + ("" if dummy else f"; accuracy is the chunked perplexity of {PPL_TOKENS} Moby-Dick tokens through "
                                  "each format")]
+    d = getattr(shape, "head_dim", None)
+    for f in formats if d else ():
+        if f.family == "kvarn":
+            full, fp16 = f.bytes_per_token_per_head(d), 4.0 * d
+            notes.append(f"{f.name}: {full:g} B per token per KV head in full tiles against fp16's {fp16:g} "
+                         f"({fp16 / full:.2f}x); its 16-bit unfinished tile and {f.sink_tokens}-token sink weigh "
+                         "more the shorter the context")
     if not asked:
         slow = [f for f in DEFAULT_KV_DTYPES if f not in HF_KV_DTYPES]
         notes.append(f"{', '.join(slow)} take minutes per cell on a CPU: name them in --kv-dtype to run them")

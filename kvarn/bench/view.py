@@ -164,7 +164,7 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
             "kv dtype": m["kv_dtype"], "ok/runs": f"{m['n_ok']}/{m['n']}", "out tok/s": _f(m["output_tok_s"]),
             "total tok/s": _f(m["total_tok_s"]), "x fp16 tok/s": _f(m["output_tok_s_ratio_vs_fp16"], "{:.2f}x"),
             "KV tokens": kv, "x fp16 KV": _f(m["kv_ratio_vs_fp16"], "{:.2f}x"),
-            "ppl": _f(m["ppl"], "{:.3f}"), "ppl vs fp16": _f(m["ppl_delta_pct"], "{:+.2f}%"),
+            "ppl": _f(m["ppl"], "{:.3f}"), "Δ ppl": _f(m["ppl_delta_pct"], "{:+.2f}%"),
             "max reqs@burst": _f(m["max_concurrency"]), "peak running": _f(m["peak_running"], "{:.0f}"),
             "preempt": _f(m["preemptions"], "{:.0f}"), "TTFT p50 ms": _f(m["ttft_ms_p50"]),
             "TPOT p50 ms": _f(m["tpot_ms_p50"], "{:.2f}"), "start s": _f(m["engine_start_s"]),
@@ -186,8 +186,8 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
     t = Table(title=title)
     for c in cols:
         header = "KV cache" if c == "KV tokens" and all(r[c].endswith("MiB") for r in rows_out) else c  # hf: bytes
-        if where and c in ("out tok/s", "total tok/s"):
-            header = f"CPU {c}"
+        if where and c == "out tok/s":
+            header = "CPU tok/s"
         t.add_column(header, justify="left" if c in ("model", "kv dtype", "error") else "right",
                      no_wrap=c not in ("error", "model"), overflow="fold")
     for r in rows_out:

@@ -88,14 +88,16 @@ def _flat_axis(ax, axis: str = "y") -> None:
 
 
 def _declutter(fig, ax, anns, points=()) -> None:
-    """Move point labels apart vertically until none overlaps another label or a marker (labels of close points
-    otherwise print over each other). points: (x, y, marker area in points²) of the markers."""
-    if len(anns) < 2:
+    """Place point labels so that none overlaps another label, a marker or the axes' edge: right of the point first,
+    then further up or down, then left of it (labels of close points otherwise print over each other).
+    points: (x, y, marker area in points²) of the markers."""
+    if not anns:
         return
     from matplotlib.transforms import Bbox
 
     fig.canvas.draw()
     r = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(r)
     placed = []
     for x, y, size in points:
         px, py = ax.transData.transform((x, y))
@@ -103,12 +105,18 @@ def _declutter(fig, ax, anns, points=()) -> None:
         placed.append(Bbox([[px - rad, py - rad], [px + rad, py + rad]]))
     for a in anns:
         dx, dy = a.xyann
-        for k in range(12):
-            box = a.get_window_extent(r).expanded(1.02, 1.1)
-            if not any(box.overlaps(b) for b in placed):
+        h = a.get_window_extent(r).height * 72 / fig.dpi  # points
+        tries = [(side, dy + k * h) for side in (1, -1) for k in (0, 1, -1, 2, -2, 3, -3)]
+        for side, y_off in tries:
+            a.set_ha("left" if side > 0 else "right")
+            a.xyann = (side * dx, y_off)
+            box = a.get_window_extent(r)
+            inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+            if inside and not any(box.overlaps(b) for b in placed):
                 break
-            step = box.height * 72 / fig.dpi  # points
-            a.xyann = (dx, dy + (k // 2 + 1) * step * (1 if k % 2 == 0 else -1))
+        else:
+            a.set_ha("left")
+            a.xyann = (dx, dy)
         placed.append(a.get_window_extent(r))
 
 
@@ -138,6 +146,7 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
     panels = list(front.groupby(["model", "tp"], sort=False))
     with plt.rc_context(STYLE):
         fig, axes = _grid(len(panels), w=6.4, h=4.6)
+        labelled = []
         for ax, ((model, tp), g) in zip(axes, panels):
             anns, points = [], []
             g = g[g["x"].notna()] if has_x else g
@@ -179,7 +188,7 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
             ax.margins(x=0.25, y=0.15)
             _flat_axis(ax, "y")
             _flat_axis(ax, "x")
-            _declutter(fig, ax, anns, points)
+            labelled.append((ax, anns, points))
         kvs = format_order(front["kv_dtype"])
         extra = [Line2D([], [], marker="o", ls="", markerfacecolor="white", markeredgecolor="black", markeredgewidth=2.2,
                         markersize=9, label="Pareto-optimal")]
@@ -193,6 +202,8 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
                  else "Throughput vs KV capacity (no eval rows: accuracy axis unavailable)")
         fig.suptitle(title + (f"\n{subtitle}" if subtitle else ""), fontsize=12)
         fig.tight_layout(rect=(0, bottom, 1, 1))
+        for ax, anns, points in labelled:  # once the layout is final: the labels' places depend on it
+            _declutter(fig, ax, anns, points)
         return _save(fig, path)
 
 

@@ -2,8 +2,8 @@
 
 The burst runs as batches of up to `max_num_seqs` requests (default: all at once): one prefill, then a decode
 loop with per-step timing, so TTFT/TPOT/ITL/E2EL keep their `vllm bench serve` meaning. Quantized formats store
-K/V through kvarn.method.hf_cache.KVCodecCache (real packed bytes, read back every step, as in serving); FP16
-uses transformers' DynamicCache. Runs in-process: the timeout is checked between decode steps.
+K/V through kvarn.method.hf_cache.KVCodecCache (real packed bytes; each stored unit decoded once, its copy kept
+beside it, so the attention reads the numbers serving reads); FP16 uses transformers' DynamicCache. Runs in-process: the timeout is checked between decode steps.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ...errors import KvarnError
 from ...formats import get_format
 from ...method.textdata import SMOLLM2
 from ...shapes import resolve_model
-from ..accuracy import PPL_CHUNK, PPL_TOKENS, chunked_ppl, window_ids
+from ..accuracy import PPL_CHUNK, PPL_TOKENS, accuracy_metrics, chunked_ppl, window_ids
 from ..config import BenchConfig, Cell
 from ..metrics import RequestRecord, summarize
 from ..prompts import random_prompts
@@ -86,7 +86,10 @@ def _cache_for(kv_dtype: str, model):
         return None, f"pending: {kv_dtype} on the hf engine needs kvarn.method.hf_cache (not installed yet)"
     from ...method.hf_cache import KVCodecCache
 
-    return KVCodecCache(fmt.name, config=model.config), ""
+    # each stored tile is decoded once and its copy kept (identical numbers): a CPU stand-in for an attention
+    # kernel that reads packed tiles, instead of decoding every tile again at every step; capacity counts the
+    # stored bytes only (_cache_bytes)
+    return KVCodecCache(fmt.name, config=model.config, keep_decoded=True), ""
 
 
 def _last_logits_only(model) -> dict:
@@ -110,8 +113,9 @@ def _codecs():
 
 
 def _cache_bytes(cache) -> float:
-    if hasattr(cache, "memory_bytes"):
-        return float(cache.memory_bytes()["total"])
+    if hasattr(cache, "memory_bytes"):  # what the format stores: packed units, 16-bit tail and sink
+        held = cache.memory_bytes()
+        return float(held["total"] - held.get("decoded", 0))
     total = 0
     for layer in getattr(cache, "layers", []):
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
@@ -128,6 +132,7 @@ class HfEngine(Engine):
 
     def __init__(self):
         self._models: dict[tuple, tuple] = {}
+        self._ppl_fp16: dict[tuple, float] = {}
 
     def check(self, configs: list[BenchConfig]) -> None:
         super().check(configs)
@@ -142,8 +147,12 @@ class HfEngine(Engine):
     def max_tp(self, engine_args: dict) -> tuple[int | None, str]:
         return 1, "the hf engine runs on one device (tensor parallelism needs --engine vllm and GPUs)"
 
+    @staticmethod
+    def _model_key(cfg: BenchConfig) -> tuple:
+        return cfg.model_path, cfg.weights, cfg.dummy_weights, cfg.model_dtype, cfg.seed if cfg.dummy_weights else 0
+
     def _model(self, cfg: BenchConfig, device: str):
-        key = (cfg.model_path, cfg.weights, cfg.dummy_weights, cfg.model_dtype, cfg.seed if cfg.dummy_weights else 0)
+        key = self._model_key(cfg)
         if key not in self._models:
             self._models.clear()  # one model in memory at a time
             self._models[key] = load_hf_model(cfg, device)
@@ -224,7 +233,13 @@ class HfEngine(Engine):
         info = {"hf_device": device}
         if tok is not None and not cfg.dummy_weights:
             t_ppl = time.perf_counter()
-            m.update(chunked_ppl(model, window_ids(tok), cfg.kv_dtype))
+            ids = window_ids(tok)
+            key = self._model_key(cfg)
+            if key not in self._ppl_fp16:  # one fp16 reference per model, shared by every format's row
+                self._ppl_fp16[key] = chunked_ppl(model, ids, "auto")
+            ref = self._ppl_fp16[key]
+            m.update(accuracy_metrics(ref if get_format(cfg.kv_dtype).family == "fp16" else
+                                      chunked_ppl(model, ids, cfg.kv_dtype), ref))
             log.write(f"[kvarn] chunked perplexity of {PPL_TOKENS} Moby-Dick tokens (chunks of {PPL_CHUNK}): "
                       f"{m['ppl']:.3f} (fp16 {m['ppl_fp16']:.3f}) in {time.perf_counter() - t_ppl:.1f} s\n")
         return EngineResult("ok", "", m, info)
