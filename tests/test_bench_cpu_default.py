@@ -55,7 +55,8 @@ class _Tok:
 
 
 def test_rows_and_table_carry_the_cpu_label_and_the_accuracy_column(cpu_box, tmp_path, monkeypatch, capsys):
-    """Real weights (a seeded tiny model with a tokenizer) get chunked perplexity per format, fp16 in lockstep."""
+    """Real weights (a seeded tiny model with a tokenizer) get chunked perplexity per format and its change vs the
+    one fp16 reference."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -79,3 +80,12 @@ def test_rows_and_table_carry_the_cpu_label_and_the_accuracy_column(cpu_box, tmp
     assert "measured on the CPU" in text and "not representative of a GPU" in text
     assert "Δ ppl" in text and "CPU tok/s" in text and "…" not in text  # fits an 80-column terminal
     assert "Triton" not in text
+
+
+def test_a_cpu_stall_blames_no_kernel_compile():
+    from kvarn.bench.view import stall_notes
+
+    row = {"status": "ok", "engine": "hf", "kv_dtype": "fp8", "repeat": 0, "itl_ms_max": 5_000.0,
+           "itl_ms_p50": 40.0, "preemptions": 0.0}
+    (note,) = stall_notes([row])
+    assert "compiles nothing" in note and "Triton" not in note and "kernel compil" not in note

@@ -185,9 +185,11 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
                               else f"{task} −Δ perplexity vs fp16 (up = better)")
             else:
                 ax.set_ylabel("KV capacity ÷ fp16")
-            ax.margins(x=0.25, y=0.15)
+            ax.margins(x=0.12, y=0.15)
             _flat_axis(ax, "y")
             _flat_axis(ax, "x")
+            lo, hi = ax.get_xlim()
+            ax.set_xlim(lo, hi + 0.3 * (hi - lo))  # room right of the rightmost points for their labels
             labelled.append((ax, anns, points))
         kvs = format_order(front["kv_dtype"])
         extra = [Line2D([], [], marker="o", ls="", markerfacecolor="white", markeredgecolor="black", markeredgewidth=2.2,
@@ -230,6 +232,7 @@ def capacity_png(cells: pd.DataFrame, path: Path) -> Path | None:
                     ax.annotate(f"{v:.2f}×", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom",
                                 fontsize=8, xytext=(0, 2), textcoords="offset points")
         ax.axhline(1.0, color="#888888", lw=0.9, ls=":")
+        ax.set_ylim(0, float(np.nanmax(c["kv_ratio_vs_fp16"])) * 1.15)  # room for the value labels
         ax.set_xticks(np.arange(len(kvs)), [label(k) for k in kvs], rotation=20, ha="right")
         bytes_only = "kv_tokens" not in cells or cells["kv_tokens"].isna().all()
         ax.set_ylabel("KV capacity ÷ fp16" + (" (cache bytes)" if bytes_only else " (KV pool tokens)"))

@@ -138,7 +138,8 @@ def register(app: typer.Typer) -> None:
                                       "default 3600."),
         timeout_min: float = typer.Option(None, "--timeout-min", hidden=True, help="Deprecated: --timeout in minutes."),
         harness: str = typer.Option("kvarn", "--harness", help="kvarn (built-in tasks) | lm-eval."),
-        tasks: str = typer.Option(None, "--tasks", help="lm-eval task names, comma list (with --harness lm-eval)."),
+        tasks: str = typer.Option(None, "--tasks", help="lm-eval's spelling: task names, comma list with "
+                                  "--harness lm-eval; one built-in task otherwise (same as TASK)."),
         model_args: str = typer.Option(None, "--model-args", help="vLLM engine args k=v,... (lm-eval: its "
                                        "model_args), e.g. enable_prefix_caching=false,max_num_seqs=1."),
         gen_kwargs: str = typer.Option(None, "--gen-kwargs", help="lm-eval gen_kwargs, e.g. max_gen_toks=2048."),
