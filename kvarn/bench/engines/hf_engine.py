@@ -164,7 +164,8 @@ class HfEngine(Engine):
         with open(log_path, "a") as log, _capture_logs(log):
             log.write(f"[kvarn] hf engine: {json.dumps(cell.config.hash_fields(), default=str)} repeat {cell.repeat}\n")
             try:
-                return self._run(cell, timeout_s, log)
+                with _cpu_threads():
+                    return self._run(cell, timeout_s, log)
             except KvarnError as e:
                 log.write(f"error: {e}\n")
                 return EngineResult("failed", str(e))
@@ -243,6 +244,27 @@ class HfEngine(Engine):
             log.write(f"[kvarn] chunked perplexity of {PPL_TOKENS} Moby-Dick tokens (chunks of {PPL_CHUNK}): "
                       f"{m['ppl']:.3f} (fp16 {m['ppl_fp16']:.3f}) in {time.perf_counter() - t_ppl:.1f} s\n")
         return EngineResult("ok", "", m, info)
+
+
+CPU_THREADS = 1
+
+
+@contextlib.contextmanager
+def _cpu_threads():
+    """One intra-op thread on a CPU: a small model's decode ops are too small to gain from splitting, and split ops
+    wait for each other whenever another process holds a core (a shared 2-core box ran decode steps 10x and the
+    prefill 4x slower with two threads than with one)."""
+    import torch
+
+    if hf_device() != "cpu":
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(CPU_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 @contextlib.contextmanager
