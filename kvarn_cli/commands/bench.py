@@ -14,8 +14,8 @@ def register(app: typer.Typer) -> None:
         model: Optional[str] = typer.Option(None, "--model", "-m", help="Bundled shape (qwen3-8b...), local HF folder or hub "
                                             "id. Default: smollm2-135m (SmolLM2-135M-Instruct, runs on a CPU)."),
         kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", "--kv-cache-dtype", help="Comma list of KV "
-                                               "formats, or 'all'. Default: vllm auto,fp8,kvarn_k4v2_g128,"
-                                               "turboquant_4bit_nc,turboquant_k3v4_nc; hf auto,fp8,kvarn_k4v2_g128 "
+                                               "formats, or 'all'. Default: vllm auto, fp8, kvarn_k4v2_g128, "
+                                               "turboquant_4bit_nc, turboquant_k3v4_nc; hf auto, fp8, kvarn_k4v2_g128 "
                                                "(TurboQuant takes minutes per cell on a CPU). FP16 cells run first "
                                                "(the ratios' baseline), the rest in this order."),
         burst: Optional[str] = typer.Option(None, "--burst", "-b", help="Context per request (prompt + output): 4k, "
