@@ -60,6 +60,6 @@ def test_cpu_rows_header_says_what_is_unknown_in_words(tmp_path):
     page = rep.html.read_text()
     assert "× 0" not in page and "GPU</b>: –" not in page
     assert "GPU</b>: none (rows measured on the CPU" in page
-    assert "KV cache MiB" in page and "ppl Δ % vs fp16" in page
+    assert "KV cache MiB" in page and "ppl Δ % vs fp16" in page and "CPU out tok/s" in page
     assert "chunked perplexity" in " ".join(rep.notes) and "ran on the CPU" in " ".join(rep.notes)
     assert "frontier.png" in {p.name for p in rep.pngs}

@@ -248,7 +248,8 @@ def frontier(cells: pd.DataFrame, ev: pd.DataFrame, task: str | None, burst: int
                     "x": rec.get("output_tok_s_ratio_vs_fp16", math.nan), "cap": rec.get("kv_ratio_vs_fp16", math.nan),
                     "output_tok_s": rec.get("output_tok_s", math.nan), "kv_tokens": rec.get("kv_tokens", math.nan),
                     "kv_cache_gib": rec.get("kv_cache_gib", math.nan), "ppl": rec.get("ppl", math.nan),
-                    "ppl_delta_pct": rec.get("ppl_delta_pct", math.nan), "burst": b, "mode": rec.get("mode")}
+                    "ppl_delta_pct": rec.get("ppl_delta_pct", math.nan), "burst": b, "mode": rec.get("mode"),
+                    "hf_device": rec.get("hf_device", "")}
     metric = None
     if task and not ev.empty:
         metric = task_metric(ev, task)

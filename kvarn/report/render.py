@@ -277,7 +277,7 @@ def _headline(cells, ev, fronts, tasks, burst) -> pd.DataFrame:
             "model": rec["model"], "tp": rec["tp"], "kv_dtype": rec["kv_dtype"], "burst": rec.get("burst"),
             "kv_ratio": rec["cap"], "tok_ratio": rec["x"], "output_tok_s": rec.get("output_tok_s"),
             "kv_tokens": rec.get("kv_tokens"), "kv_mib": _mib(rec.get("kv_cache_gib")),
-            "ppl_delta_pct": rec.get("ppl_delta_pct")}
+            "ppl_delta_pct": rec.get("ppl_delta_pct"), "hf_device": rec.get("hf_device")}
     for t in tasks:
         for rec in ev[ev["task"] == t].to_dict("records"):
             k = (rec["model"], int(rec["tp"]), rec["kv_dtype"])
@@ -319,8 +319,9 @@ def _headline_cols(h: pd.DataFrame, tasks) -> tuple[list, dict]:
         # capacity as the rows measured it: KV tokens (vLLM's pool), else the cache's bytes (hf engine)
         kv = [("kv_tokens", "KV tokens")] if _any(h, "kv_tokens") else []
         kv += [("kv_mib", "KV cache MiB")] if not kv and _any(h, "kv_mib") else []
+        cpu = "hf_device" in h and (h["hf_device"].astype(str) == "cpu").any()
         cols += [("burst", "burst"), *kv, ("kv_ratio", "KV ÷ fp16"),
-                 ("output_tok_s", "out tok/s"), ("tok_ratio", "tok/s ÷ fp16")]
+                 ("output_tok_s", "CPU out tok/s" if cpu else "out tok/s"), ("tok_ratio", "tok/s ÷ fp16")]
         if _any(h, "ppl_delta_pct"):
             cols.append(("ppl_delta_pct", "ppl Δ % vs fp16"))
             fm["ppl_delta_pct"] = lambda r: "–" if pd.isna(r.get("ppl_delta_pct")) else f"{r['ppl_delta_pct']:+.2f}"
