@@ -92,14 +92,21 @@ class ModelShape:
             raise KvarnError(f"unknown weights dtype {dt!r}; accepted: {choices(DTYPE_BYTES)}")
         return self.num_params() * DTYPE_BYTES[dt]
 
-    def check_tp(self, tp: int) -> None:
+    def tp_sizes(self, limit: int | None = None) -> list[int]:
+        """Tensor-parallel sizes that split this model's heads evenly, up to `limit` (what the machine runs)."""
+        return [t for t in range(1, self.num_q_heads + 1)
+                if self.num_q_heads % t == 0 and t <= min(64, limit or 64)]
+
+    def check_tp(self, tp: int, limit: int | None = None, why: str = "") -> None:
+        """`limit` / `why`: the largest size the engine runs here and the reason, so that no accepted value
+        offered fails next."""
         if tp < 1:
             raise KvarnError(f"tensor-parallel size must be >= 1, got {tp}")
         if self.num_q_heads % tp:
-            raise KvarnError(
-                f"--tp {tp} does not divide the {self.num_q_heads} attention heads of {self.name}; "
-                f"accepted: {choices(t for t in range(1, self.num_q_heads + 1) if self.num_q_heads % t == 0 and t <= 64)}"
-            )
+            raise KvarnError(f"--tp {tp} does not divide the {self.num_q_heads} attention heads of {self.name}; "
+                             f"accepted: {choices(self.tp_sizes(limit))}" + (f" ({why})" if limit else ""))
+        if limit is not None and tp > limit:
+            raise KvarnError(f"--tp {tp}: {why}; accepted: {choices(self.tp_sizes(limit))}")
 
     def kv_heads_per_rank(self, tp: int) -> int:
         """KV heads per GPU (replicated when there are fewer KV heads than ranks, as vLLM does)."""

@@ -8,7 +8,8 @@ burst and a decode-heavy one side by side; optional per entry: `models`, the nam
 (default: all), and `args`, bench flags of its own, passed after bench.args); eval = one per (model, TP, task)
 running every format. A model with `weights: dummy` benchmarks with --dummy-weights (real shapes, random weights)
 and has no eval steps.
-`--resume` is handed to each command (they skip cells whose config hash and repeat are done).
+Resuming is the default: each command skips cells whose config hash and repeat are done (`suite run --force`
+hands bench --force and eval --no-resume, which redo them).
 The exact flags each command receives are in BENCH_FLAGS / EVAL_FLAGS; `suite run` checks them against the
 command's `--help` before starting, so a CLI mismatch is one clear line, not a failure an hour in.
 """
@@ -48,6 +49,7 @@ BENCH_FLAGS = {"model": "--model", "weights": "--weights", "kv_dtype": "--kv-dty
                "burst": "--burst", "output_len": "--output-len", "requests": "--requests", "repeats": "--repeats",
                "out": "--out", "dummy": "--dummy-weights"}
 # (bench always resumes finished cells, --force redoes them: no resume flag to pass)
+BENCH_FORCE, EVAL_NO_RESUME = "--force", "--no-resume"
 EVAL_FLAGS = {"model": "--model", "weights": "--weights", "kv_dtype": "--kv-dtype", "tp": "--tp", "task": "--task",
               "samples": "--samples", "limit": "--limit", "context": "--context", "out": "--out", "resume": "--resume"}
 
@@ -317,7 +319,8 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
 
 
 # ---- planning -------------------------------------------------------------------------------------------------------
-def plan(suite: Suite, out: str | Path | None = None, *, resume: bool = False, only: str | None = None) -> list[Step]:
+def plan(suite: Suite, out: str | Path | None = None, *, resume: bool = True, only: str | None = None) -> list[Step]:
+    """The suite's steps. resume (the default): bench and eval skip cells already done; False: they redo them."""
     out = str(out or suite.results)
     steps: list[Step] = []
     kvs = ",".join(suite.formats)
@@ -337,6 +340,8 @@ def plan(suite: Suite, out: str | Path | None = None, *, resume: bool = False, o
                     argv += [f["kv_dtype"], kvs, f["tp"], str(tp), f["mode"], b["mode"], f["burst"], str(w["burst"]),
                              f["output_len"], str(w["output_len"]), f["requests"], str(w["requests"]),
                              f["repeats"], str(b["repeats"]), f["out"], out]
+                    if not resume:
+                        argv.append(BENCH_FORCE)
                     argv += b["args"] + w.get("args", [])  # the workload's own flags last: they win
                     title = f"bench {m['name']} TP={tp} burst {w['burst']}"
                     if "workloads" in (suite.raw.get("bench") or {}):
@@ -356,8 +361,7 @@ def plan(suite: Suite, out: str | Path | None = None, *, resume: bool = False, o
                         if k in t:
                             argv += [f[k], str(t[k])]
                     argv += [f["out"], out]
-                    if resume:
-                        argv.append(f["resume"])
+                    argv.append(f["resume"] if resume else EVAL_NO_RESUME)
                     argv += e["args"] + t["args"]
                     steps.append(Step("eval", f"eval {t['name']} {m['name']} TP={tp}", argv, len(suite.formats),
                                       len(suite.formats), e["timeout_min"] * 60 if e["timeout_min"] else None))

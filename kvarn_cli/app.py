@@ -27,6 +27,40 @@ for module in (capacity, env, bench, eval_cmd, fidelity, microbench, profile, re
     module.register(app)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from kvarn import __version__
+
+        print(f"kvarn {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print kvarn's version and exit.")) -> None:
+    """KVarN KV-cache quantization for vLLM: capacity, benchmarks, accuracy, reports and regression gates."""
+
+
+def _flags_without_type() -> None:
+    """Typer's help prints a value type beside every option, `<bool>` beside flags too, which reads as if a flag
+    took a value (`--json true`). A flag takes none: it gets no type column."""
+    from typer import core
+
+    cls = getattr(core, "TyperOption", None)
+    show = getattr(cls, "display_type_rich", None)
+    if show is None or getattr(show, "_kvarn_flags", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) else show(self, ctx)
+
+    display_type_rich._kvarn_flags = True
+    cls.display_type_rich = display_type_rich
+
+
+_flags_without_type()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: user errors become one line on stderr and exit code 2."""
     try:

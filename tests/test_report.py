@@ -40,7 +40,7 @@ def test_full_report(both, tmp_path):
         assert (kv if kv != "auto" else "fp16 (auto)") in text
     for m, _ in MODELS:
         assert m in text
-    for prov in ("NVIDIA H200", "0123abcd4567", "0.26.0", "570.124.06"):  # GPU, git sha, vLLM, driver
+    for prov in ("illustrative (no real GPU) × 2", "0123abcd4567", "0.26.0", "570.124.06"):  # GPU, git, vLLM, driver
         assert prov in text
     # the one OOM run is listed under Failed runs, and kept out of medians
     assert "CUDA out of memory" in text and "1 bench run(s) failed" in text

@@ -45,6 +45,18 @@ def parse_int_list(spec: str, what: str, minimum: int = 1) -> list[int]:
     return out
 
 
+def parse_tp(spec, what: str = "--tp", many: bool = False) -> list[int] | int:
+    """`--tp` everywhere: tensor-parallel sizes as text ("2", or "1,2" where a command runs each). A command that runs
+    one size (many=False) gets an int and rejects a list."""
+    sizes = parse_int_list(str(spec), what)
+    if many:
+        return sizes
+    if len(sizes) != 1:
+        raise KvarnError(f"{what} {spec!r}: this command runs one tensor-parallel size; accepted: one integer >= 1, "
+                         "e.g. 1 or 2 (kvarn bench and kvarn suite run several)")
+    return sizes[0]
+
+
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
     """`ttft:500 tpot:50` (also comma separated) -> {"ttft": 500.0, "tpot": 50.0}, values in milliseconds."""
     out: dict[str, float] = {}

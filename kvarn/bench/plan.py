@@ -18,15 +18,18 @@ from ..shapes import ModelShape, resolve_model
 from ..settings import result_env
 from .config import MODE_ALIASES, MODES, OFFLINE, SERVE, BenchConfig, Cell
 from .engines.base import Engine, get_engine
-from .parsing import parse_engine_args, parse_goodput, parse_int_list, parse_token_list, parse_tokens
+from .parsing import parse_engine_args, parse_goodput, parse_token_list, parse_tokens, parse_tp
 
 DEFAULT_MODEL = "smollm2-135m"  # the embedded default: runs on a CPU with the `data` extra
 DEFAULT_KV_DTYPES = ("auto", "fp8", "kvarn_k4v2_g128", "turboquant_4bit_nc", "turboquant_k3v4_nc")
-# Per engine: the burst (and split) used when none is given. hf: a CPU-sized run, shaped like the others (a short
-# prompt, a longer generation; 192 tokens fill KVarN's first 128-token tile mid-decode); vllm: a real burst.
+# The CPU's default set: TurboQuant's PyTorch codec takes minutes per cell there, so it runs when --kv-dtype names it.
+HF_KV_DTYPES = ("auto", "fp8", "kvarn_k4v2_g128")
+# Per engine: the burst (and split) used when none is given. hf: a CPU-sized run whose contexts are mostly full
+# 128-token tiles (512 + 32 = 4 stored tiles and a 32-token 16-bit tail), so capacity shows the format, not its
+# tail; few decode steps, since CPU decode speed says nothing about a GPU. vllm: a real burst.
 ENGINE_DEFAULTS = {
-    "hf": {"burst": 192, "prompt_len": 64, "output_len": 128, "requests": 2},
-    "vllm": {"burst": 4096, "prompt_len": None, "output_len": None, "requests": 64},
+    "hf": {"burst": 544, "prompt_len": 512, "output_len": 32, "requests": 2, "kv_dtypes": HF_KV_DTYPES},
+    "vllm": {"burst": 4096, "prompt_len": None, "output_len": None, "requests": 64, "kv_dtypes": DEFAULT_KV_DTYPES},
 }
 FALLBACK_DEFAULTS = {"burst": 4096, "prompt_len": None, "output_len": None, "requests": 16}
 PROMPT_FRACTION = 8  # default split: prompt = burst / 8, the rest generated (reasoning-like)
@@ -152,7 +155,7 @@ def build_plan(o: BenchOptions) -> BenchPlan:
         raise KvarnError(f"unknown --mode {o.mode!r}; accepted: {choices(MODES)} (throughput = offline)")
     # input that needs no engine first: a typo must not wait for GPU probing
     formats = parse_formats(o.kv_dtype, DEFAULT_KV_DTYPES)
-    tps = parse_int_list(o.tp, "--tp")
+    tps = parse_tp(o.tp, "--tp", many=True)
     bursts_given = parse_token_list(o.burst) if o.burst else None
     prompt = parse_tokens(o.prompt_len, "--prompt-len") if o.prompt_len else None
     output = parse_tokens(o.output_len, "--output-len") if o.output_len else None
@@ -184,6 +187,8 @@ def build_plan(o: BenchOptions) -> BenchPlan:
     engine_name, reason = choose_engine(o.engine, mode)
     engine = get_engine(engine_name)
     d = ENGINE_DEFAULTS.get(engine_name, FALLBACK_DEFAULTS)
+    if not o.kv_dtype:
+        formats = parse_formats(None, d.get("kv_dtypes", DEFAULT_KV_DTYPES))
     if bursts_given is None and not (prompt and output):
         bursts = [d["burst"]]
         if prompt is None and output is None and d["prompt_len"]:
@@ -191,8 +196,9 @@ def build_plan(o: BenchOptions) -> BenchPlan:
     else:
         bursts = bursts_given or [prompt + output]
     requests = requests or d["requests"]
+    limit, why = engine.max_tp(extra)
     for tp in tps:
-        shape.check_tp(tp)
+        shape.check_tp(tp, limit, why)
     for b in bursts:
         if b > shape.max_context:
             raise KvarnError(f"burst {b} exceeds the {shape.max_context}-token context of {shape.name}; "
@@ -250,8 +256,32 @@ def build_plan(o: BenchOptions) -> BenchPlan:
     notes = []
     if any(f.family == "kvarn" for f in formats) and engine_name == "vllm":
         notes.append("KVarN rows run with block_size = the preset's tile")
+    if engine_name == "hf":
+        notes += hf_notes(formats, dummy, bool(o.kv_dtype), shape)
     return BenchPlan(engine, reason, shape, configs, cells, todo, out, timeout or engine.default_timeout_s, run_id, repeat,
                 notes)
+
+
+def hf_notes(formats, dummy: bool, asked: bool, shape: ModelShape | None = None) -> list[str]:
+    """What the hf engine's numbers mean, said before they appear."""
+    from .accuracy import PPL_TOKENS
+
+    notes = ["hf engine: throughput is measured through transformers and PyTorch codecs"
+             + (" on the CPU" if not _cuda() else "") + "; it says nothing about vLLM's speed on a GPU. KV capacity "
+             "is the caches' real bytes after the burst (stored tiles, plus the 16-bit unfinished tile and sink)"
+             + ("" if dummy else f"; accuracy is the chunked perplexity of {PPL_TOKENS} Moby-Dick tokens through "
+                                 "each format")]
+    d = getattr(shape, "head_dim", None)
+    for f in formats if d else ():
+        if f.family == "kvarn":
+            full, fp16 = f.bytes_per_token_per_head(d), 4.0 * d
+            notes.append(f"{f.name}: {full:g} B per token per KV head in full tiles against fp16's {fp16:g} "
+                         f"({fp16 / full:.2f}x); its 16-bit unfinished tile and {f.sink_tokens}-token sink weigh "
+                         "more the shorter the context")
+    if not asked:
+        slow = [f for f in DEFAULT_KV_DTYPES if f not in HF_KV_DTYPES]
+        notes.append(f"{', '.join(slow)} take minutes per cell on a CPU: name them in --kv-dtype to run them")
+    return notes
 
 
 def engine_model_dtype(engine: str, kv_dtype: str, shape: ModelShape, explicit: str | None) -> str | None:

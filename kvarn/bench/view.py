@@ -112,11 +112,22 @@ def stall_notes(rows: list[dict]) -> list[str]:
         if math.isnan(mx) or math.isnan(p50) or pre > 0:
             continue
         if mx >= STALL_S * 1000 and mx >= 20 * p50:
-            cause = ("its log shows no kernel compile in the burst" if n_jit == 0 else
-                     "a kernel compiling mid-run? the cell's log has a line per Triton compile")
+            if r.get("engine") == "hf":  # PyTorch on its own compiles no kernels
+                cause = "the hf engine compiles nothing: a busy or shared machine?"
+            elif n_jit == 0:
+                cause = "its log shows no kernel compile in the burst"
+            else:
+                cause = "a kernel compiling mid-run? the cell's log has a line per Triton compile"
             notes.append(f"{who()} one inter-token gap took {mx / 1000:.1f} s against an ITL p50 of {p50:.1f} ms, "
                          f"a stall all running requests shared ({cause}): its throughput is understated")
     return notes
+
+
+def cpu_label(rows: list[dict]) -> str:
+    """The line that says throughput was measured on a CPU, when any row was (empty otherwise)."""
+    if not any(str(r.get("hf_device") or "") == "cpu" for r in rows):
+        return ""
+    return "tok/s measured on the CPU (transformers): not representative of a GPU; KV from the caches' real bytes"
 
 
 def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians over ok repeats)",
@@ -130,7 +141,8 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
         ok = [r for r in rs if r["status"] == "ok"]
         base = dict(rs[-1])
         for k in ("output_tok_s", "total_tok_s", "kv_tokens", "kv_cache_gib", "max_concurrency", "peak_running",
-                  "preemptions", "ttft_ms_p50", "tpot_ms_p50", "engine_start_s", "gpu_mem_gib"):
+                  "preemptions", "ttft_ms_p50", "tpot_ms_p50", "engine_start_s", "gpu_mem_gib", "ppl",
+                  "ppl_delta_pct"):
             base[k] = _median([r.get(k) for r in ok])
         if not ok:  # a timed-out cell still knows its capacity and start (its progress): shown, not compared
             for k in ("kv_tokens", "max_concurrency", "engine_start_s"):
@@ -152,6 +164,7 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
             "kv dtype": m["kv_dtype"], "ok/runs": f"{m['n_ok']}/{m['n']}", "out tok/s": _f(m["output_tok_s"]),
             "total tok/s": _f(m["total_tok_s"]), "x fp16 tok/s": _f(m["output_tok_s_ratio_vs_fp16"], "{:.2f}x"),
             "KV tokens": kv, "x fp16 KV": _f(m["kv_ratio_vs_fp16"], "{:.2f}x"),
+            "ppl": _f(m["ppl"], "{:.3f}"), "Δ ppl": _f(m["ppl_delta_pct"], "{:+.2f}%"),
             "max reqs@burst": _f(m["max_concurrency"]), "peak running": _f(m["peak_running"], "{:.0f}"),
             "preempt": _f(m["preemptions"], "{:.0f}"), "TTFT p50 ms": _f(m["ttft_ms_p50"]),
             "TPOT p50 ms": _f(m["tpot_ms_p50"], "{:.2f}"), "start s": _f(m["engine_start_s"]),
@@ -160,16 +173,21 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
     # readable in an 80-column terminal
     fixed = [c for c in ("model", "TP", "burst") if len({r[c] for r in rows_out}) == 1]
     title += "".join(f" | {c} {rows_out[0][c]}" for c in fixed) if rows_out else ""
+    where = cpu_label(rows)
+    if where:
+        title += f"\n{where}"
     cols = [c for c in (rows_out[0] if rows_out else {}) if c not in fixed
             and any(r[c] not in ("-", "") for r in rows_out)]
     if all(r["ok/runs"] == "1/1" for r in rows_out) and "ok/runs" in cols:
         cols.remove("ok/runs")
     # a narrow terminal drops the least-read columns first rather than folding every cell
     cols = drop_to_fit(rows_out, cols, ("start s", "preempt", "peak running", "max reqs@burst", "TTFT p50 ms",
-                                        "total tok/s", "ok/runs", "TPOT p50 ms"), width)
+                                        "total tok/s", "ok/runs", "TPOT p50 ms", "ppl"), width)
     t = Table(title=title)
     for c in cols:
         header = "KV cache" if c == "KV tokens" and all(r[c].endswith("MiB") for r in rows_out) else c  # hf: bytes
+        if where and c == "out tok/s":
+            header = "CPU tok/s"
         t.add_column(header, justify="left" if c in ("model", "kv dtype", "error") else "right",
                      no_wrap=c not in ("error", "model"), overflow="fold")
     for r in rows_out:

@@ -23,6 +23,7 @@ EVAL_KEYS = ("model", "tp", "task", "kv_dtype")
 PROVENANCE = ("git_sha", "kvarn_version", "vllm", "torch", "triton", "cuda", "driver", "gpu_name", "gpu_count")
 LATENCY = ("ttft", "tpot", "itl", "e2el")
 HEADLINE_BURST = 16384
+BENCH_PPL = "bench_ppl"  # frontier metric: the bench rows' chunked perplexity change vs fp16, in percent
 RATIO_SOURCES = {"kv_ratio_vs_fp16": "kv_tokens", "output_tok_s_ratio_vs_fp16": "output_tok_s"}
 
 
@@ -132,7 +133,7 @@ def bench_cells(bench: pd.DataFrame) -> pd.DataFrame:
         rec["output_tok_s_max"] = float(tps.max()) if len(tps) else math.nan
         rec["output_tok_s_spread_pct"] = (float((tps.max() - tps.min()) / tps.median() * 100) if len(tps) > 1
                                           else math.nan)
-        for col in PROVENANCE + ("created_at", "run_id"):
+        for col in PROVENANCE + ("created_at", "run_id", "hf_device"):
             if col in g.columns:
                 vals = g[col].dropna().astype(str)
                 rec[col] = ", ".join(sorted(set(vals))) if len(vals) else ""
@@ -160,6 +161,12 @@ def bench_cells(bench: pd.DataFrame) -> pd.DataFrame:
             cells[ratio] = pd.to_numeric(cells[ratio], errors="coerce").where(cells[ratio].notna(), computed)
         else:
             cells[ratio] = computed
+    if "kv_cache_gib" in cells.columns:  # no KV pool (hf engine): capacity = fp16's cache bytes / the format's
+        base_b = {skey(r): r["kv_cache_gib"] for r in fp16.to_dict("records") if r.get("kv_cache_gib", 0) > 0}
+        by_bytes = pd.Series([base_b.get(skey(r), math.nan) / r["kv_cache_gib"] if r["kv_cache_gib"] > 0 else math.nan
+                              for r in cells.to_dict("records")], index=cells.index, dtype=float)
+        old = cells["kv_ratio_vs_fp16"] if "kv_ratio_vs_fp16" in cells else pd.Series(math.nan, index=cells.index)
+        cells["kv_ratio_vs_fp16"] = pd.to_numeric(old, errors="coerce").where(old.notna(), by_bytes)
     cells["family"] = cells["kv_dtype"].map(family)
     order = {n: i for i, n in enumerate(format_order(cells["kv_dtype"]))}
     cells["_o"] = cells["kv_dtype"].map(order)
@@ -240,7 +247,9 @@ def frontier(cells: pd.DataFrame, ev: pd.DataFrame, task: str | None, burst: int
                 groups[(model, int(tp), rec["kv_dtype"])] = {
                     "x": rec.get("output_tok_s_ratio_vs_fp16", math.nan), "cap": rec.get("kv_ratio_vs_fp16", math.nan),
                     "output_tok_s": rec.get("output_tok_s", math.nan), "kv_tokens": rec.get("kv_tokens", math.nan),
-                    "burst": b, "mode": rec.get("mode")}
+                    "kv_cache_gib": rec.get("kv_cache_gib", math.nan), "ppl": rec.get("ppl", math.nan),
+                    "ppl_delta_pct": rec.get("ppl_delta_pct", math.nan), "burst": b, "mode": rec.get("mode"),
+                    "hf_device": rec.get("hf_device", "")}
     metric = None
     if task and not ev.empty:
         metric = task_metric(ev, task)
@@ -252,6 +261,11 @@ def frontier(cells: pd.DataFrame, ev: pd.DataFrame, task: str | None, burst: int
                 d.update(y=y * 100, y_lo=lo * 100, y_hi=hi * 100, value=rec.get("accuracy"))
             else:  # perplexity: plot the negated change so that up is better on every panel
                 d.update(y=-y, y_lo=-hi, y_hi=-lo, value=rec.get("ppl"))
+    if metric is None and any(_num(d, "ppl_delta_pct") == _num(d, "ppl_delta_pct") for d in groups.values()):
+        # no eval task: the bench rows' own chunked perplexity (hf engine) is the accuracy axis, up = better
+        metric = BENCH_PPL
+        for d in groups.values():
+            d.update(y=-_num(d, "ppl_delta_pct"), y_lo=math.nan, y_hi=math.nan, value=_num(d, "ppl"))
     rows = [{"model": k[0], "tp": k[1], "kv_dtype": k[2], **v} for k, v in groups.items()]
     if not rows:
         return pd.DataFrame()

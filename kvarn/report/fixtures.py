@@ -13,11 +13,14 @@ from pathlib import Path
 
 from ..results import ResultsStore, config_hash
 
+DEMO_GPU = "illustrative (no real GPU)"
 DEMO_PROVENANCE = {
     "kvarn_version": "0.1.0", "git_sha": "0123abcd4567", "python": "3.11.9", "torch": "2.11.0",
     "triton": "3.5.0", "vllm": "0.26.0", "transformers": "4.56.0", "cuda": "12.8", "driver": "570.124.06",
-    "gpu_count": 2, "gpu_name": "NVIDIA H200",
+    "gpu_count": 2, "gpu_name": DEMO_GPU,
 }
+DEMO_RUN_ID = "demo-run"
+DEMO_MARKER = "ILLUSTRATIVE.txt"  # marks a directory `kvarn report --demo` wrote, so a rerun may replace its rows
 DEMO_FORMATS = ("auto", "fp8", "kvarn_k4v2_g128", "kvarn_k4v4_g128", "turboquant_k8v4", "turboquant_4bit_nc")
 LAT_KEYS = ("ttft", "tpot", "itl", "e2el")
 
@@ -149,3 +152,29 @@ def write_demo_results(root: str | Path, *, models=(("qwen3-8b", 1), ("qwen3-32b
                                      truncation_rate=0.03 if task == "aime25" else 0.0))
     store.append(rows)
     return store
+
+
+def write_demo_dir(root: str | Path) -> ResultsStore:
+    """`kvarn report DIR --demo`: (re)write the fixture matrix into DIR, a directory of its own. DIR must be new,
+    empty, or one this function wrote before (its marker file, demo rows only): real results are never mixed with
+    fixture rows."""
+    from ..errors import KvarnError
+
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise KvarnError(f"--demo: {str(root)!r} is a file; give a new directory, e.g. kvarn report demo --demo")
+    store = ResultsStore(root)
+    if root.is_dir() and any(root.iterdir()):
+        rows = store.read() if store.files() else None
+        real = 0 if rows is None or "run_id" not in rows else int((rows["run_id"] != DEMO_RUN_ID).sum())
+        if not (root / DEMO_MARKER).is_file() or real:
+            what = f"holds real results ({real or len(rows)} rows)" if rows is not None else "is not empty"
+            raise KvarnError(f"--demo writes illustrative rows into a directory of its own, and {str(root)!r} {what}; "
+                             "give a new or empty directory, e.g. kvarn report demo --demo (without --demo, "
+                             f"kvarn report {root} renders what is there)")
+        for part in store.files():
+            part.unlink()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / DEMO_MARKER).write_text("Rows written by `kvarn report --demo`: illustrative fixture data, not "
+                                    "measurements.\n", encoding="utf-8")
+    return write_demo_results(root)

@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
-from .data import FP16_KV, LATENCY, format_order  # noqa: E402
+from .data import BENCH_PPL, FP16_KV, LATENCY, format_order  # noqa: E402
 
 DPI = 110
 COLORS = {
@@ -25,8 +25,10 @@ COLORS = {
     "turboquant_3bit_nc": "#bcbd22",
 }
 _EXTRA = plt.get_cmap("tab20").colors
+# no offset / scale factor on tick labels: an all-zero axis would read "1e-17" otherwise
 STYLE = {"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "legend.fontsize": 9,
-         "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False}
+         "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False,
+         "axes.formatter.useoffset": False}
 
 
 def color(kv: str) -> str:
@@ -59,17 +61,76 @@ def _grid(n: int, ncols_max: int = 3, w: float = 5.2, h: float = 4.2):
     return fig, list(axes.flat[:n])
 
 
-def _legend_formats(fig, kvs, extra=(), ncol=None):
+def _legend_ncol(fig, labels: list[str]) -> int:
+    """Legend columns that fit the figure's width (about 0.085 inch per character plus the marker)."""
+    need = max((len(t) for t in labels), default=8) * 0.085 + 0.6
+    return max(1, min(len(labels), int(fig.get_figwidth() // need)))
+
+
+def _legend_formats(fig, kvs, extra=(), ncol=None) -> float:
+    """A legend of every format (and `extra` handles) under the panels; returns the figure fraction it takes, for
+    tight_layout's rect."""
     handles = [Line2D([], [], marker="o", ls="", color=color(k), markersize=8, label=label(k)) for k in kvs]
     handles += list(extra)
-    fig.legend(handles=handles, loc="lower center", ncol=ncol or min(len(handles), 5), frameon=False,
-               bbox_to_anchor=(0.5, 0.0))
+    ncol = min(ncol or 6, _legend_ncol(fig, [h.get_label() for h in handles]))
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, frameon=False, bbox_to_anchor=(0.5, 0.0))
+    rows = math.ceil(len(handles) / ncol)
+    return min(0.45, (0.3 * rows + 0.2) / fig.get_figheight())
+
+
+def _flat_axis(ax, axis: str = "y") -> None:
+    """An axis whose values are all equal (e.g. every change 0) gets a visible span around them."""
+    lo, hi = ax.get_ylim() if axis == "y" else ax.get_xlim()
+    if abs(hi - lo) < 1e-9 * max(1.0, abs(lo)):
+        mid = 0.0 if abs(lo) < 1e-9 else lo
+        span = max(1.0, abs(mid) * 0.1)
+        (ax.set_ylim if axis == "y" else ax.set_xlim)(mid - span, mid + span)
+
+
+def _declutter(fig, ax, anns, points=()) -> None:
+    """Place point labels so that none overlaps another label, a marker or the axes' edge: right of the point first,
+    then further up or down, then left of it (labels of close points otherwise print over each other).
+    points: (x, y, marker area in points²) of the markers."""
+    if not anns:
+        return
+    from matplotlib.transforms import Bbox
+
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(r)
+    placed = []
+    for x, y, size in points:
+        px, py = ax.transData.transform((x, y))
+        rad = math.sqrt(size) / 2 * fig.dpi / 72
+        placed.append(Bbox([[px - rad, py - rad], [px + rad, py + rad]]))
+    for a in anns:
+        dx, dy = a.xyann
+        h = a.get_window_extent(r).height * 72 / fig.dpi  # points
+        tries = [(side, dy + k * h) for side in (1, -1) for k in (0, 1, -1, 2, -2, 3, -3)]
+        for side, y_off in tries:
+            a.set_ha("left" if side > 0 else "right")
+            a.xyann = (side * dx, y_off)
+            box = a.get_window_extent(r)
+            inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+            if inside and not any(box.overlaps(b) for b in placed):
+                break
+        else:
+            a.set_ha("left")
+            a.xyann = (dx, dy)
+        placed.append(a.get_window_extent(r))
 
 
 def _save(fig, path: Path) -> Path:
-    fig.savefig(path, dpi=DPI, facecolor="white")
+    # bbox "tight": a title, legend or label that sticks out grows the canvas instead of being cut off
+    fig.savefig(path, dpi=DPI, facecolor="white", bbox_inches="tight", pad_inches=0.2)
     plt.close(fig)
     return path
+
+
+def mode_label(modes) -> str:
+    """What the rows' bench mode is, in words (offline rows: "offline", serve rows: "serve")."""
+    names = sorted({"offline" if str(m) in ("throughput", "offline", "") else str(m) for m in modes})
+    return " + ".join(names)
 
 
 def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle: str = "",
@@ -84,8 +145,10 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
         return None
     panels = list(front.groupby(["model", "tp"], sort=False))
     with plt.rc_context(STYLE):
-        fig, axes = _grid(len(panels), w=6.0, h=4.6)
+        fig, axes = _grid(len(panels), w=6.4, h=4.6)
+        labelled = []
         for ax, ((model, tp), g) in zip(axes, panels):
+            anns, points = [], []
             g = g[g["x"].notna()] if has_x else g
             g = g.sort_values("x") if has_x else g
             for i, rec in enumerate(g.to_dict("records")):
@@ -98,13 +161,12 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
                 if has_y and not math.isnan(rec.get("y_lo", math.nan)):
                     ax.errorbar(x, y, yerr=[[y - rec["y_lo"]], [rec["y_hi"] - y]], fmt="none",
                                 ecolor=color(rec["kv_dtype"]), elinewidth=1.3, capsize=3, alpha=0.7, zorder=2)
+                points.append((x, y, size))
                 ax.scatter([x], [y], s=size, color=color(rec["kv_dtype"]), alpha=0.9, zorder=3,
                            edgecolors="black" if rec["pareto"] else "white",
                            linewidths=2.2 if rec["pareto"] else 0.8)
-                # alternate labels above / below so that neighbours along x do not overwrite each other
-                ax.annotate(label(rec["kv_dtype"]), (x, y), textcoords="offset points",
-                            xytext=(math.sqrt(size) / 2 + 2, (1, -1, 2)[i % 3] * (math.sqrt(size) / 2 + 1) - (7 if i % 3 == 1 else 0)),
-                            fontsize=8, color="#222222", zorder=4)
+                anns.append(ax.annotate(label(rec["kv_dtype"]), (x, y), textcoords="offset points",
+                                        xytext=(math.sqrt(size) / 2 + 2, -4), fontsize=8, color="#222222", zorder=4))
             if has_x:
                 ax.axvline(1.0, color="#888888", lw=0.9, ls=":")
             if has_y:
@@ -119,21 +181,31 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
             ax.set_xlabel("output tokens/s ÷ fp16 (same burst)" if has_x else "(no bench rows: throughput unavailable)")
             if has_y:
                 ax.set_ylabel(f"{task} accuracy change vs fp16 (pp)" if metric == "accuracy"
+                              else "chunked perplexity change vs fp16 (%, up = better)" if metric == BENCH_PPL
                               else f"{task} −Δ perplexity vs fp16 (up = better)")
             else:
                 ax.set_ylabel("KV capacity ÷ fp16")
-            ax.margins(x=0.18, y=0.15)
+            ax.margins(x=0.12, y=0.15)
+            _flat_axis(ax, "y")
+            _flat_axis(ax, "x")
+            lo, hi = ax.get_xlim()
+            ax.set_xlim(lo, hi + 0.3 * (hi - lo))  # room right of the rightmost points for their labels
+            labelled.append((ax, anns, points))
         kvs = format_order(front["kv_dtype"])
         extra = [Line2D([], [], marker="o", ls="", markerfacecolor="white", markeredgecolor="black", markeredgewidth=2.2,
                         markersize=9, label="Pareto-optimal")]
         if has_y:
             extra += [Line2D([], [], marker="o", ls="", color="#999999", markersize=math.sqrt(40 + 55 * c),
                              label=f"KV capacity {c}× fp16") for c in (1, 4)]
-        _legend_formats(fig, kvs, extra, ncol=min(len(kvs) + len(extra), 6))
-        title = (f"Accuracy–throughput–capacity frontier: {task}" if has_y
+        bottom = _legend_formats(fig, kvs, extra, ncol=min(len(kvs) + len(extra), 6))
+        metric = front["metric"].dropna().iloc[0] if front["metric"].notna().any() else None
+        title = ("Accuracy–throughput–capacity frontier: chunked perplexity (bench rows)"
+                 if has_y and metric == BENCH_PPL else f"Accuracy–throughput–capacity frontier: {task}" if has_y
                  else "Throughput vs KV capacity (no eval rows: accuracy axis unavailable)")
         fig.suptitle(title + (f"\n{subtitle}" if subtitle else ""), fontsize=12)
-        fig.tight_layout(rect=(0, 0.09 if len(panels) <= 3 else 0.06, 1, 1))
+        fig.tight_layout(rect=(0, bottom, 1, 1))
+        for ax, anns, points in labelled:  # once the layout is final: the labels' places depend on it
+            _declutter(fig, ax, anns, points)
         return _save(fig, path)
 
 
@@ -160,9 +232,12 @@ def capacity_png(cells: pd.DataFrame, path: Path) -> Path | None:
                     ax.annotate(f"{v:.2f}×", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom",
                                 fontsize=8, xytext=(0, 2), textcoords="offset points")
         ax.axhline(1.0, color="#888888", lw=0.9, ls=":")
+        ax.set_ylim(0, float(np.nanmax(c["kv_ratio_vs_fp16"])) * 1.15)  # room for the value labels
         ax.set_xticks(np.arange(len(kvs)), [label(k) for k in kvs], rotation=20, ha="right")
-        ax.set_ylabel("KV cache tokens ÷ fp16")
-        ax.set_title("Effective KV capacity per format (measured KV pool, medians over repeats)")
+        bytes_only = "kv_tokens" not in cells or cells["kv_tokens"].isna().all()
+        ax.set_ylabel("KV capacity ÷ fp16" + (" (cache bytes)" if bytes_only else " (KV pool tokens)"))
+        ax.set_title("KV capacity per format: " + ("fp16 bytes ÷ the format's real cache bytes" if bytes_only
+                                                    else "measured KV pool") + " (medians over repeats)")
         if len(groups) > 1:
             handles = [plt.Rectangle((0, 0), 1, 1, facecolor="#bbbbbb", edgecolor="white", hatch=hatches[i % len(hatches)])
                        for i in range(len(groups))]
@@ -178,7 +253,7 @@ def throughput_png(cells: pd.DataFrame, path: Path) -> Path | None:
     c = cells[cells["output_tok_s"].notna()]
     panels = list(c.groupby(["model", "tp", "mode"], sort=False))
     with plt.rc_context(STYLE):
-        fig, axes = _grid(len(panels))
+        fig, axes = _grid(len(panels), w=6.4)
         for ax, ((model, tp, mode), g) in zip(axes, panels):
             for kv in format_order(g["kv_dtype"]):
                 s = g[g["kv_dtype"] == kv].sort_values("burst")
@@ -193,13 +268,16 @@ def throughput_png(cells: pd.DataFrame, path: Path) -> Path | None:
                 ax.set_xscale("log", base=2)
                 ax.set_xticks(bursts, [burst_label(b) for b in bursts])
                 ax.minorticks_off()
-            ax.set_title(panel_title(model, tp) + (f"  ·  {mode}" if mode else ""))
-            ax.set_xlabel("burst context (prompt tokens per request)")
-            ax.set_ylabel("output tokens/s (median)")
+                if len(bursts) == 1:  # one context: its points in the middle, not at the left edge
+                    ax.set_xlim(bursts[0] / 2, bursts[0] * 2)
+            cpu = "hf_device" in g and (g["hf_device"].astype(str).str.contains("cpu")).any()
+            ax.set_title(panel_title(model, tp) + f"  ·  {mode_label([mode])}" + ("  ·  CPU" if cpu else ""))
+            ax.set_xlabel("burst context (prompt + output tokens per request)")
+            ax.set_ylabel("output tokens/s (median)" + (", CPU: not a GPU's" if cpu else ""))
             ax.set_ylim(bottom=0)
-        _legend_formats(fig, format_order(c["kv_dtype"]))
-        fig.suptitle("Throughput vs burst context (error bars: min–max over valid repeats)", fontsize=12)
-        fig.tight_layout(rect=(0, 0.08, 1, 1))
+        bottom = _legend_formats(fig, format_order(c["kv_dtype"]))
+        fig.suptitle("Throughput vs burst context\n(error bars: min–max over valid repeats)", fontsize=12)
+        fig.tight_layout(rect=(0, bottom, 1, 1))
         return _save(fig, path)
 
 
@@ -233,13 +311,16 @@ def latency_png(cells: pd.DataFrame, path: Path) -> Path | None:
                     if col in sub.columns:
                         ax.scatter(xs, [sub.loc[k, col] for k in kvs], marker=mk, color="black", s=28, zorder=3)
                 ax.set_xticks(xs, [label(k) for k in kvs], rotation=35, ha="right", fontsize=8)
-                ax.set_title(f"{key.upper()} (ms)  ·  {model} TP={int(tp)}  ·  {burst_label(b)}", fontsize=9.5)
+                ax.set_title(f"{key.upper()} (ms)", fontsize=10)
+                if ci == 0:  # the setting once per row of panels, not in every title
+                    ax.set_ylabel(f"{model}\nTP={int(tp)} · {burst_label(b)} burst", fontsize=9)
         handles = [plt.Rectangle((0, 0), 1, 1, color="#999999", label="p50 (bar)"),
                    Line2D([], [], marker="^", ls="", color="black", label="p90"),
                    Line2D([], [], marker="x", ls="", color="black", label="p99")]
         fig.legend(handles=handles, loc="lower center", ncol=3, frameon=False)
-        fig.suptitle("Latency percentiles (serve mode; medians over valid repeats)", fontsize=12)
-        fig.tight_layout(rect=(0, 0.05, 1, 1))
+        modes = mode_label(pd.concat([sub.get("mode", pd.Series(dtype=str)) for _, sub in rows]).dropna())
+        fig.suptitle(f"Latency percentiles ({modes} rows; medians over valid repeats)", fontsize=12)
+        fig.tight_layout(rect=(0, 0.4 / fig.get_figheight(), 1, 1))
         return _save(fig, path)
 
 
@@ -272,6 +353,7 @@ def accuracy_png(ev: pd.DataFrame, path: Path) -> Path | None:
                     ax.errorbar(d, yi + off, xerr=xerr, fmt=markers[mi % len(markers)], color=color(kv), capsize=3,
                                 ms=6)
             ax.axvline(0, color="#888888", lw=0.9, ls=":")
+            _flat_axis(ax, "x")
             ax.set_yticks(np.arange(len(kvs)), [label(k) for k in kvs])
             ax.invert_yaxis()
             ax.set_xlabel("accuracy change vs fp16 (pp, paired interval)" if metric == "accuracy"
@@ -279,7 +361,8 @@ def accuracy_png(ev: pd.DataFrame, path: Path) -> Path | None:
             ax.set_title(task)
         handles = [Line2D([], [], marker=markers[i % len(markers)], ls="", color="#555555", label=panel_title(m, t))
                    for i, (m, t) in enumerate(models)]
-        fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 4), frameon=False)
+        ncol = min(len(handles), 4, _legend_ncol(fig, [h.get_label() for h in handles]))
+        fig.legend(handles=handles, loc="lower center", ncol=ncol, frameon=False)
         fig.suptitle("Accuracy change vs fp16 per task", fontsize=12)
-        fig.tight_layout(rect=(0, 0.07, 1, 1))
+        fig.tight_layout(rect=(0, (0.3 * math.ceil(len(handles) / ncol) + 0.2) / fig.get_figheight(), 1, 1))
         return _save(fig, path)

@@ -19,6 +19,7 @@ import pandas as pd
 
 from ..errors import KvarnError
 from . import plots
+from .fixtures import DEMO_RUN_ID
 from .data import (FP16_KV, PROVENANCE, bench_cells, eval_summary, format_order, frontier, load_results,
                    normalise_bench, of_kind, task_metric)
 
@@ -129,6 +130,8 @@ def build_report(results, out: str | Path, *, task: str | None = None, burst: in
     for old in out.glob("*.png"):  # a re-render must not leave figures of an earlier run beside the new page
         old.unlink()
 
+    # rows `kvarn report --demo` wrote are illustrative wherever they are rendered from
+    illustrative = illustrative or bool("run_id" in df and len(df) and (df["run_id"] == DEMO_RUN_ID).all())
     bench_raw = of_kind(df, "bench")
     eval_raw = of_kind(df, "eval")
     bench = normalise_bench(bench_raw) if not bench_raw.empty else pd.DataFrame()
@@ -140,7 +143,11 @@ def build_report(results, out: str | Path, *, task: str | None = None, burst: in
                          f"{', '.join(sorted(set(df.get('kind', pd.Series(dtype=str)).dropna()))) or 'none'})")
     if bench.empty:
         notes.append("No bench rows: throughput, capacity and latency are unavailable (run `kvarn bench`).")
-    if eval_raw.empty:
+    bench_ppl = not cells.empty and "ppl_delta_pct" in cells and cells["ppl_delta_pct"].notna().any()
+    if eval_raw.empty and bench_ppl:
+        notes.append("No eval rows: the frontier's accuracy axis is the bench rows' own chunked perplexity (a short "
+                     "Moby-Dick window through each format); `kvarn eval` measures task accuracy.")
+    elif eval_raw.empty:
         notes.append("No eval rows: accuracy axis unavailable; the frontier plots KV capacity against throughput "
                      "instead (run `kvarn eval`).")
     elif ev.empty:
@@ -175,6 +182,9 @@ def build_report(results, out: str | Path, *, task: str | None = None, burst: in
             if g["burst"].nunique() < 2:
                 notes.append(f"{model} TP={int(tp)}: one burst context only; throughput vs burst has one point "
                              "per format.")
+        if "hf_device" in bench and (bench["hf_device"].astype(str) == "cpu").any():
+            notes.append("Some bench rows ran on the CPU (transformers, hf engine): their throughput is CPU-measured "
+                         "and not representative of a GPU; their KV capacity is the caches' real bytes.")
         lat = [c for c in cells.columns if c.endswith("_ms_p50")]
         if not lat or cells[lat].isna().all().all():
             notes.append("No latency percentiles (only `serve` mode records TTFT/TPOT/ITL/E2EL).")
@@ -213,9 +223,14 @@ def build_report(results, out: str | Path, *, task: str | None = None, burst: in
                                allowed_drop_pp=allowed_drop_pp if t and task_metric(ev, t) == "accuracy" else None)
         if p:
             pngs.append(p)
-            cap = (f"Frontier for {t}: accuracy change vs fp16 (paired interval) against output tokens/s ÷ fp16 at "
-                   "the headline burst; marker area = KV capacity ÷ fp16; black ring = Pareto-optimal."
-                   if t else "Throughput ratio vs KV capacity ratio at the headline burst; black ring = Pareto-optimal.")
+            if t:
+                cap = (f"Frontier for {t}: accuracy change vs fp16 (paired interval) against output tokens/s ÷ fp16 "
+                       "at the headline burst; marker area = KV capacity ÷ fp16; black ring = Pareto-optimal.")
+            elif bench_ppl:
+                cap = ("Frontier: chunked perplexity change vs fp16 (the bench rows' own, up = better) against output "
+                       "tokens/s ÷ fp16; marker area = KV capacity ÷ fp16; black ring = Pareto-optimal.")
+            else:
+                cap = "Throughput ratio vs KV capacity ratio at the headline burst; black ring = Pareto-optimal."
             figs_html.append(_img(p, cap))
     for fn, name, cap, what in (
         (lambda: plots.capacity_png(cells, out / "capacity.png"), "capacity", "KV capacity per format vs fp16.",
@@ -261,7 +276,8 @@ def _headline(cells, ev, fronts, tasks, burst) -> pd.DataFrame:
         rows[(rec["model"], rec["tp"], rec["kv_dtype"])] = {
             "model": rec["model"], "tp": rec["tp"], "kv_dtype": rec["kv_dtype"], "burst": rec.get("burst"),
             "kv_ratio": rec["cap"], "tok_ratio": rec["x"], "output_tok_s": rec.get("output_tok_s"),
-            "kv_tokens": rec.get("kv_tokens")}
+            "kv_tokens": rec.get("kv_tokens"), "kv_mib": _mib(rec.get("kv_cache_gib")),
+            "ppl_delta_pct": rec.get("ppl_delta_pct"), "hf_device": rec.get("hf_device")}
     for t in tasks:
         for rec in ev[ev["task"] == t].to_dict("records"):
             k = (rec["model"], int(rec["tp"]), rec["kv_dtype"])
@@ -285,12 +301,30 @@ def _headline(cells, ev, fronts, tasks, burst) -> pd.DataFrame:
     return h.sort_values(["model", "tp", "_o"]).drop(columns="_o").reset_index(drop=True)
 
 
+def _mib(gib) -> float:
+    try:
+        return float(gib) * 1024
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _any(h: pd.DataFrame, col: str) -> bool:
+    return col in h and pd.to_numeric(h[col], errors="coerce").notna().any()
+
+
 def _headline_cols(h: pd.DataFrame, tasks) -> tuple[list, dict]:
     cols = [("model", "model"), ("tp", "TP"), ("kv_dtype", "kv dtype")]
     fm = {"tp": lambda r: str(int(r["tp"])), "kv_dtype": lambda r: plots.label(r["kv_dtype"])}
     if "kv_ratio" in h:
-        cols += [("burst", "burst"), ("kv_tokens", "KV tokens"), ("kv_ratio", "KV ÷ fp16"),
-                 ("output_tok_s", "out tok/s"), ("tok_ratio", "tok/s ÷ fp16")]
+        # capacity as the rows measured it: KV tokens (vLLM's pool), else the cache's bytes (hf engine)
+        kv = [("kv_tokens", "KV tokens")] if _any(h, "kv_tokens") else []
+        kv += [("kv_mib", "KV cache MiB")] if not kv and _any(h, "kv_mib") else []
+        cpu = "hf_device" in h and (h["hf_device"].astype(str) == "cpu").any()
+        cols += [("burst", "burst"), *kv, ("kv_ratio", "KV ÷ fp16"),
+                 ("output_tok_s", "CPU out tok/s" if cpu else "out tok/s"), ("tok_ratio", "tok/s ÷ fp16")]
+        if _any(h, "ppl_delta_pct"):
+            cols.append(("ppl_delta_pct", "ppl Δ % vs fp16"))
+            fm["ppl_delta_pct"] = lambda r: "–" if pd.isna(r.get("ppl_delta_pct")) else f"{r['ppl_delta_pct']:+.2f}"
         fm.update(burst=lambda r: plots.burst_label(r.get("burst")),
                   kv_ratio=lambda r: "–" if pd.isna(r.get("kv_ratio")) else f"{r['kv_ratio']:.2f}×",
                   tok_ratio=lambda r: "–" if pd.isna(r.get("tok_ratio")) else f"{r['tok_ratio']:.2f}×")
@@ -321,8 +355,8 @@ def _page(df, cells, bench, ev, invalid, failed_eval, head, tasks, figs, notes, 
             f"<b>measured</b>: {e(created[0][:19]) + ' → ' + e(created[-1][:19]) if created else '–'} (UTC)",
             "<b>versions</b>: " + e("; ".join(f"{k} {', '.join(v)}" for k, v in prov.items()
                                             if k in ('vllm', 'torch', 'kvarn_version', 'cuda', 'driver') and v)),
-            "<b>GPU</b>: " + e(", ".join(prov.get("gpu_name", [])) or "–") + " × " + e(", ".join(prov.get("gpu_count", [])) or "–"),
-            "<b>git</b>: " + e(", ".join(prov.get("git_sha", [])) or "–")]
+            "<b>GPU</b>: " + e(_gpu_line(df, prov)),
+            "<b>git</b>: " + e(", ".join(prov.get("git_sha", [])) or "not recorded")]
     parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{e(title)}</title>"
              f"<meta name='viewport' content='width=device-width,initial-scale=1'><style>{CSS}</style></head><body><main>",
              f"<h1>{e(title)}</h1>"]
@@ -362,6 +396,11 @@ def _page(df, cells, bench, ev, invalid, failed_eval, head, tasks, figs, notes, 
                 if c in cells and cells[c].notna().any():
                     cols.append((c, f"{k.upper()} {p} ms"))
         cols += [(c, c) for c in ("preemptions", "gpu_mem_gib") if c in cells and cells[c].notna().any()]
+        if _any(cells, "kv_cache_gib") and not _any(cells, "kv_tokens"):  # hf rows: capacity as real bytes
+            cells = cells.assign(kv_mib=[_mib(v) for v in cells["kv_cache_gib"]])
+            cols = [("kv_mib", "KV cache MiB") if c == "kv_tokens" else (c, h) for c, h in cols]
+        if _any(cells, "ppl_delta_pct"):
+            cols += [("ppl", "ppl"), ("ppl_delta_pct", "ppl Δ % vs fp16")]
         cols += [("git_sha", "git"), ("vllm", "vLLM"), ("gpu_name", "GPU")]
         def as_int(c):
             return lambda r: f"{int(r[c]):,}" if pd.notna(r.get(c)) else "–"
@@ -437,6 +476,17 @@ def _page(df, cells, bench, ev, invalid, failed_eval, head, tasks, figs, notes, 
                  "by <code>kvarn report</code>. Self-contained: figures are embedded; PNGs sit beside this file.</p>")
     parts.append(f"</main><script>{JS}</script></body></html>")
     return "\n".join(parts)
+
+
+def _gpu_line(df: pd.DataFrame, prov: dict) -> str:
+    """The GPUs the rows name, in words where none is recorded (CPU rows, older rows)."""
+    names = prov.get("gpu_name", [])
+    counts = [c for c in prov.get("gpu_count", []) if c not in ("0", "0.0")]
+    if names:
+        return ", ".join(names) + (f" × {', '.join(c.removesuffix('.0') for c in counts)}" if counts else "")
+    if "hf_device" in df and (df["hf_device"].astype(str) == "cpu").any():
+        return "none (rows measured on the CPU through transformers; their throughput says nothing about a GPU)"
+    return "not recorded in the rows"
 
 
 def _markdown(head: pd.DataFrame, tasks, notes, illustrative) -> str:

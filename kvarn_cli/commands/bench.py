@@ -13,17 +13,21 @@ def register(app: typer.Typer) -> None:
     def bench(
         model: Optional[str] = typer.Option(None, "--model", "-m", help="Bundled shape (qwen3-8b...), local HF folder or hub "
                                             "id. Default: smollm2-135m (SmolLM2-135M-Instruct, runs on a CPU)."),
-        kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Comma list of KV formats, or 'all'. Default: "
-                                               "auto,fp8,kvarn_k4v2_g128,turboquant_4bit_nc,turboquant_k3v4_nc. "
-                                               "FP16 cells run first (the ratios' baseline), the rest in this order."),
+        kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", "--kv-cache-dtype", help="Comma list of KV "
+                                               "formats, or 'all'. Default: vllm auto, fp8, kvarn_k4v2_g128, "
+                                               "turboquant_4bit_nc, turboquant_k3v4_nc; hf auto, fp8, kvarn_k4v2_g128 "
+                                               "(TurboQuant takes minutes per cell on a CPU). FP16 cells run first "
+                                               "(the ratios' baseline), the rest in this order."),
         burst: Optional[str] = typer.Option(None, "--burst", "-b", help="Context per request (prompt + output): 4k, "
-                                            "16k, 32768; comma list. Default: hf 192 (64+128), vllm 4k."),
-        requests: Optional[int] = typer.Option(None, "--requests", "-n", help="Requests per burst, all submitted at "
-                                               "once offline. Default: hf 2, vllm 64."),
-        prompt_len: Optional[str] = typer.Option(None, "--prompt-len", help="Prompt tokens (default: burst / 8)."),
+                                            "16k, 32768; comma list. Default: hf 544 (512+32), vllm 4k."),
+        requests: Optional[int] = typer.Option(None, "--requests", "--num-prompts", "-n", help="Requests per "
+                                               "burst, all submitted at once offline. Default: hf 2, vllm 64."),
+        prompt_len: Optional[str] = typer.Option(None, "--prompt-len", "--input-len",
+                                                 help="Prompt tokens (default: burst / 8)."),
         output_len: Optional[str] = typer.Option(None, "--output-len", help="Generated tokens (default: the rest of "
                                                  "the burst: a short prompt and a long, reasoning-like generation)."),
-        tp: str = typer.Option("1", "--tp", help="Tensor-parallel sizes, comma list (1,2)."),
+        tp: str = typer.Option("1", "--tp", "--tensor-parallel-size", metavar="N[,N]", help="Tensor-parallel size "
+                               "(vLLM's --tensor-parallel-size); a comma list (1,2) runs each."),
         dummy_weights: Optional[bool] = typer.Option(None, "--dummy-weights/--real-weights", help="Random weights "
                                                      "with the real shapes (no download). Default: on when no weights "
                                                      "are found locally."),

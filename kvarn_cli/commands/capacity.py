@@ -16,13 +16,14 @@ def register(app: typer.Typer) -> None:
     @app.command("capacity")
     def capacity(
         model: str = typer.Option("qwen3-8b", "--model", "-m", help="Bundled name, local HF folder, or hub id."),
-        tp: int = typer.Option(1, "--tp", help="Tensor-parallel size."),
+        tp: str = typer.Option("1", "--tp", "--tensor-parallel-size", metavar="N",
+                               help="Tensor-parallel size (vLLM's --tensor-parallel-size)."),
         gpu_mem_gib: float = typer.Option(None, "--gpu-mem-gib",
                                           help=f"GPU memory in GiB (default: the visible GPU, else H200 {H200_GIB:.1f})."),
         gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization"),
         weights_dtype: str = typer.Option(None, "--weights-dtype", help="Default: the model's torch_dtype."),
         context: int = typer.Option(16384, "--context", help="Tokens per request for max concurrency."),
-        kv_dtype: str = typer.Option(None, "--kv-dtype", help="Comma list of kv dtypes (default: all)."),
+        kv_dtype: str = typer.Option(None, "--kv-dtype", "--kv-cache-dtype", help="Comma list of kv dtypes (default: all)."),
         max_num_seqs: int = typer.Option(None, "--max-num-seqs",
                                          help="Requests the 16-bit tail buffers are reserved for (KVarN; default 256)."),
         overhead_gib: float = typer.Option(DEFAULT_OVERHEAD_GIB, "--overhead-gib",
@@ -30,7 +31,11 @@ def register(app: typer.Typer) -> None:
         json_: bool = typer.Option(False, "--json", help="One JSON object per format."),
     ) -> None:
         """KV capacity per GPU and ratio vs FP16 for each format (vLLM 0.26 page accounting)."""
+        from kvarn.bench.parsing import parse_tp
+
+        tp = parse_tp(tp)
         shape = resolve_model(model)
+        shape.check_tp(tp)
         formats = parse_formats(kv_dtype)
         if gpu_mem_gib is None:
             g = gpus()

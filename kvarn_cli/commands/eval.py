@@ -108,10 +108,11 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option("smollm2-135m", "--model", "-m",
                                   help="Model name recorded in results; also what is loaded unless --weights."),
         weights: str = typer.Option(None, "--weights", help="Weights to load (local HF folder); default: --model."),
-        kv_dtype: str = typer.Option("auto,kvarn_k4v2_g128", "--kv-dtype",
+        kv_dtype: str = typer.Option("auto,kvarn_k4v2_g128", "--kv-dtype", "--kv-cache-dtype",
                                      help="Comma list; the fp16 baseline `auto` is always included and run first."),
         engine: str = typer.Option("auto", "--engine", help="auto | vllm | hf (auto: vLLM if it and a GPU exist)."),
-        tp: int = typer.Option(1, "--tp", help="Tensor-parallel size (vllm)."),
+        tp: str = typer.Option("1", "--tp", "--tensor-parallel-size", metavar="N",
+                               help="Tensor-parallel size (vLLM's --tensor-parallel-size; hf: 1)."),
         limit: int = typer.Option(None, "--limit", help="First N problems / ppl windows; niah: N per context length."),
         samples: int = typer.Option(1, "--samples", help="K sampled answers per problem: avg@K and pass@K."),
         temperature: float = typer.Option(None, "--temperature", help="Default 0 (greedy); 0.6 when --samples > 1."),
@@ -128,14 +129,17 @@ def register(app: typer.Typer) -> None:
         chunk: int = typer.Option(None, "--chunk",
                                   help="Prefill chunk in tokens (ppl default 128, niah 512): later chunks read the "
                                        "quantized cache."),
-        fewshot: int = typer.Option(None, "--fewshot", help="gsm8k shots (default 5, as lm-eval)."),
+        fewshot: int = typer.Option(None, "--fewshot", "--num-fewshot", help="gsm8k shots (default 5, as lm-eval)."),
         needle: str = typer.Option("kv", "--needle", help="niah needle: kv (key-value) | passkey."),
         depth: str = typer.Option(None, "--depth", help="niah needle depths: fractions or percents, e.g. 0,0.5,1 or "
                                                         "10%,90% (default: --limit evenly spaced, 10)."),
         resume: bool = typer.Option(True, "--resume/--no-resume", help="Skip (config, sample) pairs already stored."),
-        timeout_min: float = typer.Option(60.0, "--timeout-min", help="Per kv dtype engine limit (vllm, lm-eval)."),
+        timeout: float = typer.Option(None, "--timeout", help="Seconds per kv dtype's engine run (vllm, lm-eval); "
+                                      "default 3600."),
+        timeout_min: float = typer.Option(None, "--timeout-min", hidden=True, help="Deprecated: --timeout in minutes."),
         harness: str = typer.Option("kvarn", "--harness", help="kvarn (built-in tasks) | lm-eval."),
-        tasks: str = typer.Option(None, "--tasks", help="lm-eval task names, comma list (with --harness lm-eval)."),
+        tasks: str = typer.Option(None, "--tasks", help="lm-eval's spelling: task names, comma list with "
+                                  "--harness lm-eval; one built-in task otherwise (same as TASK)."),
         concurrency: int = typer.Option(1, "--concurrency", metavar="N",
                                         help="vLLM: run N kv dtypes side by side on one GPU, each with 1/N of "
                                              "--gpu-memory-utilization (small models leave most of a GPU idle)."),
@@ -148,6 +152,14 @@ def register(app: typer.Typer) -> None:
 
         Per-sample rows (kind=sample) and summaries (kind=eval) go to the results store in --out; a rerun resumes.
         """
+        from kvarn.bench.parsing import parse_tp
+
+        tp = parse_tp(tp)
+        if timeout is not None and timeout_min is not None:
+            raise KvarnError("give one of --timeout (seconds) and --timeout-min (its deprecated form in minutes)")
+        if timeout is not None and timeout <= 0:
+            raise KvarnError(f"--timeout must be > 0 seconds, got {timeout:g}")
+        timeout_min = timeout / 60.0 if timeout is not None else (timeout_min if timeout_min is not None else 60.0)
         reporter = RichReporter()
         h = (harness or "kvarn").lower()
         if h in ("lm-eval", "lm_eval", "lmeval"):
@@ -174,13 +186,18 @@ def register(app: typer.Typer) -> None:
                 raise KvarnError("--thinking / --no-thinking switch the chat template's enable_thinking; add --chat")
             if task_arg and task and task_arg != task:
                 raise KvarnError(f"two tasks given: {task_arg!r} and --task {task!r}")
-            name = task_arg or task
+            listed = [t.strip() for t in (tasks or "").split(",") if t.strip()]
+            if len(listed) > 1:  # lm-eval's spelling of one built-in task is fine; several run one by one
+                raise KvarnError(f"--tasks {tasks!r}: the built-in harness runs one task per call; give one, e.g. "
+                                 f"--tasks {listed[0]} (several tasks: --harness lm-eval, or a suite)")
+            given = {n for n in (task_arg, task, *listed) if n}
+            if len(given) > 1:
+                raise KvarnError(f"two tasks given: {', '.join(sorted(given))}; give one")
+            name = next(iter(given), None)
             if not name:
                 from kvarn.eval import task_names
 
                 raise KvarnError(f"give a task: kvarn eval TASK; accepted: {', '.join(task_names())}")
-            if tasks:
-                raise KvarnError("--tasks is for --harness lm-eval; for built-in tasks give one TASK")
             from kvarn.eval.runner import EvalOptions, run_eval
 
             o = EvalOptions(task=name, model=model, weights=weights, kv_dtypes=kv_dtype, engine=engine, tp=tp,

@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
     def fidelity(
         model: str = typer.Option("synthetic", "--model", "-m",
                                   help="'synthetic' (no model, seeded K/V), 'smollm2-135m', or a local HF folder."),
-        kv_dtype: str = typer.Option(None, "--kv-dtype",
+        kv_dtype: str = typer.Option(None, "--kv-dtype", "--kv-cache-dtype",
                                      help="Comma list of kv dtypes or ablations (e.g. kvarn_k4v2_g128-nobal); "
                                           "default: auto, fp8, the 4 TurboQuant and the 4 KVarN presets; 'all'."),
         context: int = typer.Option(None, "--context", help="Tokens per window (default 4096; synthetic 1024)."),

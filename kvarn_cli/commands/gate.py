@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
     @app.command("gate")
     def gate(
         results: Path = typer.Argument(..., help="New results directory (written by bench / eval / suite run)."),
-        baseline: Path = typer.Option(..., "--baseline", "-b", help="Stored baseline results directory."),
+        baseline: Path = typer.Option(..., "--baseline", help="Stored baseline results directory."),
         policy: Path = typer.Option(None, "--policy", "-p",
                                     help="Policy YAML (default: the built-in policy, same as suites/gates.yaml)."),
         json_out: Path = typer.Option(None, "--json-out", help="Write the JSON verdict here."),

@@ -22,7 +22,7 @@ def register(app: typer.Typer) -> None:
         q_heads: int = typer.Option(None, "--q-heads", help="Query heads (GPU default 32, CPU 4)."),
         kv_heads: int = typer.Option(None, "--kv-heads", help="KV heads (GPU default 8, CPU 2)."),
         head_dim: int = typer.Option(None, "--head-dim", help="64, 128 or 256 (GPU default 128, CPU 64)."),
-        kv_dtype: str = typer.Option(DEFAULT_KVARN, "--kv-dtype", help="A kvarn_* preset."),
+        kv_dtype: str = typer.Option(DEFAULT_KVARN, "--kv-dtype", "--kv-cache-dtype", help="A kvarn_* preset."),
         device: str = typer.Option("auto", "--device", help="auto, cuda[:N] or cpu (Triton interpreter)."),
         check: bool = typer.Option(False, "--check", help="Also compare with the PyTorch reference (rel. error)."),
         json_: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),

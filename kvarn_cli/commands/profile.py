@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
     def profile_cmd(
         model: str = typer.Option("qwen3-8b", "--model", "-m", help="Bundled name, local HF folder, or hub id "
                                                                      "(dummy weights)."),
-        kv_dtype: str = typer.Option(f"auto,{DEFAULT_KVARN}", "--kv-dtype",
+        kv_dtype: str = typer.Option(f"auto,{DEFAULT_KVARN}", "--kv-dtype", "--kv-cache-dtype",
                                      help="Comma list; each runs in its own engine process, one after another."),
         batch: int = typer.Option(64, "--batch", help="Requests decoding together."),
         context: int = typer.Option(4096, "--context", help="Prompt tokens per request (prefilled first)."),

@@ -96,7 +96,10 @@ def register(app: typer.Typer) -> None:
             raise KvarnError("give one of --json and --csv")
         root = Path(directory).expanduser()
         if not root.is_dir():
-            raise KvarnError(f"results directory {directory!r} does not exist")
+            flag = "--json" if json_ else "--csv" if csv else "--compact" if compact else "a flag"
+            hint = (f" ({flag} is a flag and takes no value: {directory!r} was read as the directory)"
+                    if directory.lower() in ("true", "false", "1", "0", "yes", "no") else "")
+            raise KvarnError(f"results directory {directory!r} does not exist{hint}")
         store = ResultsStore(root)
         if not store.files():
             raise KvarnError(f"no results in {directory!r} (expected {root / 'parts'}/*.parquet)")

@@ -66,7 +66,8 @@ def register(app: typer.Typer) -> None:
     def run(
         suite: str = typer.Argument(..., help="Suite name (suites/NAME.yaml) or path."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (every command) and run nothing."),
-        resume: bool = typer.Option(False, "--resume", help="Skip cells already done (by config hash and repeat)."),
+        resume: bool = typer.Option(True, "--resume/--force", help="Skip cells already done in the results "
+                                    "directory (by config hash and repeat; the default), or --force: run them again."),
         out_dir: Path = typer.Option(None, "--out", "-o", help="Results directory (default: the suite's results)."),
         only: str = typer.Option(None, "--only", help="Run only bench or only eval steps."),
         fail_fast: bool = typer.Option(False, "--fail-fast", help="Stop at the first failed step."),

@@ -34,6 +34,10 @@ class Engine:
             if c.mode not in self.modes:
                 raise KvarnError(f"--mode {c.mode} is not supported by the {self.name} engine; accepted: {choices(self.modes)}")
 
+    def max_tp(self, engine_args: dict) -> tuple[int | None, str]:
+        """(largest tensor-parallel size this engine runs here, why); None: no bound known before check()."""
+        return None, ""
+
     def run(self, cell: Cell, timeout_s: float) -> EngineResult:  # pragma: no cover - interface
         raise NotImplementedError
 

@@ -2,8 +2,8 @@
 
 The burst runs as batches of up to `max_num_seqs` requests (default: all at once): one prefill, then a decode
 loop with per-step timing, so TTFT/TPOT/ITL/E2EL keep their `vllm bench serve` meaning. Quantized formats store
-K/V through kvarn.method.hf_cache.KVCodecCache (real packed bytes, read back every step, as in serving); FP16
-uses transformers' DynamicCache. Runs in-process: the timeout is checked between decode steps.
+K/V through kvarn.method.hf_cache.KVCodecCache (real packed bytes; each stored unit decoded once, its copy kept
+beside it, so the attention reads the numbers serving reads); FP16 uses transformers' DynamicCache. Runs in-process: the timeout is checked between decode steps.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from ...errors import KvarnError
 from ...formats import get_format
 from ...method.textdata import SMOLLM2
 from ...shapes import resolve_model
+from ..accuracy import PPL_CHUNK, PPL_TOKENS, accuracy_metrics, chunked_ppl, window_ids
 from ..config import BenchConfig, Cell
 from ..metrics import RequestRecord, summarize
 from ..prompts import random_prompts
@@ -43,12 +44,14 @@ def _torch_dtype(name: str):
 
 
 def load_hf_model(cfg: BenchConfig, device: str):
-    """(model, seconds). Dummy weights: random init from config.json (seeded). Real: the weights source."""
+    """(model, seconds, tokenizer or None). Dummy weights: random init from config.json (seeded), no tokenizer.
+    Real: the weights source, with its tokenizer when it has one (the accuracy window needs it)."""
     import torch
 
     t0 = time.perf_counter()
     dtype = _torch_dtype(cfg.model_dtype or "float32")
     src = cfg.weights
+    tok = None
     if cfg.dummy_weights or not src:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -59,13 +62,17 @@ def load_hf_model(cfg: BenchConfig, device: str):
     elif src == SMOLLM2:
         from ...method.textdata import load_model
 
-        model, _ = load_model(src, device="cpu", dtype=dtype)
+        model, tok = load_model(src, device="cpu", dtype=dtype)
     else:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True)  # never a download
+        try:
+            tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
+        except (OSError, ValueError):  # weights without a tokenizer: the row gets no accuracy, the burst still runs
+            tok = None
     model = model.to(device).eval()
-    return model, time.perf_counter() - t0
+    return model, time.perf_counter() - t0, tok
 
 
 def _cache_for(kv_dtype: str, model):
@@ -79,7 +86,18 @@ def _cache_for(kv_dtype: str, model):
         return None, f"pending: {kv_dtype} on the hf engine needs kvarn.method.hf_cache (not installed yet)"
     from ...method.hf_cache import KVCodecCache
 
-    return KVCodecCache(fmt.name, config=model.config), ""
+    # each stored tile is decoded once and its copy kept (identical numbers): a CPU stand-in for an attention
+    # kernel that reads packed tiles, instead of decoding every tile again at every step; capacity counts the
+    # stored bytes only (_cache_bytes)
+    return KVCodecCache(fmt.name, config=model.config, keep_decoded=True), ""
+
+
+def _last_logits_only(model) -> dict:
+    """Forward kwargs that compute the prefill's logits at its last position only (the one the next token needs):
+    the LM head over a whole prompt is a fifth of a small model's prefill time on a CPU."""
+    import inspect
+
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def _hf_cache():  # transformers is an extra: import the cache module only when the hf engine runs
@@ -95,8 +113,9 @@ def _codecs():
 
 
 def _cache_bytes(cache) -> float:
-    if hasattr(cache, "memory_bytes"):
-        return float(cache.memory_bytes()["total"])
+    if hasattr(cache, "memory_bytes"):  # what the format stores: packed units, 16-bit tail and sink
+        held = cache.memory_bytes()
+        return float(held["total"] - held.get("decoded", 0))
     total = 0
     for layer in getattr(cache, "layers", []):
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
@@ -113,6 +132,7 @@ class HfEngine(Engine):
 
     def __init__(self):
         self._models: dict[tuple, tuple] = {}
+        self._ppl_fp16: dict[tuple, float] = {}
 
     def check(self, configs: list[BenchConfig]) -> None:
         super().check(configs)
@@ -124,8 +144,15 @@ class HfEngine(Engine):
             if c.engine_args not in ("{}", ""):
                 raise KvarnError("--engine-arg passes vLLM engine arguments; the hf engine takes none")
 
+    def max_tp(self, engine_args: dict) -> tuple[int | None, str]:
+        return 1, "the hf engine runs on one device (tensor parallelism needs --engine vllm and GPUs)"
+
+    @staticmethod
+    def _model_key(cfg: BenchConfig) -> tuple:
+        return cfg.model_path, cfg.weights, cfg.dummy_weights, cfg.model_dtype, cfg.seed if cfg.dummy_weights else 0
+
     def _model(self, cfg: BenchConfig, device: str):
-        key = (cfg.model_path, cfg.weights, cfg.dummy_weights, cfg.model_dtype, cfg.seed if cfg.dummy_weights else 0)
+        key = self._model_key(cfg)
         if key not in self._models:
             self._models.clear()  # one model in memory at a time
             self._models[key] = load_hf_model(cfg, device)
@@ -137,7 +164,8 @@ class HfEngine(Engine):
         with open(log_path, "a") as log, _capture_logs(log):
             log.write(f"[kvarn] hf engine: {json.dumps(cell.config.hash_fields(), default=str)} repeat {cell.repeat}\n")
             try:
-                return self._run(cell, timeout_s, log)
+                with _cpu_threads():
+                    return self._run(cell, timeout_s, log)
             except KvarnError as e:
                 log.write(f"error: {e}\n")
                 return EngineResult("failed", str(e))
@@ -155,7 +183,7 @@ class HfEngine(Engine):
         cfg = cell.config
         device = hf_device()
         deadline = time.monotonic() + timeout_s
-        model, load_s = self._model(cfg, device)
+        model, load_s, tok = self._model(cfg, device)
         cache_probe, why = _cache_for(cfg.kv_dtype, model)
         if cache_probe is None:
             log.write(why + "\n")
@@ -176,7 +204,7 @@ class HfEngine(Engine):
                 t_send = time.perf_counter()  # later batches queue from the burst start, as in an engine
                 recs = [RequestRecord(prompt_len=len(p), start=start) for p in chunk]
                 ckw = _hf_cache().cache_kwarg(model)
-                out = model(input_ids=ids, use_cache=True, **{ckw: cache})
+                out = model(input_ids=ids, use_cache=True, **{ckw: cache}, **_last_logits_only(model))
                 nxt = out.logits[:, -1].argmax(-1)
                 now = time.perf_counter()
                 for r in recs:
@@ -204,7 +232,39 @@ class HfEngine(Engine):
         if device == "cuda":
             m["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
         info = {"hf_device": device}
+        if tok is not None and not cfg.dummy_weights:
+            t_ppl = time.perf_counter()
+            ids = window_ids(tok)
+            key = self._model_key(cfg)
+            if key not in self._ppl_fp16:  # one fp16 reference per model, shared by every format's row
+                self._ppl_fp16[key] = chunked_ppl(model, ids, "auto")
+            ref = self._ppl_fp16[key]
+            m.update(accuracy_metrics(ref if get_format(cfg.kv_dtype).family == "fp16" else
+                                      chunked_ppl(model, ids, cfg.kv_dtype), ref))
+            log.write(f"[kvarn] chunked perplexity of {PPL_TOKENS} Moby-Dick tokens (chunks of {PPL_CHUNK}): "
+                      f"{m['ppl']:.3f} (fp16 {m['ppl_fp16']:.3f}) in {time.perf_counter() - t_ppl:.1f} s\n")
         return EngineResult("ok", "", m, info)
+
+
+CPU_THREADS = 1
+
+
+@contextlib.contextmanager
+def _cpu_threads():
+    """One intra-op thread on a CPU: a small model's decode ops are too small to gain from splitting, and split ops
+    wait for each other whenever another process holds a core (a shared 2-core box ran decode steps 10x and the
+    prefill 4x slower with two threads than with one)."""
+    import torch
+
+    if hf_device() != "cpu":
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(CPU_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 @contextlib.contextmanager
