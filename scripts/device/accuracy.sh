@@ -26,7 +26,7 @@ ev() {  # name, seconds, kvarn eval args... (each step its own limit: a stuck en
   local name=$1 secs=$2; shift 2
   log "$name: kvarn eval $*"
   timeout -k 10 "$secs" python3 -m kvarn_cli.app eval "$@" --out "$RES" --engine vllm --concurrency "$N" \
-    --timeout-min "$(awk -v s="$secs" 'BEGIN { printf "%.2f", (s - 15) / 60 }')" \
+    --timeout "$((secs - 15))" \
     >"$RES/$name.out" 2>"$RES/$name.err"
   local rc=$?
   echo "$name rc=$rc $(( $(date +%s) - T0 ))s" >>"$RES/status.txt"
