@@ -60,6 +60,7 @@ class BenchOptions:
     max_concurrency: int | None = None
     goodput: list[str] | None = None
     engine_args: list[str] | None = None
+    baseline_run: str | None = None  # another run's FP16 rows as the ratios' baseline (a labelled cross-run ratio)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Plan:
     run_id: str
     repeats: int
     notes: list[str] = field(default_factory=list)
+    baseline_run: str | None = None
 
     @property
     def done(self) -> int:
@@ -256,8 +258,16 @@ def build_plan(o: BenchOptions) -> Plan:
     notes = []
     if any(f.family == "kvarn" for f in formats) and engine_name == "vllm":
         notes.append("KVarN rows run with block_size = the preset's tile")
+    baseline_run = (o.baseline_run or "").strip() or None
+    if baseline_run:
+        stored = ResultsStore(out).read("bench")
+        runs = sorted(set(stored["run_id"].dropna().astype(str))) if "run_id" in stored else []
+        if baseline_run not in runs:
+            raise KvarnError(f"--baseline-run {baseline_run!r} is not a run in {out}; accepted: "
+                             f"{choices(runs) if runs else 'none (no bench rows stored there yet)'}")
+        notes.append(f"ratios against run {baseline_run}'s FP16 rows: labelled cross-run")
     return Plan(engine, reason, shape, configs, cells, todo, out, timeout or engine.default_timeout_s, run_id, repeat,
-                notes)
+                notes, baseline_run)
 
 
 def engine_model_dtype(engine: str, kv_dtype: str, shape: ModelShape, explicit: str | None) -> str | None:

@@ -55,6 +55,9 @@ def register(app: typer.Typer) -> None:
                                                     "'ttft:500 tpot:50 e2el:20000' (repeatable)."),
         engine_arg: Optional[List[str]] = typer.Option(None, "--engine-arg", "-E", help="Extra vLLM engine argument "
                                                        "key=value (repeatable), e.g. enforce_eager=true."),
+        baseline_run: Optional[str] = typer.Option(None, "--baseline-run", metavar="RUN_ID", help="Take the ratios "
+                                                   "against the FP16 rows of this earlier run in OUT (same GPU) "
+                                                   "instead of this run's own; such ratios are labelled cross-run."),
         distributed_executor_backend: Optional[str] = typer.Option(
             None, "--distributed-executor-backend", help="vLLM executor: mp (one host) or ray (multi-node: start a "
             "Ray cluster first, then run kvarn bench on its head node)."),
@@ -77,7 +80,7 @@ def register(app: typer.Typer) -> None:
                             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs, repeat=repeat,
                             seed=seed, out=out_dir, mode=mode, engine=engine, timeout=timeout, force=force,
                             request_rate=request_rate, burstiness=burstiness, max_concurrency=max_concurrency,
-                            goodput=goodput, engine_args=args)
+                            goodput=goodput, engine_args=args, baseline_run=baseline_run)
         plan = build_plan(opts)
         out.print(f"engine: [bold]{plan.engine.name}[/] ({plan.engine_reason}); model {plan.shape.name} "
                   f"({'dummy weights' if plan.configs[0].dummy_weights else 'real weights'}); "
@@ -114,7 +117,7 @@ def register(app: typer.Typer) -> None:
             latest[(r["config_hash"], int(r["repeat"]))] = r  # an ok row wins over an older failure
         order = {(c.hash, c.repeat): i for i, c in enumerate(plan.cells)}
         final = sorted(latest.values(), key=lambda r: order[(r["config_hash"], int(r["repeat"]))])
-        out.print(summary_table(final, width=out.width))
+        out.print(summary_table(final, width=out.width, baseline_run=plan.baseline_run))
         for note in stall_notes(final):
             out.print(note, markup=False)
         bad = [r for r in final if r["status"] != "ok"]
