@@ -55,6 +55,7 @@ class EvalOptions:
     timeout_min: float = 60.0
     bootstrap_seed: int = 0
     model_args: str | None = None  # vLLM engine arguments k=v,... (as lm-eval's --model_args), e.g. max_num_seqs=1
+    dtype: str | None = None  # the model's dtype (kvarn.finite.DTYPES); None: the engine's default
 
 
 class Reporter:
@@ -100,6 +101,9 @@ def _seed_for(seed: int, task: str, pid: str, k: int) -> int:
 
 
 def plan(o: EvalOptions) -> Plan:
+    from ..finite import parse_dtype
+
+    o.dtype = parse_dtype(o.dtype)
     spec = get_task(o.task)
     if o.samples is None or o.samples < 1:
         raise KvarnError(f"--samples must be >= 1 (answers per problem), got {o.samples}")
@@ -153,6 +157,8 @@ def plan(o: EvalOptions) -> Plan:
         protocol["depths"] = ",".join(f"{d:g}" for d in depths)
     if engine_args:  # engine settings that change what attention reads (prefix caching, batching): hashed when given
         protocol["engine_args"] = json.dumps(engine_args, sort_keys=True)
+    if o.dtype:  # a chosen model dtype is other numbers than the default's: hashed only when given
+        protocol["dtype"] = o.dtype
     if protocol["fewshot"]:  # gsm8k's shots are lm-eval's draw (tasks.load_gsm8k); older runs drew per problem
         protocol["fewshot_sampler"] = f"lm-eval:{LM_EVAL_FEWSHOT_SEED}"
     return Plan(spec, formats, base, engine, why, params, contexts, chunk, protocol, depths, engine_args)
@@ -246,6 +252,8 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
         eng.cfg.max_model_len = min(need, cap) if cap else need
     per_format: dict[str, dict] = {}
     summaries: list[dict] = []
+    # what the rows record: the loaded model's dtype (hf), else the --dtype handed to vLLM
+    model_dtype = getattr(eng, "dtype", None) if p.engine == "hf" else (o.dtype or "auto")
     label = model_label(o.model)  # the rows' model column, as bench writes it (the hash keeps --model: resume)
     from ..vllm_plugin.common import backend_env
 
@@ -256,7 +264,7 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
                **({"backend_env": knobs} if knobs and fmt.family == "kvarn" else {})}
         chash = config_hash(cfg)
         base_row = {"run_id": run_id, "config_hash": chash, "model": label, "kv_dtype": fmt.name,
-                    "engine": p.engine, "tp": o.tp, "task": spec.name, "seed": o.seed}
+                    "engine": p.engine, "tp": o.tp, "task": spec.name, "seed": o.seed, "model_dtype": model_dtype}
         done = _done_samples(store, chash) if o.resume else pd.DataFrame()
         done_keys = set(zip(done["sample_id"].astype(str), done["repeat"].astype(int))) if len(done) else set()
         want = [(it, j) for it in items for j in range(k)]
@@ -352,16 +360,18 @@ def _make_engine(p: Plan, o: EvalOptions):
     if p.engine == "hf":
         if o.tp != 1:
             raise KvarnError("--engine hf runs on one device; --tp > 1 needs --engine vllm")
-        if src not in _HF_ENGINES:  # one load per process (suites and tests call eval repeatedly)
+        key = (src, o.dtype)
+        if key not in _HF_ENGINES:  # one load per process (suites and tests call eval repeatedly)
             _HF_ENGINES.clear()
-            _HF_ENGINES[src] = HFEngine(src)
-        return _HF_ENGINES[src]
+            _HF_ENGINES[key] = HFEngine(src, dtype=o.dtype)
+        return _HF_ENGINES[key]
     from ..shapes import bundled_models
 
     if src.lower() in bundled_models() and not Path(src).exists():
         raise KvarnError(f"--engine vllm needs real weights for {src!r}: give --weights DIR (a Hugging Face folder)")
     tok = load_tokenizer(src)
     return VLLMEngine(VLLMConfig(model=src, tp=o.tp, seed=o.seed, timeout_s=o.timeout_min * 60,
+                                 dtype=o.dtype or "auto",
                                  log_dir=str(Path(o.out) / "logs"), extra=dict(p.engine_args)), tok)
 
 
