@@ -61,16 +61,25 @@ def _first_tensor(out):
 
 
 class FiniteWatch:
-    """Use as a context manager around forwards of `model`; call check(logits, what) after each one."""
+    """Use as a context manager around forwards of `model`; call check(logits, what) after each one.
 
-    def __init__(self, model):
+    `layers_only`: hook the decoder layers and the top-level modules only (tens of hooks, not one per linear
+    layer), for timed loops; the error then names the layer rather than the module inside it."""
+
+    def __init__(self, model, layers_only: bool = False):
         self.model = model
+        self.layers_only = layers_only
         self.flags: list = []
         self.handles = []
 
+    def _watched(self, name: str) -> bool:
+        if not name:
+            return False
+        return not self.layers_only or name.split(".")[-1].isdigit() or name.count(".") <= 1
+
     def __enter__(self):
         for name, mod in self.model.named_modules():
-            if name:
+            if self._watched(name):
                 self.handles.append(mod.register_forward_hook(self._hook(name)))
         return self
 
