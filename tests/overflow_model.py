@@ -1,7 +1,7 @@
 """A tiny local Llama folder (config, safetensors, byte-level tokenizer) whose layer 1 overflows in float16.
 
-Layer 1's MLP projections are scaled by 300 (weights stay below ~25) so its down-projection's output reaches ~5e5:
-inf in float16 (max 65504), an ordinary number in float32 (the next RMSNorm brings it back to scale). The config's dtype is float16, so `--dtype auto` runs it
+Layer 1's MLP projections are scaled by 300 (weights stay below ~25) so its down-projection's output reaches
+~5e5: inf in float16 (max 65504), an ordinary number in float32 (the next RMSNorm brings it back to scale). The config's dtype is float16, so `--dtype auto` runs it
 in float16, as a real checkpoint whose config says float16.
 """
 from __future__ import annotations

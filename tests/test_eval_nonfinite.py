@@ -83,3 +83,23 @@ def test_generation_names_the_decode_step(overflow):
     msg = str(e.value)
     assert "for kv dtype auto, problem p0, decode step 2" in msg and "model.layers.2.self_attn.o_proj" in msg
     assert e.value.status == "failed"
+
+
+def test_a_nan_perplexity_from_any_engine_is_a_failed_row(tmp_path):
+    """An engine that hands back NaN log-likelihoods (vLLM's prompt log-probs of an overflowing model): the row is
+    failed with the reason, never ok with ppl NaN."""
+    from tests.test_eval_runner import FakeEngine
+    from kvarn.eval import runner as R
+    from kvarn.eval.engines import ScoreResult
+
+    class NanEngine(FakeEngine):
+        def score(self, fmt, windows, chunk):
+            for wid, toks in windows:
+                yield ScoreResult(wid, float("nan"), len(toks) - 1)
+
+    opts = R.EvalOptions(task="ppl", engine="hf", out=str(tmp_path / "res"), context="64", limit=2,
+                         kv_dtypes="kvarn_k4v2_g128")
+    rows = R.run_eval(opts, engine_obj=NanEngine())
+    assert [r["status"] for r in rows] == ["failed", "failed"]
+    assert "log-likelihood of window 0 is nan (non-finite) for kv dtype auto" in rows[0]["error"]
+    assert "--dtype" in rows[0]["error"] and all(r.get("ppl") is None or r["ppl"] != r["ppl"] for r in rows)

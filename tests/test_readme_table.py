@@ -42,7 +42,8 @@ def test_a_resumed_pair_reruns_its_fp16_cell_in_the_same_run(tmp_path):
     assert kv.ratio_scope == "same-run" and kv.fp16_row_id == fp16.row_id and kv.kv_ratio_vs_fp16 == pytest.approx(4.7)
     assert df[df.kv_dtype == "auto"].run_id.nunique() == 2
     # a plain resume leaves a candidate unpaired; --pair-fp16 reruns it with a fresh FP16 cell
-    assert fake.bench(tmp_path, "--kv-dtype", "auto,turboquant_4bit_nc") == 0 and fake.CALLS == [("turboquant_4bit_nc", 0)]
+    assert fake.bench(tmp_path, "--kv-dtype", "auto,turboquant_4bit_nc") == 0
+    assert fake.CALLS == [("turboquant_4bit_nc", 0)]
     assert fake.bench(tmp_path, "--kv-dtype", "auto,turboquant_4bit_nc", "--pair-fp16") == 0
     assert fake.CALLS == [("auto", 0), ("turboquant_4bit_nc", 0)]
 

@@ -301,6 +301,10 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
                 wins = [(it.id, it.token_ids) for it, _ in todo]
                 for r in eng.score(fmt, wins, p.chunk):
                     it = by_id[r.id]
+                    if not math.isfinite(r.nll_sum):  # summing would skip it: a NaN never becomes a perplexity
+                        raise EngineError(f"log-likelihood of window {it.id} is {r.nll_sum} (non-finite) for kv "
+                                          f"dtype {fmt.name}: the model's activations overflow in its dtype; try "
+                                          "--dtype bfloat16 or float32", "failed")
                     row = {**base_row, "kind": "sample", "status": "ok", "repeat": 0, "sample_id": it.id,
                            "nll_sum": r.nll_sum, "tokens": r.tokens, "ppl": math.exp(r.nll_sum / max(1, r.tokens)),
                            "offset": it.meta.get("offset"), "context": it.meta.get("window"), "seconds": r.seconds}
@@ -326,6 +330,7 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
         s = summarize(spec, sub, p.baseline.name, items, k, seed=o.bootstrap_seed)[-1]
         s.update({"engine_why": p.engine_why, "data_source": source, "samples_k": k, **{
             f"protocol_{key}": (json.dumps(v) if isinstance(v, (dict, list)) else v) for key, v in p.protocol.items()}})
+        _refuse_nonfinite(s, spec.kind)
         store.append([s], kind="eval")
         summaries.append(s)
     try:
@@ -333,6 +338,17 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
     except Exception:  # noqa: BLE001
         pass
     return summaries
+
+
+def _refuse_nonfinite(s: dict, kind: str) -> None:
+    """A perplexity that came out inf / NaN (e.g. vLLM's prompt log-probs of an overflowing model) is a failed row,
+    not a result."""
+    if s.get("status") != "ok" or kind != "ppl":
+        return
+    v = s.get("ppl")
+    if v is not None and not math.isfinite(float(v)):
+        s.update(status="failed", error=f"perplexity of kv dtype {s.get('kv_dtype')} is {v} (non-finite): the "
+                                        "model's activations overflow in its dtype; try --dtype bfloat16 or float32")
 
 
 def _strip(text: str, thinking: bool | None) -> str:

@@ -48,7 +48,11 @@ PY
 }
 # children run in the background and are waited for, so a TERM from run.sh's time limit reaches this trap at once
 CHILD=""
-bg() { local log="$1"; shift; "$@" > "$log" 2>&1 & CHILD=$!; wait "$CHILD"; local rc=$?; CHILD=""; return $rc; }  # LOG CMD...
+bg() {  # LOG CMD...
+  local log="$1"; shift
+  "$@" > "$log" 2>&1 & CHILD=$!
+  wait "$CHILD"; local rc=$?; CHILD=""; return $rc
+}
 stopped() {
   [ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null
   [ -n "${current:-}" ] && not_run+=("$current (stopped)")
