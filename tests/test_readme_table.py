@@ -103,3 +103,14 @@ def test_report_cells_label_where_ratios_come_from(tmp_path):
     assert cells.loc["kvarn_k4v2_g128", "ratio_vs"] == "same run"
     assert cells.loc["turboquant_4bit_nc", "ratio_vs"] == "unpaired"
     assert pd.isna(cells.loc["turboquant_4bit_nc", "kv_ratio_vs_fp16"])  # no fallback to another run's FP16 cell
+
+
+def test_report_html_says_where_each_ratio_comes_from(tmp_path):
+    from kvarn.report import build_report
+
+    rows = _rows()
+    rows[-2].update(ratio_scope="cross-run", fp16_run_id="b", fp16_row_id="fb", kv_ratio_vs_fp16=3.75)
+    ResultsStore(tmp_path / "res").append(rows)
+    rep = build_report(tmp_path / "res", tmp_path / "rep")
+    html = rep.html.read_text()
+    assert "ratios vs" in html and "cross-run (FP16 of run b)" in html and "same run" in html
