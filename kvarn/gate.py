@@ -238,7 +238,7 @@ def run_gate(results, baseline, policy: dict | None = None, *, policy_source: st
         _gate_accuracy(new_e, of_kind(base_df, "eval"), policy, v)
     if not v.checks and not v.problems:
         v.problem("no check applied: no rule of the policy matched a cell present in the results")
-    _fold_repeat_problems(v, policy)
+    _fold_repeat_problems(v)
 
     fails = [c for c in v.checks if c["status"] == "fail"]
     verdict = UNUSABLE if v.problems else (REGRESSION if fails else PASS)
@@ -279,7 +279,7 @@ def _check_overlap(results, baseline, new_b, base_b, new_e, base_e) -> None:
                 return "no cells"
             k = sorted(keys, key=str)[0]
             rec = dict(zip(CELL_KEYS, k)) if bench else dict(zip(("model", "tp", "task", "kv_dtype"), k))
-            return f"{len(keys)} cells such as {cell_label(rec)}"
+            return f"{len(keys)} cell{'s' if len(keys) > 1 else ''}, e.g. {cell_label(rec)}"
 
         have = say(nb, True) if nb else say(ne, False)
         base = say(bb, True) if bb else say(be, False)
@@ -287,7 +287,7 @@ def _check_overlap(results, baseline, new_b, base_b, new_e, base_e) -> None:
                          f"{base}): nothing to compare; gate against a baseline of the same model, engine and workload")
 
 
-def _fold_repeat_problems(v: _Verdict, policy: dict) -> None:
+def _fold_repeat_problems(v: _Verdict) -> None:
     """Cells with too few repeats are one problem with the way out, not one line per cell."""
     rep = [p for p in v.problems if p.get("repeats_problem")]
     if not rep:
@@ -295,8 +295,10 @@ def _fold_repeat_problems(v: _Verdict, policy: dict) -> None:
     first = rep[0]["message"]
     rest = [p for p in v.problems if not p.get("repeats_problem")]
     more = f" (and {len(rep) - 1} more cells)" if len(rep) > 1 else ""
-    how = (" To gate a single-repeat run as it is, give --min-repeats 1 (policy key repeats.min); for medians of "
-           "real runs, rerun with kvarn bench --repeat 3.")
+    odd = all(p.get("repeats", 0) % 2 == 1 for p in rep)
+    how = (" To gate it as it is, give --min-repeats 1 (policy key repeats.min); for medians over several runs, "
+           "rerun with kvarn bench --repeat 3." if odd else
+           " Rerun with an odd number of repeats (kvarn bench --repeat 3) so each median is one real run.")
     v.problems = rest + [{"message": first + more + "." + how, "cells": [p.get("cell") for p in rep]}]
 
 
@@ -326,7 +328,7 @@ def _gate_perf(new_b: pd.DataFrame, base_b: pd.DataFrame, policy: dict, v: _Verd
         n_valid = len(raw) - len(bad)
         if n < rep["min"] or (rep["odd"] and n % 2 == 0):
             v.problem(f"{label}: {n} repeat(s); the policy needs an odd number >= {rep['min']} so the median is "
-                      "one real run", cell=cell, repeats_problem=True)
+                      "one real run", cell=cell, repeats_problem=True, repeats=n)
         elif (not len(bad) or invalid_route == "ignore") and n_valid != n and (
                 n_valid < rep["min"] or (rep["odd"] and n_valid % 2 == 0)):
             # the median runs over the valid rows: a repeat run twice or an ignored invalid run changes their count

@@ -276,3 +276,11 @@ def test_cross_run_ratios_are_labelled_in_the_gate(tmp_path):
     cap = next(c for c in v["checks"] if c["metric"] == "kv_ratio_vs_fp16" and c["cell"]["kv_dtype"] != "auto")
     assert cap.get("cross_run") and "cross-run ratio: FP16 of run old" in cap["message"]
     assert "cross-run ratio: FP16 of run old" in markdown(v)
+
+
+def test_even_repeats_say_to_rerun_with_an_odd_number(tmp_path):
+    two = _hf_run(tmp_path / "two", repeats=2)
+    v = run_gate(two, two)
+    assert v["exit_code"] == 2 and len(v["problems"]) == 1
+    msg = v["problems"][0]["message"]
+    assert "2 repeat(s)" in msg and "Rerun with an odd number of repeats" in msg and "--min-repeats" not in msg
