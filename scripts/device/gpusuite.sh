@@ -7,7 +7,8 @@
 #   bash scripts/device/run.sh gpusuite:590@KVARN_GPUSUITE_FILES=tests/test_vllm_gpu.py   # a part of it in one call
 # Each test file runs in its own pytest process: a CUDA error that poisons its process (an illegal memory access)
 # fails that file's later tests, which count as failed, but cannot fail the other files'. A file not started for
-# lack of time is counted apart ("files not run"), never as passed.
+# lack of time, cut by it or dead before writing its results is counted apart ("files not run"), never as passed,
+# and makes the exit status non-zero.
 #   KVARN_GPUSUITE_FILES  test files to run (default: every file with a test the gpu marker selects)
 #   KVARN_SMOKE_CASES     vllm_smoke.sh cases (default: the FP16 baseline and the shipped KVarN preset with CUDA graphs)
 #   KVARN_SMOKE_BUDGET    seconds for the smoke (default 300), kept out of the part's time limit before the tests
@@ -82,6 +83,8 @@ for f in "${files[@]}"; do
   tail -n 4 "$OUT/gpusuite/$name.log"
   if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then  # cut: the finished tests are lost with the unwritten XML
     rm -f "$OUT/gpusuite/$name.xml"; not_run+=("$f (cut after ${left} s)")
+  elif [ ! -s "$OUT/gpusuite/$name.xml" ]; then  # the process died (e.g. a CUDA abort) before writing its results
+    not_run+=("$f (no result: exit $rc, see gpusuite/$name.log)")
   fi
   bash "$DIR/free_gpu.sh" > /dev/null 2>&1
 done
