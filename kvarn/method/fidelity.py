@@ -239,6 +239,9 @@ def run_fidelity(model: str = SYNTHETIC, kv_dtypes: str | None = None, context: 
     info = {"model": model, "chunk": chunk, "device": device, "sink": sink, "windows": windows}  # None: each preset's
     lm = None
     if model.strip().lower() == SYNTHETIC:
+        if dtype not in (None, "float32"):
+            raise KvarnError(f"--dtype {dtype} picks a real model's dtype; the synthetic K/V are float32 (give "
+                             "--model smollm2-135m or a local folder)")
         context = context or 1024
         if context < 2:
             raise KvarnError(f"--context must be >= 2, got {context}")
