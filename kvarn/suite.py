@@ -10,6 +10,9 @@ running every format. A model with `weights: dummy` benchmarks with --dummy-weig
 and has no eval steps.
 Resuming is the default: each command skips cells whose config hash and repeat are done (`suite run --force`
 hands bench --force and eval --no-resume, which redo them).
+`bench.pair_fp16: true` makes one bench step per (workload, candidate format): `--kv-dtype FP16,CANDIDATE
+--pair-fp16`, so each candidate runs right after an FP16 cell of the same `kvarn bench` run on the same GPU, and a
+resumed step reruns that FP16 cell rather than pairing with an earlier call's (suites/readme.yaml).
 The exact flags each command receives are in BENCH_FLAGS / EVAL_FLAGS; `suite run` checks them against the
 command's `--help` before starting, so a CLI mismatch is one clear line, not a failure an hour in.
 """
@@ -36,7 +39,7 @@ from .shapes import resolve_model
 
 TOP_KEYS = {"name", "description", "results", "models", "formats", "tp", "bench", "eval", "gate"}
 MODEL_KEYS = {"name", "weights", "tp", "dtype"}
-BENCH_KEYS = {"mode", "bursts", "output_len", "requests", "repeats", "timeout_min", "args", "workloads"}
+BENCH_KEYS = {"mode", "bursts", "output_len", "requests", "repeats", "timeout_min", "args", "workloads", "pair_fp16"}
 WORKLOAD_KEYS = {"burst", "output_len", "requests", "models", "args"}
 EVAL_KEYS = {"tasks", "samples", "limit", "timeout_min", "args"}
 TASK_KEYS = {"name", "samples", "limit", "context", "args"}
@@ -47,7 +50,7 @@ KNOWN_TASKS = ("ppl", "niah", "aime25", "gsm8k", "ruler")  # used only when kvar
 # How a suite field becomes a flag of `kvarn bench` / `kvarn eval` (one place to adapt if their CLIs change).
 BENCH_FLAGS = {"model": "--model", "weights": "--weights", "kv_dtype": "--kv-dtype", "tp": "--tp", "mode": "--mode",
                "burst": "--burst", "output_len": "--output-len", "requests": "--requests", "repeats": "--repeats",
-               "out": "--out", "dummy": "--dummy-weights"}
+               "out": "--out", "dummy": "--dummy-weights", "pair_fp16": "--pair-fp16"}
 # (bench always resumes finished cells, --force redoes them: no resume flag to pass)
 BENCH_FORCE, EVAL_NO_RESUME = "--force", "--no-resume"
 EVAL_FLAGS = {"model": "--model", "weights": "--weights", "kv_dtype": "--kv-dtype", "tp": "--tp", "task": "--task",
@@ -84,8 +87,8 @@ class Suite:
     def bench_cells(self) -> int:
         if not self.bench:
             return 0
-        return len(self.formats) * sum(len(m["tp"]) for m in self.models for w in self.bench["workloads"]
-                                       if runs_on(w, m))
+        per = 2 * (len(self.formats) - 1) if self.bench.get("pair_fp16") else len(self.formats)
+        return per * sum(len(m["tp"]) for m in self.models for w in self.bench["workloads"] if runs_on(w, m))
 
     def eval_cells(self) -> int:
         if not self.eval:
@@ -235,7 +238,15 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
                  "output_len": _pos_int(b.get("output_len", 256), f"{where}: bench.output_len"),
                  "requests": _pos_int(b.get("requests", 64), f"{where}: bench.requests"),
                  "repeats": _pos_int(b.get("repeats", 3), f"{where}: bench.repeats"),
-                 "timeout_min": b.get("timeout_min"), "args": [str(a) for a in b.get("args", []) or []]}
+                 "timeout_min": b.get("timeout_min"), "args": [str(a) for a in b.get("args", []) or []],
+                 "pair_fp16": b.get("pair_fp16", False)}
+        if not isinstance(bench["pair_fp16"], bool):
+            raise KvarnError(f"{where}: bench.pair_fp16 must be true or false, got {bench['pair_fp16']!r}")
+        if bench["pair_fp16"]:
+            fp16 = [x for x in fmts if get_format(x).family == "fp16"]
+            if len(fp16) != 1 or len(fmts) < 2:
+                raise KvarnError(f"{where}: bench.pair_fp16 pairs each candidate with the FP16 cell: formats need "
+                                 f"exactly one FP16 format (auto) and at least one other, got {choices(fmts)}")
         if b.get("workloads") is not None:  # explicit (burst, output_len, requests) triples instead of bursts
             raw = b["workloads"]
             if not isinstance(raw, list) or not raw:
@@ -337,18 +348,27 @@ def plan(suite: Suite, out: str | Path | None = None, *, resume: bool = True, on
                         argv.append(f["dummy"])
                     elif m["weights"]:
                         argv += [f["weights"], m["weights"]]
-                    argv += [f["kv_dtype"], kvs, f["tp"], str(tp), f["mode"], b["mode"], f["burst"], str(w["burst"]),
-                             f["output_len"], str(w["output_len"]), f["requests"], str(w["requests"]),
-                             f["repeats"], str(b["repeats"]), f["out"], out]
+                    common = [f["tp"], str(tp), f["mode"], b["mode"], f["burst"], str(w["burst"]),
+                              f["output_len"], str(w["output_len"]), f["requests"], str(w["requests"]),
+                              f["repeats"], str(b["repeats"]), f["out"], out]
                     if not resume:
-                        argv.append(BENCH_FORCE)
-                    argv += b["args"] + w.get("args", [])  # the workload's own flags last: they win
+                        common.append(BENCH_FORCE)
                     title = f"bench {m['name']} TP={tp} burst {w['burst']}"
                     if "workloads" in (suite.raw.get("bench") or {}):
                         title += f" ({w['requests']} x {w['burst'] - w['output_len']}+{w['output_len']})"
+                    timeout = b["timeout_min"] * 60 if b["timeout_min"] else None
+                    if b.get("pair_fp16"):  # one step per candidate, right after its FP16 cell in the same run
+                        fp16 = next(x for x in suite.formats if get_format(x).family == "fp16")
+                        for cand in (x for x in suite.formats if x != fp16):
+                            pair = argv + [f["kv_dtype"], f"{fp16},{cand}", *common, f["pair_fp16"]]
+                            pair += b["args"] + w.get("args", [])
+                            steps.append(Step("bench", f"{title}: {fp16} then {cand}", pair, 2, 2 * b["repeats"],
+                                              timeout))
+                        continue
+                    argv += [f["kv_dtype"], kvs, *common]
+                    argv += b["args"] + w.get("args", [])  # the workload's own flags last: they win
                     steps.append(Step("bench", title, argv,
-                                      len(suite.formats), len(suite.formats) * b["repeats"],
-                                      b["timeout_min"] * 60 if b["timeout_min"] else None))
+                                      len(suite.formats), len(suite.formats) * b["repeats"], timeout))
             if suite.eval and only in (None, "eval") and m["weights"] != "dummy":
                 e = suite.eval
                 for t in e["tasks"]:

@@ -67,3 +67,28 @@ def test_embedded_default_with_the_real_smollm2(tmp_path, monkeypatch, capsys):
     assert set(df.model) == {"HuggingFaceTB/SmolLM2-135M-Instruct"} and not df.dummy_weights.any()
     assert (df.total_output_tokens == 64).all() and df.loc["kvarn_k4v2_g128", "kv_ratio_vs_fp16"] > 3.0
     assert df.loc["auto", "ppl_delta_pct"] == 0.0 and 0.0 < df.loc["kvarn_k4v2_g128", "ppl_delta_pct"] < 2.0
+
+
+def test_a_model_that_overflows_fails_its_cells_naming_the_layer(tmp_path, capsys):
+    """float16 (its config's dtype, `--dtype auto`) overflows in layer 1: every cell a failed row saying where,
+    exit 1, no throughput; --dtype float32 runs it and the rows record the dtype."""
+    from tests.overflow_model import make_overflow_model
+
+    model = make_overflow_model(tmp_path / "ovf")
+    args = ["bench", "--engine", "hf", "--model", str(model), "--weights", str(model), "--kv-dtype",
+            "auto,kvarn_k4v2_g128", "--burst", "192", "--prompt-len", "64", "--requests", "2"]
+    assert main([*args, "--dtype", "auto", "--out", str(tmp_path / "r16")]) == 1
+    df = ResultsStore(tmp_path / "r16").read("bench").set_index("kv_dtype")
+    assert set(df.status) == {"failed"} and set(df.model_dtype) == {"float16"}
+    e = df.loc["kvarn_k4v2_g128", "error"]
+    assert "non-finite logits for kv dtype kvarn_k4v2_g128, batch 0, prefill" in e and "model.layers.1" in e
+    assert df.output_tok_s.isna().all()
+    assert main([*args, "--dtype", "float32", "--out", str(tmp_path / "r32")]) == 0
+    df = ResultsStore(tmp_path / "r32").read("bench")
+    assert set(df.status) == {"ok"} and set(df.model_dtype) == {"float32"}
+    capsys.readouterr()
+    assert main([*args, "--dtype", "half", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: unknown --dtype 'half'; accepted: auto, float16, bfloat16, float32 (auto: the model "
+                   "config's dtype)"]
+    assert not (tmp_path / "bad").exists()

@@ -115,14 +115,60 @@ def test_ratios_pick_the_fp16_row_of_the_same_group():
                           [{**fp16, "engine_args": None, "max_num_seqs": float("nan")}]) is not None
 
 
-def test_ratios_find_a_stored_fp16_row_read_back_as_floats():
-    """A resumed bench compares with stored rows; Parquet gives their numeric columns back as floats (4096.0)
-    when any row lacks them, and that is still the same setting as this run's ints (4096)."""
+def test_ratios_find_an_fp16_row_read_back_as_floats():
+    """Parquet gives numeric columns back as floats (4096.0) when any row lacks them, and that is still the same
+    setting as this run's ints (4096)."""
     fp16 = {"status": "ok", "kv_dtype": "auto", "model": "m", "tp": 1, "burst": 4096.0, "prompt_len": 512.0,
-            "output_len": 3584.0, "requests": 8.0, "engine": "vllm", "mode": "offline", "run_id": "old",
-            "repeat": 0, "kv_tokens": 1000.0, "output_tok_s": 100.0}
+            "output_len": 3584.0, "requests": 8.0, "engine": "vllm", "mode": "offline", "run_id": "r",
+            "repeat": 0, "kv_tokens": 1000.0, "output_tok_s": 100.0, "row_id": "f16"}
     row = {**fp16, "kv_dtype": "fp8", "burst": 4096, "prompt_len": 512, "output_len": 3584, "requests": 8,
-           "run_id": "new", "kv_tokens": 2000.0}
+           "kv_tokens": 2000.0, "row_id": "x"}
     assert fp16_reference(row, [fp16]) is fp16
     assert fp16_reference({**row, "burst": 4097}, [fp16]) is None
     assert fp16_reference({**row, "tp": 2.0}, [fp16]) is None
+
+
+def test_ratios_never_pair_across_runs_or_gpus_unless_asked():
+    """A stored FP16 row of another run (or another GPU) is not this row's baseline: no silent fallback; a
+    cross-run ratio is asked for by run id and says so; every ratio names the FP16 row, run and GPU it used."""
+    fp16 = {"status": "ok", "kv_dtype": "auto", "model": "m", "tp": 1, "burst": 4096, "prompt_len": 512,
+            "output_len": 3584, "requests": 8, "engine": "vllm", "mode": "offline", "run_id": "old", "repeat": 0,
+            "kv_tokens": 1000.0, "output_tok_s": 100.0, "row_id": "f16old", "gpu_name": "H200"}
+    row = {**fp16, "kv_dtype": "fp8", "run_id": "new", "row_id": "x", "kv_tokens": 2000.0}
+    assert fp16_reference(row, [fp16]) is None
+    r = ratios(row, None)
+    assert math.isnan(r["kv_ratio_vs_fp16"]) and r["ratio_scope"] == "unpaired" and r["fp16_row_id"] == ""
+    assert fp16_reference(row, [{**fp16, "run_id": "new", "gpu_name": "A100"}]) is None
+    ref = fp16_reference(row, [fp16], baseline_run="old")
+    r = ratios(row, ref)
+    assert r["kv_ratio_vs_fp16"] == pytest.approx(2.0)
+    assert (r["fp16_row_id"], r["fp16_run_id"], r["fp16_gpu"], r["ratio_scope"]) == ("f16old", "old", "H200",
+                                                                                      "cross-run")
+    same = {**fp16, "run_id": "new", "row_id": "f16new", "kv_tokens": 500.0}
+    r = ratios(row, fp16_reference(row, [fp16, same]))
+    assert r["kv_ratio_vs_fp16"] == pytest.approx(4.0) and r["ratio_scope"] == "same-run"
+    assert r["fp16_row_id"] == "f16new"
+    # another repeat only: the mean over that run's repeats, naming every row it averaged
+    reps = [{**same, "repeat": 1, "row_id": "a", "kv_tokens": 400.0},
+            {**same, "repeat": 2, "row_id": "b", "kv_tokens": 600.0}]
+    r = ratios(row, fp16_reference(row, reps))
+    assert r["kv_ratio_vs_fp16"] == pytest.approx(4.0) and r["fp16_row_id"] == "a,b"
+
+
+def test_with_ratios_labels_each_row():
+    import pandas as pd
+
+    from kvarn.bench.ratios import with_ratios
+
+    base = {"status": "ok", "model": "m", "tp": 1, "burst": 4096, "prompt_len": 512, "output_len": 3584,
+            "requests": 8, "engine": "vllm", "mode": "offline", "repeat": 0, "output_tok_s": 100.0}
+    df = pd.DataFrame([{**base, "kv_dtype": "auto", "run_id": "a", "row_id": "fa", "kv_tokens": 100.0},
+                       {**base, "kv_dtype": "fp8", "run_id": "a", "row_id": "ca", "kv_tokens": 200.0},
+                       {**base, "kv_dtype": "fp8", "run_id": "b", "row_id": "cb", "kv_tokens": 300.0}])
+    out = with_ratios(df).set_index("row_id")
+    assert out.loc["ca", "kv_ratio_vs_fp16"] == pytest.approx(2.0) and out.loc["ca", "fp16_row_id"] == "fa"
+    assert out.loc["fa", "ratio_scope"] == "same-run"
+    assert math.isnan(out.loc["cb", "kv_ratio_vs_fp16"]) and out.loc["cb", "ratio_scope"] == "unpaired"
+    cross = with_ratios(df, baseline_run="a").set_index("row_id")
+    assert cross.loc["cb", "kv_ratio_vs_fp16"] == pytest.approx(3.0)
+    assert cross.loc["cb", "ratio_scope"] == "cross-run"

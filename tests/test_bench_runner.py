@@ -291,3 +291,30 @@ def test_summary_shows_the_capacity_a_timed_out_cell_reached():
     auto = next(line for line in buf.getvalue().splitlines() if " auto " in line)
     assert "257,904" in auto and "131" in auto and "reached: 548 s into the burst" in auto
     assert "4.38x" not in buf.getvalue()  # no ratio against a row that is not ok
+
+
+def test_a_resumed_candidate_is_never_paired_with_another_runs_fp16(tmp_path, capsys):
+    """FP16 measured by one call, the candidate by the next: no ratio (unpaired), never the stored row silently;
+    --baseline-run RUN_ID asks for that cross-run ratio by name and the row says so."""
+    assert bench(tmp_path, "--kv-dtype", "auto") == 0
+    df = ResultsStore(tmp_path / "res").read("bench")
+    fp16 = df.iloc[0]
+    assert fp16.ratio_scope == "same-run" and fp16.fp16_row_id == fp16.row_id and fp16.fp16_run_id == fp16.run_id
+    assert bench(tmp_path, "--kv-dtype", "auto,fp8") == 0 and CALLS == [("fp8", 0)]
+    cand = ResultsStore(tmp_path / "res").read("bench").set_index("kv_dtype").loc["fp8"]
+    assert cand.ratio_scope == "unpaired" and cand.fp16_row_id == "" and pd_isnan(cand.kv_ratio_vs_fp16)
+    assert "unpaired" in capsys.readouterr().out
+    assert bench(tmp_path, "--kv-dtype", "fp8", "--force", "--baseline-run", fp16.run_id) == 0
+    rows = ResultsStore(tmp_path / "res").read("bench")
+    cand = rows[rows.kv_dtype == "fp8"].sort_values("created_at").iloc[-1]
+    assert cand.kv_ratio_vs_fp16 == pytest.approx(2.0) and cand.ratio_scope == "cross-run"
+    assert (cand.fp16_row_id, cand.fp16_run_id) == (fp16.row_id, fp16.run_id)
+    assert "cross-run" in capsys.readouterr().out
+    assert bench(tmp_path, "--kv-dtype", "fp8", "--baseline-run", "nosuchrun") == 2
+    assert "--baseline-run 'nosuchrun' is not a run in" in capsys.readouterr().err
+
+
+def pd_isnan(x) -> bool:
+    import math
+
+    return x is None or math.isnan(float(x))

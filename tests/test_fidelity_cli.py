@@ -73,3 +73,66 @@ def test_text_loader(tmp_path):
     assert load_text(f) == "hello"
     with pytest.raises(KvarnError):
         load_text(tmp_path / "missing.txt")
+
+
+@pytest.fixture(scope="module")
+def overflow_model(tmp_path_factory):
+    from tests.overflow_model import make_overflow_model
+
+    root = tmp_path_factory.mktemp("ovf")
+    text = root / "text.txt"
+    text.write_text("Call me Ishmael. Some years ago, never mind how long precisely, I went to sea. " * 20)
+    return make_overflow_model(root / "model"), text
+
+
+def test_a_model_that_overflows_in_float16_is_an_error_naming_the_layer(overflow_model):
+    """Its config says float16 and layer 1 overflows there: no NaN perplexity with exit 0, but exit 1 and a line
+    naming the forward and the module that went non-finite; --dtype float32 runs it."""
+    model, text = overflow_model
+    args = ["fidelity", "--model", str(model), "--text", str(text), "--start-char", "0", "--context", "256",
+            "--kv-dtype", "auto,kvarn_k4v2_g128", "--json"]
+    r = run_cli(*args)
+    assert r.returncode == 1, r.stdout + r.stderr
+    line = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "non-finite logits" in line[0] and "model.layers.1.mlp" in line[0], r.stderr
+    assert "float16" in line[0] and "--dtype" in line[0] and "Traceback" not in r.stderr
+    assert r.stdout.strip() == ""  # no row printed
+    r = run_cli(*args, "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in r.stdout.splitlines() if x.strip()]
+    assert {x["dtype"] for x in rows} == {"float32"} and all(x["ppl"] > 0 for x in rows)
+
+
+def test_chunked_eval_names_the_format_and_chunk():
+    """A cache whose reads overflow: the error names that format and the chunk, not only the layer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvarn.finite import NonFiniteError
+    from kvarn.method.codecs import parse_codecs
+    from kvarn.method.fidelity import chunked_eval
+
+    cfg = LlamaConfig(vocab_size=101, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(cfg).eval()
+    codecs = parse_codecs("auto,kvarn_k4v2_g128", ())
+    layer = m.model.layers[1].self_attn.o_proj
+    calls = {"n": 0}
+
+    def poison(mod, args, out):  # the 4th forward: chunk 1's quantized-cache pass
+        calls["n"] += 1
+        return out * float("inf") if calls["n"] == 4 else out
+
+    layer.register_forward_hook(poison)
+    with pytest.raises(NonFiniteError) as e:
+        chunked_eval(m, torch.randint(0, 101, (1, 256)), codecs, 128)
+    msg = str(e.value)
+    assert "kv dtype kvarn_k4v2_g128 in chunk 1 (tokens 128-255)" in msg and "model.layers.1.self_attn.o_proj" in msg
+
+
+def test_bad_dtype_is_one_line_listing_the_accepted_values(capsys):
+    assert main(["fidelity", "--context", "256", "--dtype", "float64"]) == 2
+    e = capsys.readouterr().err
+    assert e.strip().splitlines() == ["error: unknown --dtype 'float64'; accepted: auto, float16, bfloat16, float32 "
+                                      "(auto: the model config's dtype)"]

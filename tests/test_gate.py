@@ -11,7 +11,7 @@ from kvarn.report.fixtures import bench_row, eval_row
 from kvarn.results import ResultsStore
 from tests.helpers import run_cli
 
-M = "qwen3-8b"
+M = "Qwen/Qwen3-8B"  # a bundled shape's label, as bench rows name it
 
 
 def write_bench(root, tps: dict, *, kv_tokens=None, repeats=3, bad=None, run_id="r"):
@@ -202,3 +202,85 @@ def test_median_is_over_an_odd_number_of_runs(tmp_path, baseline):
     new = write_bench(tmp_path / "ignored", BASE_TPS, bad=bad)
     v = run_gate(new, baseline, validate_policy({"invalid_runs": "ignore"}))
     assert v["exit_code"] == 2 and any("2 valid runs" in p["message"] for p in v["problems"]), markdown(v)
+
+
+def _hf_run(root, repeats=3, run_id="cpu", model="HuggingFaceTB/SmolLM2-135M-Instruct"):
+    """A CPU run of the transformers engine: its honest KV ratios are ~2x, not vLLM's 4.5x."""
+    kv = {"auto": 1_000_000, "fp8": 1_900_000, "kvarn_k4v2_g128": 2_100_000}
+    rows = [bench_row(model, k, 1, repeat=r, output_tok_s=40.0 + r * 0.01, kv_tokens=kv[k], burst=192,
+                      prompt_len=64, output_len=128, requests=2, engine="hf", run_id=run_id)
+            for k in kv for r in range(repeats)]
+    ResultsStore(root).append(rows)
+    return root
+
+
+def test_cli_a_run_gated_against_itself_passes_on_any_engine(tmp_path, baseline):
+    cpu = _hf_run(tmp_path / "cpu")
+    r = run_cli("gate", str(cpu), "--baseline", str(cpu), "-q")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_cli("gate", str(baseline), "--baseline", str(baseline), "-q")
+    assert r.returncode == 0, r.stdout + r.stderr
+    # the vLLM floor does not reach another engine's cells, but still holds vLLM's own
+    v = run_gate(cpu, cpu)
+    cap = next(c for c in v["checks"]
+               if c["metric"] == "kv_ratio_vs_fp16" and c["cell"]["kv_dtype"] == "kvarn_k4v2_g128")
+    assert cap["status"] == "pass" and "4.4" not in cap["bound"]
+
+
+def test_cli_single_repeat_run_says_how_to_gate_it(tmp_path):
+    one = _hf_run(tmp_path / "one", repeats=1)
+    r = run_cli("gate", str(one), "--baseline", str(one))
+    assert r.returncode == 2
+    assert r.stdout.count("repeat(s); the policy needs an odd number >= 3") == 1  # one problem, not one per cell
+    assert "and 2 more cells" in r.stdout and "--min-repeats 1" in r.stdout
+    r = run_cli("gate", str(one), "--baseline", str(one), "--min-repeats", "1", "-q")
+    assert r.returncode == 0, r.stdout + r.stderr
+    pol = tmp_path / "p.yaml"
+    pol.write_text("repeats: {min: 1}\n")
+    assert run_cli("gate", str(one), "--baseline", str(one), "--policy", str(pol), "-q").returncode == 0
+    r = run_cli("gate", str(one), "--baseline", str(one), "--min-repeats", "0")
+    assert r.returncode == 2 and "--min-repeats must be >= 1, got 0" in r.stderr
+
+
+def test_cli_baseline_with_no_cell_in_common_is_one_line(tmp_path, baseline):
+    cpu = _hf_run(tmp_path / "cpu")
+    r = run_cli("gate", str(cpu), "--baseline", str(baseline))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "has no cell in common with" in lines[0] and "cell present" not in r.stdout
+    assert "SmolLM2" in lines[0] and "Qwen3-8B" in lines[0]
+
+
+def test_absolute_ratio_floor_needs_engine_and_model(tmp_path, baseline):
+    pol = tmp_path / "p.yaml"
+    pol.write_text("perf:\n  - {metric: kv_ratio_vs_fp16, kv_dtype: kvarn_k4v2_g128, min: 4.4}\n")
+    r = run_cli("gate", str(baseline), "--baseline", str(baseline), "--policy", str(pol))
+    assert r.returncode == 2 and "add engine and model selectors" in r.stderr
+    pol.write_text("perf:\n  - {metric: kv_ratio_vs_fp16, kv_dtype: kvarn_k4v2_g128, engine: hf, model: '*SmolLM2*',"
+                   " min: 1.5}\n")
+    cpu = _hf_run(tmp_path / "cpu")
+    assert run_cli("gate", str(cpu), "--baseline", str(cpu), "--policy", str(pol), "-q").returncode == 0
+
+
+def test_cross_run_ratios_are_labelled_in_the_gate(tmp_path):
+    root = tmp_path / "x"
+    rows = []
+    for k, kv in (("auto", 800_000), ("kvarn_k4v2_g128", 3_600_000)):
+        for r in range(3):
+            row = bench_row(M, k, 1, repeat=r, output_tok_s=1000.0, kv_tokens=kv, burst=16384, run_id="new")
+            if k != "auto":
+                row.update(kv_ratio_vs_fp16=4.5, ratio_scope="cross-run", fp16_run_id="old", fp16_row_id="f")
+            rows.append(row)
+    ResultsStore(root).append(rows)
+    v = run_gate(root, root)
+    cap = next(c for c in v["checks"] if c["metric"] == "kv_ratio_vs_fp16" and c["cell"]["kv_dtype"] != "auto")
+    assert cap.get("cross_run") and "cross-run ratio: FP16 of run old" in cap["message"]
+    assert "cross-run ratio: FP16 of run old" in markdown(v)
+
+
+def test_even_repeats_say_to_rerun_with_an_odd_number(tmp_path):
+    two = _hf_run(tmp_path / "two", repeats=2)
+    v = run_gate(two, two)
+    assert v["exit_code"] == 2 and len(v["problems"]) == 1
+    msg = v["problems"][0]["message"]
+    assert "2 repeat(s)" in msg and "Rerun with an odd number of repeats" in msg and "--min-repeats" not in msg

@@ -144,7 +144,7 @@ def test_run_records_steps_and_failures(tmp_path):
         preflight(steps, [sys.executable, str(fake)])
 
 
-@pytest.mark.parametrize("name", ["nightly", "paper"])
+@pytest.mark.parametrize("name", ["nightly", "paper", "readme"])
 def test_shipped_suites_pass_preflight_against_the_real_cli(name):
     """Every flag a shipped suite passes exists in the real `kvarn bench/eval --help`."""
     from kvarn.suite import load_suite, plan, preflight

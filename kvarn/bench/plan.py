@@ -61,6 +61,8 @@ class BenchOptions:
     max_concurrency: int | None = None
     goodput: list[str] | None = None
     engine_args: list[str] | None = None
+    baseline_run: str | None = None  # another run's FP16 rows as the ratios' baseline (a labelled cross-run ratio)
+    pair_fp16: bool = False  # rerun a setting's FP16 cell in this run whenever one of its candidates runs
 
 
 @dataclass
@@ -76,6 +78,7 @@ class BenchPlan:
     run_id: str
     repeats: int
     notes: list[str] = field(default_factory=list)
+    baseline_run: str | None = None
 
     @property
     def done(self) -> int:
@@ -180,8 +183,9 @@ def build_plan(o: BenchOptions) -> BenchPlan:
     _positive(o.max_concurrency, "--max-concurrency")
     if o.weights and o.dummy_weights:
         raise KvarnError("--weights loads real weights; it cannot be combined with --dummy-weights")
-    if o.dtype and o.dtype not in ("float16", "bfloat16", "float32"):
-        raise KvarnError(f"unknown --dtype {o.dtype!r}; accepted: float16, bfloat16, float32")
+    from ..finite import parse_dtype
+
+    o.dtype = parse_dtype(o.dtype)
 
     shape = resolve_model(o.model or DEFAULT_MODEL)
     engine_name, reason = choose_engine(o.engine, mode)
@@ -251,15 +255,57 @@ def build_plan(o: BenchOptions) -> BenchPlan:
         raise KvarnError(f"--out {o.out!r} exists and is not a directory")
     run_id = uuid.uuid4().hex[:12]
     cells = [Cell(c, k, run_id, str(out / "logs" / f"{c.hash}-r{k}.log")) for c in configs for k in range(repeat)]
-    done = set() if o.force else ResultsStore(out).done_keys("bench")
+    if o.pair_fp16 and o.baseline_run:
+        raise KvarnError("--pair-fp16 pairs every candidate with an FP16 row of its own run; --baseline-run "
+                         "pairs with another run's: give one of them")
+    done = set() if o.force else (paired_done(out) if o.pair_fp16 else ResultsStore(out).done_keys("bench"))
     todo = [c for c in cells if (c.hash, c.repeat) not in done]
+    if o.pair_fp16:
+        todo = with_fp16_partners(cells, todo)
     notes = []
     if any(f.family == "kvarn" for f in formats) and engine_name == "vllm":
         notes.append("KVarN rows run with block_size = the preset's tile")
     if engine_name == "hf":
         notes += hf_notes(formats, dummy, bool(o.kv_dtype), shape)
-    return BenchPlan(engine, reason, shape, configs, cells, todo, out, timeout or engine.default_timeout_s, run_id, repeat,
-                notes)
+    baseline_run = (o.baseline_run or "").strip() or None
+    if baseline_run:
+        stored = ResultsStore(out).read("bench")
+        runs = sorted(set(stored["run_id"].dropna().astype(str))) if "run_id" in stored else []
+        if baseline_run not in runs:
+            raise KvarnError(f"--baseline-run {baseline_run!r} is not a run in {out}; accepted: "
+                             f"{choices(runs) if runs else 'none (no bench rows stored there yet)'}")
+        notes.append(f"ratios against run {baseline_run}'s FP16 rows: labelled cross-run")
+    return BenchPlan(engine, reason, shape, configs, cells, todo, out, timeout or engine.default_timeout_s, run_id,
+                     repeat, notes, baseline_run)
+
+
+def _setting(c: Cell) -> tuple:
+    """What a candidate shares with its FP16 cell: every configuration field but the format's own."""
+    d = c.config.hash_fields()
+    for k in ("kv_dtype", "model_dtype", "backend_env"):
+        d.pop(k, None)
+    return (json.dumps(d, sort_keys=True, default=str), c.repeat)
+
+
+def paired_done(out: Path) -> set[tuple[str, int]]:
+    """(config_hash, repeat) finished for --pair-fp16: an ok FP16 row, or an ok candidate row whose ratios were
+    taken against an FP16 row of its own run (an unpaired one, e.g. resumed from an earlier call, runs again)."""
+    df = ResultsStore(out).read("bench")
+    if df.empty:
+        return set()
+    scope = df["ratio_scope"] if "ratio_scope" in df.columns else None
+    ok = df["status"] == "ok"
+    paired = df["kv_dtype"].isin(FP16_NAMES) | (scope == "same-run" if scope is not None else False)
+    d = df[ok & paired]
+    return set(zip(d["config_hash"].astype(str), d["repeat"].astype(int)))
+
+
+def with_fp16_partners(cells: list[Cell], todo: list[Cell]) -> list[Cell]:
+    """todo plus, for every candidate in it, the FP16 cell of its setting and repeat, in plan order (FP16 first):
+    each candidate then runs right after an FP16 cell of the same run, on the same GPU."""
+    need = {_setting(c) for c in todo if not is_fp16(c.config.kv_dtype)}
+    keep = {(c.hash, c.repeat) for c in todo}
+    return [c for c in cells if (c.hash, c.repeat) in keep or (is_fp16(c.config.kv_dtype) and _setting(c) in need)]
 
 
 def hf_notes(formats, dummy: bool, asked: bool, shape: ModelShape | None = None) -> list[str]:
@@ -285,10 +331,15 @@ def hf_notes(formats, dummy: bool, asked: bool, shape: ModelShape | None = None)
 
 
 def engine_model_dtype(engine: str, kv_dtype: str, shape: ModelShape, explicit: str | None) -> str | None:
-    """The model dtype a row runs with (part of its identity). vllm: FP8 KV needs bfloat16 (FA3)."""
+    """The model dtype a row runs with (part of its identity; vLLM gets it as dtype=). vllm: FP8 KV needs bfloat16
+    (FA3). `auto`: the model config's dtype, as vLLM's --dtype auto (FP8 KV on vLLM still bfloat16)."""
     from ..formats import get_format
 
     fmt = get_format(kv_dtype)
+    if explicit == "auto":
+        if engine == "vllm" and fmt.family == "fp8":
+            return "bfloat16"
+        return shape.dtype
     if engine == "hf":
         from .engines.hf_engine import default_dtype
 

@@ -81,14 +81,13 @@ def describe(progress: dict, now: float | None = None) -> str:
     if not math.isnan(done) and not math.isnan(n):
         parts.append(f"{done:.0f} of {n:.0f} requests done")
     if not math.isnan(gen):
-        # the rate over the burst so far, from one write of the file (tokens and seconds alike), and the share of the
-        # burst's output behind it: where every request decodes together to the end, the finished cell reads within a
-        # few percent of it near the end, but a rate from the first part of long outputs is an upper estimate (the
-        # rest decodes at longer contexts)
+        # tokens, seconds and rate from one write of the file (one clock: the rate is what they multiply out to),
+        # apart from the seconds to the kill above; with the share of the burst's output behind it: a rate from the
+        # first part of long outputs is an upper estimate (the rest decodes at longer contexts)
         so_far = as_float(progress.get("burst_s"))
         want = as_float(progress.get("burst_tokens"))
         share = f"of {want:,.0f} ({gen / want:.0%}) " if want > 0 else ""
-        rate = f" ({gen / so_far:,.0f} out tok/s over the burst so far)" if so_far > 0 else ""
+        rate = f" in the burst's first {so_far:,.1f} s ({gen / so_far:,.0f} out tok/s)" if so_far > 0 else ""
         parts.append(f"{gen:,.0f} {share}output tokens{rate}")
     elif not math.isnan(fin):
         parts.append(f"{fin:,.0f} output tokens of finished requests")

@@ -1,7 +1,11 @@
-"""Ratios against the FP16 (`auto`) row of the same model / TP / burst / split / requests / engine / mode.
+"""Ratios against the FP16 (`auto`) row of the same model / TP / burst / split / requests / engine / mode, measured
+in the same run on the same GPU.
 
-At write time a row is compared with this run's FP16 row of the same repeat (else its mean over repeats), else
-the latest FP16 row already stored (a resumed run). `with_ratios(df)` recomputes them for any table (readers).
+A ratio is never taken against a row of another run by default: a resumed run whose FP16 cell was measured by an
+earlier call leaves its candidates unpaired (NaN ratios, `ratio_scope` "unpaired") until that FP16 cell is rerun in
+this run. Comparing with another run's FP16 row is asked for by name (`baseline_run`, `kvarn bench --baseline-run`)
+and labelled `cross-run`. Every ratio row names the FP16 row(s) it used: `fp16_row_id`, `fp16_run_id`, `fp16_gpu`.
+`with_ratios(df)` recomputes all of it for any table (readers).
 """
 from __future__ import annotations
 
@@ -14,6 +18,9 @@ from ..formats import FP16_NAMES
 MATCH = ("model", "tp", "burst", "prompt_len", "output_len", "requests", "engine", "mode", "gpu_memory_utilization",
          "max_num_seqs", "engine_args", "dummy_weights", "seed", "request_rate", "burstiness", "concurrency_limit")
 _UNSET = ("", "{}", "null", "None", "nan")
+SAME_RUN, CROSS_RUN, UNPAIRED = "same-run", "cross-run", "unpaired"
+# the columns naming the baseline of a row's ratios (kvarn.results.schema.RATIO_COLUMNS)
+BASELINE_COLUMNS = ("fp16_row_id", "fp16_run_id", "fp16_gpu", "ratio_scope")
 
 
 def as_float(v) -> float:
@@ -45,9 +52,15 @@ def _same(a, b) -> bool:
     return fa == fb
 
 
+def _text(v) -> str:
+    return "" if _unset(v) else str(v)
+
+
 def ratios(row: dict, ref: dict | None) -> dict:
-    """kv_ratio_vs_fp16 (KV tokens, else inverse KV bytes on hf) and output_tok_s_ratio_vs_fp16."""
-    out = {"kv_ratio_vs_fp16": float("nan"), "output_tok_s_ratio_vs_fp16": float("nan")}
+    """kv_ratio_vs_fp16 (KV tokens, else inverse KV bytes on hf), output_tok_s_ratio_vs_fp16, and the columns naming
+    the FP16 row they came from (empty, scope "unpaired", when there is none)."""
+    out = {"kv_ratio_vs_fp16": float("nan"), "output_tok_s_ratio_vs_fp16": float("nan"),
+           "fp16_row_id": "", "fp16_run_id": "", "fp16_gpu": "", "ratio_scope": UNPAIRED}
     if ref is None or row.get("status") != "ok":
         return out
     kv, kv_ref = as_float(row.get("kv_tokens")), as_float(ref.get("kv_tokens"))
@@ -60,35 +73,42 @@ def ratios(row: dict, ref: dict | None) -> dict:
     t, t_ref = as_float(row.get("output_tok_s")), as_float(ref.get("output_tok_s"))
     if _ok(t) and _ok(t_ref):
         out["output_tok_s_ratio_vs_fp16"] = t / t_ref
+    run = _text(ref.get("run_id"))
+    out.update(fp16_row_id=_text(ref.get("row_id")), fp16_run_id=run, fp16_gpu=_text(ref.get("gpu_name")),
+               ratio_scope=SAME_RUN if run == _text(row.get("run_id")) else CROSS_RUN)
     return out
 
 
-def fp16_reference(row: dict, candidates: list[dict]) -> dict | None:
-    """The FP16 row to compare `row` with, from `candidates` (this run first, then stored rows)."""
-    same = [c for c in candidates if c.get("status") == "ok" and c.get("kv_dtype") in FP16_NAMES
+def fp16_reference(row: dict, candidates: list[dict], baseline_run: str | None = None) -> dict | None:
+    """The FP16 row to compare `row` with, from `candidates`: one of the same setting, on the same GPU, from the
+    row's own run (or from `baseline_run` when a cross-run comparison is asked for), None when there is none.
+    The same repeat wins; else the mean over that run's repeats (its row ids joined by commas)."""
+    want_run = _text(baseline_run) or _text(row.get("run_id"))
+    pool = [c for c in candidates if c.get("status") == "ok" and c.get("kv_dtype") in FP16_NAMES
+            and _text(c.get("run_id")) == want_run and _text(c.get("gpu_name")) == _text(row.get("gpu_name"))
             and all(_same(c.get(k), row.get(k)) for k in MATCH)]
-    if not same:
+    if not pool:
         return None
-    this_run = [c for c in same if c.get("run_id") == row.get("run_id")]
-    pool = this_run or same
-    rep = [c for c in pool if c.get("repeat") == row.get("repeat")]
+    rep = [c for c in pool if _same(c.get("repeat"), row.get("repeat"))]
     if rep:
         return rep[-1]
-    if this_run:  # mean over this run's repeats
-        keys = ("kv_tokens", "kv_cache_gib", "output_tok_s")
-        return {k: sum(as_float(c.get(k)) for c in pool) / len(pool) for k in keys}
-    return sorted(pool, key=lambda c: str(c.get("created_at", "")))[-1]
+    keys = ("kv_tokens", "kv_cache_gib", "output_tok_s")
+    mean = {k: sum(as_float(c.get(k)) for c in pool) / len(pool) for k in keys}
+    mean.update(row_id=",".join(_text(c.get("row_id")) for c in pool), run_id=want_run,
+                gpu_name=_text(pool[0].get("gpu_name")))
+    return mean
 
 
-def with_ratios(df):
-    """A copy of a bench table with both ratio columns recomputed row by row."""
+def with_ratios(df, baseline_run: str | None = None):
+    """A copy of a bench table with the ratio columns and their baseline columns recomputed row by row."""
     df = df.copy()
     rows = df.to_dict("records")
-    kv, tok = [], []
+    cols: dict[str, list] = {}
     for r in rows:
-        ref = r if r.get("kv_dtype") in FP16_NAMES and r.get("status") == "ok" else fp16_reference(r, rows)
-        x = ratios(r, ref)
-        kv.append(x["kv_ratio_vs_fp16"])
-        tok.append(x["output_tok_s_ratio_vs_fp16"])
-    df["kv_ratio_vs_fp16"], df["output_tok_s_ratio_vs_fp16"] = kv, tok
+        own = r.get("kv_dtype") in FP16_NAMES and r.get("status") == "ok"
+        ref = r if own else fp16_reference(r, rows, baseline_run)
+        for k, v in ratios(r, ref).items():
+            cols.setdefault(k, []).append(v)
+    for k, v in cols.items():
+        df[k] = v
     return df

@@ -61,7 +61,7 @@ def _terminate_as_interrupt():
 def run_plan(plan: BenchPlan, listener: Listener | None = None) -> list[dict]:
     """Run every todo cell; return this run's rows. Interrupts stop the cell's processes and re-raise."""
     store = ResultsStore(plan.out)
-    prior = store.read("bench").to_dict("records") if plan.todo else []
+    prior = store.read("bench").to_dict("records") if plan.todo and plan.baseline_run else []
     rows: list[dict] = []
     with _terminate_as_interrupt():
         for i, cell in enumerate(plan.todo):
@@ -75,11 +75,13 @@ def run_plan(plan: BenchPlan, listener: Listener | None = None) -> list[dict]:
                 raise
             except Exception as e:  # noqa: BLE001 - an engine bug must not lose the rest of the matrix
                 res = EngineResult("failed", f"{type(e).__name__}: {e}"[:500])
-            row = build_row(cell, res, started, time.perf_counter() - t0)
+            # completed first: the row's id and GPU are what later rows of this run name as their FP16 baseline
+            row = store.complete_row(build_row(cell, res, started, time.perf_counter() - t0))
             if row["kv_dtype"] in FP16_NAMES and row["status"] == "ok":
                 row.update(ratios(row, row))
             else:
-                row.update(ratios(row, fp16_reference(row, rows + prior)))
+                # this run's FP16 row only; another run's (`--baseline-run`) only when asked for
+                row.update(ratios(row, fp16_reference(row, rows + prior, plan.baseline_run)))
             store.append(row, kind="bench")
             rows.append(row)
             if listener:

@@ -130,8 +130,17 @@ def cpu_label(rows: list[dict]) -> str:
     return "tok/s measured on the CPU (transformers): not representative of a GPU; KV from the caches' real bytes"
 
 
+def _scope(m: dict) -> str:
+    """Where a candidate's ratios come from, shown only when that is not this run's FP16 row."""
+    if m["kv_dtype"] in FP16_NAMES or m.get("status") != "ok":
+        return ""
+    if m.get("ratio_scope") == "cross-run":
+        return f"cross-run {m.get('fp16_run_id')}"
+    return "unpaired" if m.get("ratio_scope") == "unpaired" else ""
+
+
 def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians over ok repeats)",
-                  width: int | None = None) -> Table:
+                  width: int | None = None, baseline_run: str | None = None) -> Table:
     """One line per configuration: status counts, medians, ratios vs the FP16 row of the same group."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
@@ -142,7 +151,7 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
         base = dict(rs[-1])
         for k in ("output_tok_s", "total_tok_s", "kv_tokens", "kv_cache_gib", "max_concurrency", "peak_running",
                   "preemptions", "ttft_ms_p50", "tpot_ms_p50", "engine_start_s", "gpu_mem_gib", "ppl",
-                  "ppl_delta_pct"):
+                  "ppl_delta_pct", "kv_ratio_vs_fp16", "output_tok_s_ratio_vs_fp16"):
             base[k] = _median([r.get(k) for r in ok])
         if not ok:  # a timed-out cell still knows its capacity and start (its progress): shown, not compared
             for k in ("kv_tokens", "max_concurrency", "engine_start_s"):
@@ -152,8 +161,10 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
         base["repeat"] = -1
         med.append(base)
     for m in med:
-        ref = m if m["kv_dtype"] in FP16_NAMES else fp16_reference({**m, "run_id": None}, med)
-        m.update(ratios(m, ref))
+        ref = m if m["kv_dtype"] in FP16_NAMES else fp16_reference(m, med, baseline_run)
+        if ref is not None or m["status"] != "ok":
+            m.update(ratios(m, ref))
+        # else: its FP16 cell is not in this table: the stored ratios stand, with the baseline they name
     rows_out = []
     for m in med:
         kv = _f(m.get("kv_tokens"), "{:,.0f}")
@@ -165,6 +176,7 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
             "total tok/s": _f(m["total_tok_s"]), "x fp16 tok/s": _f(m["output_tok_s_ratio_vs_fp16"], "{:.2f}x"),
             "KV tokens": kv, "x fp16 KV": _f(m["kv_ratio_vs_fp16"], "{:.2f}x"),
             "ppl": _f(m["ppl"], "{:.3f}"), "Δ ppl": _f(m["ppl_delta_pct"], "{:+.2f}%"),
+            "fp16 from": _scope(m),
             "max reqs@burst": _f(m["max_concurrency"]), "peak running": _f(m["peak_running"], "{:.0f}"),
             "preempt": _f(m["preemptions"], "{:.0f}"), "TTFT p50 ms": _f(m["ttft_ms_p50"]),
             "TPOT p50 ms": _f(m["tpot_ms_p50"], "{:.2f}"), "start s": _f(m["engine_start_s"]),
@@ -189,7 +201,7 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
         if where and c == "out tok/s":
             header = "CPU tok/s"
         t.add_column(header, justify="left" if c in ("model", "kv dtype", "error") else "right",
-                     no_wrap=c not in ("error", "model"), overflow="fold")
+                     no_wrap=c not in ("error", "model", "fp16 from"), overflow="fold")
     for r in rows_out:
         t.add_row(*(r[c] for c in cols))
     return t

@@ -143,14 +143,15 @@ class HFEngine:
 
     name = "hf"
 
-    def __init__(self, src: str, device: str | None = None, model=None, tokenizer=None):
+    def __init__(self, src: str, device: str | None = None, model=None, tokenizer=None, dtype: str | None = None):
         import torch
 
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if model is None:
+            from ..finite import load_dtype
             from ..method.textdata import load_model
 
-            model, tokenizer = load_model(src, device=self.device)
+            model, tokenizer = load_model(src, device=self.device, dtype=load_dtype(dtype))
         self.model, self.tokenizer = model, tokenizer
         from ..method.hf_cache import cache_kwarg
 
@@ -169,8 +170,15 @@ class HFEngine:
             return DynamicCache()
         raise KvarnError(f"--engine hf cannot run {fmt.name}: kvarn.method.hf_cache is missing")
 
-    def _prefill(self, ids, cache, chunk: int | None):
-        """Feed ids [1, T] into the cache in chunks (each chunk attends to the stored, quantized earlier ones)."""
+    @property
+    def dtype(self) -> str:
+        from ..finite import dtype_name
+
+        return dtype_name(self.model)
+
+    def _prefill(self, ids, cache, chunk: int | None, watch, what: str):
+        """Feed ids [1, T] into the cache in chunks (each chunk attends to the stored, quantized earlier ones); a
+        chunk whose logits are not finite raises, naming `what` (format, request), the chunk and the module."""
         import torch
 
         t = ids.shape[-1]
@@ -179,12 +187,31 @@ class HFEngine:
         with torch.no_grad():
             for s in range(0, t, step):
                 out = self.model(ids[:, s:s + step], use_cache=True, **{self.cache_kw: cache})
+                watch.check(out.logits, f"{what}, prefill tokens {s}-{min(s + step, t) - 1}")
                 logits.append(out.logits)
         return logits
 
+    def _watch(self):
+        from ..finite import FiniteWatch
+
+        return FiniteWatch(self.model)
+
+    @staticmethod
+    def _failed(e) -> EngineError:
+        return EngineError(str(e), "failed")
+
     def generate(self, fmt: KVFormat, requests: list[GenRequest], params: GenParams) -> Iterator[GenResult]:
+        from ..finite import NonFiniteError
+
+        with self._watch() as watch:
+            try:
+                yield from self._generate(fmt, requests, params, watch)
+            except NonFiniteError as e:  # a failed row for this format, with where it went non-finite
+                raise self._failed(e) from None
+
+    def _generate(self, fmt: KVFormat, requests: list[GenRequest], params: GenParams, watch) -> Iterator[GenResult]:
         import torch
-        from transformers import StoppingCriteria, StoppingCriteriaList
+        from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
         tok = self.tokenizer
         eos = tok.eos_token_id
@@ -200,6 +227,17 @@ class HFEngine:
                 hit = any(s in tail for s in params.stop)
                 return torch.full((input_ids.shape[0],), hit, dtype=torch.bool, device=input_ids.device)
 
+        class CheckFinite(LogitsProcessor):
+            """Every decode step's logits, before sampling reads them."""
+
+            def __init__(self, what: str):
+                self.what, self.step = what, 0
+
+            def __call__(self, input_ids, scores):
+                self.step += 1
+                watch.check(scores, f"{self.what}, decode step {self.step}")
+                return scores
+
         for r in requests:
             t0 = time.perf_counter()
             ids = torch.tensor([r.prompt_ids], device=self.device)
@@ -207,14 +245,16 @@ class HFEngine:
             sample = params.temperature > 0
             if sample:
                 torch.manual_seed(r.seed)
+            what = f"for kv dtype {fmt.name}, problem {r.id}"
             # the first token comes from the prompt's own prefill (its chunks read their own tokens raw), as on
             # vLLM; generate() then feeds one token at a time, each step reading the stored cache
-            last = self._prefill(ids, cache, params.chunk)[-1][0, -1].float()
+            last = self._prefill(ids, cache, params.chunk, watch, what)[-1][0, -1].float()
             first = _pick_token(last, params.temperature if sample else 0.0, params.top_p)
             out = torch.cat([ids, first.view(1, 1)], -1)
             if params.max_tokens > 1 and first.item() != eos:
                 kw = dict(max_new_tokens=params.max_tokens - 1, do_sample=sample, pad_token_id=eos,
-                          stopping_criteria=StoppingCriteriaList([StopOnText(ids.shape[-1])]))
+                          stopping_criteria=StoppingCriteriaList([StopOnText(ids.shape[-1])]),
+                          logits_processor=LogitsProcessorList([CheckFinite(what)]))
                 if sample:
                     kw.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
                 else:
@@ -237,13 +277,23 @@ class HFEngine:
                             len(r.prompt_ids), time.perf_counter() - t0)
 
     def score(self, fmt: KVFormat, windows: list[tuple[str, list[int]]], chunk: int) -> Iterator[ScoreResult]:
+        from ..finite import NonFiniteError
+
+        with self._watch() as watch:
+            try:
+                yield from self._score(fmt, windows, chunk, watch)
+            except NonFiniteError as e:
+                raise self._failed(e) from None
+
+    def _score(self, fmt: KVFormat, windows: list[tuple[str, list[int]]], chunk: int, watch) -> Iterator[ScoreResult]:
         import torch
 
         for wid, toks in windows:
             t0 = time.perf_counter()
             ids = torch.tensor([toks], device=self.device)
             cache = self.new_cache(fmt)
-            logits = torch.cat(self._prefill(ids, cache, chunk), dim=1)[0, :-1].float()
+            logits = torch.cat(self._prefill(ids, cache, chunk, watch, f"for kv dtype {fmt.name}, window {wid}"),
+                               dim=1)[0, :-1].float()
             lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])
             yield ScoreResult(wid, float(-lp.sum()), int(ids.shape[-1] - 1), time.perf_counter() - t0)
 

@@ -58,6 +58,7 @@ class EvalOptions:
     bootstrap_seed: int = 0
     model_args: str | None = None  # vLLM engine arguments k=v,... (as lm-eval's --model_args), e.g. max_num_seqs=1
     concurrency: int = 1  # kv dtypes run side by side on one GPU (vLLM engine), each with 1/n of its memory
+    dtype: str | None = None  # the model's dtype (kvarn.finite.DTYPES); None: the engine's default
 
 
 class Reporter:
@@ -117,6 +118,9 @@ def _seed_for(seed: int, task: str, pid: str, k: int) -> int:
 
 
 def plan(o: EvalOptions) -> Plan:
+    from ..finite import parse_dtype
+
+    o.dtype = parse_dtype(o.dtype)
     spec = get_task(o.task)
     if o.samples is None or o.samples < 1:
         raise KvarnError(f"--samples must be >= 1 (answers per problem), got {o.samples}")
@@ -172,6 +176,8 @@ def plan(o: EvalOptions) -> Plan:
         protocol["depths"] = ",".join(f"{d:g}" for d in depths)
     if engine_args:  # engine settings that change what attention reads (prefix caching, batching): hashed when given
         protocol["engine_args"] = json.dumps(engine_args, sort_keys=True)
+    if o.dtype:  # a chosen model dtype is other numbers than the default's: hashed only when given
+        protocol["dtype"] = o.dtype
     if protocol["fewshot"]:  # gsm8k's shots are lm-eval's draw (tasks.load_gsm8k); older runs drew per problem
         protocol["fewshot_sampler"] = f"lm-eval:{LM_EVAL_FEWSHOT_SEED}"
     return Plan(spec, formats, base, engine, why, params, contexts, chunk, protocol, depths, engine_args)
@@ -264,6 +270,8 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
                      "answers that reach it count as truncated")
         eng.cfg.max_model_len = min(need, cap) if cap else need
     summaries: list[dict] = []
+    # what the rows record: the loaded model's dtype (hf), else the --dtype handed to vLLM
+    model_dtype = getattr(eng, "dtype", None) if p.engine == "hf" else (o.dtype or "auto")
     label = model_label(o.model)  # the rows' model column, as bench writes it (the hash keeps --model: resume)
     from ..vllm_plugin.common import backend_env
 
@@ -274,7 +282,7 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
                **({"backend_env": knobs} if knobs and fmt.family == "kvarn" else {})}
         chash = config_hash(cfg)
         base_row = {"run_id": run_id, "config_hash": chash, "model": label, "kv_dtype": fmt.name,
-                    "engine": p.engine, "tp": o.tp, "task": spec.name, "seed": o.seed}
+                    "engine": p.engine, "tp": o.tp, "task": spec.name, "seed": o.seed, "model_dtype": model_dtype}
         done = _done_samples(store, chash) if o.resume else pd.DataFrame()
         done_keys = set(zip(done["sample_id"].astype(str), done["repeat"].astype(int))) if len(done) else set()
         want = [(it, j) for it in items for j in range(k)]
@@ -311,6 +319,10 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
                 wins = [(it.id, it.token_ids) for it, _ in todo]
                 for r in eng.score(fmt, wins, p.chunk):
                     it = by_id[r.id]
+                    if not math.isfinite(r.nll_sum):  # summing would skip it: a NaN never becomes a perplexity
+                        raise EngineError(f"log-likelihood of window {it.id} is {r.nll_sum} (non-finite) for kv "
+                                          f"dtype {fmt.name}: the model's activations overflow in its dtype; try "
+                                          "--dtype bfloat16 or float32", "failed")
                     row = {**base_row, "kind": "sample", "status": "ok", "repeat": 0, "sample_id": it.id,
                            "nll_sum": r.nll_sum, "tokens": r.tokens, "ppl": math.exp(r.nll_sum / max(1, r.tokens)),
                            "offset": it.meta.get("offset"), "context": it.meta.get("window"), "seconds": r.seconds}
@@ -349,6 +361,7 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
                 s.update({"engine_why": p.engine_why, "data_source": source, "samples_k": k, **{
                     f"protocol_{key}": (json.dumps(v) if isinstance(v, (dict, list)) else v)
                     for key, v in p.protocol.items()}})
+                _refuse_nonfinite(s, spec.kind)
                 store.append([s], kind="eval")
                 summaries.append(s)
                 written.add(f.name)
@@ -377,6 +390,17 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
     return summaries
 
 
+def _refuse_nonfinite(s: dict, kind: str) -> None:
+    """A perplexity that came out inf / NaN (e.g. vLLM's prompt log-probs of an overflowing model) is a failed row,
+    not a result."""
+    if s.get("status") != "ok" or kind != "ppl":
+        return
+    v = s.get("ppl")
+    if v is not None and not math.isfinite(float(v)):
+        s.update(status="failed", error=f"perplexity of kv dtype {s.get('kv_dtype')} is {v} (non-finite): the "
+                                        "model's activations overflow in its dtype; try --dtype bfloat16 or float32")
+
+
 def _strip(text: str, thinking: bool | None) -> str:
     from .extract import strip_thinking
 
@@ -402,10 +426,11 @@ def _make_engine(p: Plan, o: EvalOptions):
     if p.engine == "hf":
         if o.tp != 1:
             raise KvarnError("--engine hf runs on one device; --tp > 1 needs --engine vllm")
-        if src not in _HF_ENGINES:  # one load per process (suites and tests call eval repeatedly)
+        key = (src, o.dtype)
+        if key not in _HF_ENGINES:  # one load per process (suites and tests call eval repeatedly)
             _HF_ENGINES.clear()
-            _HF_ENGINES[src] = HFEngine(src)
-        return _HF_ENGINES[src]
+            _HF_ENGINES[key] = HFEngine(src, dtype=o.dtype)
+        return _HF_ENGINES[key]
     from ..shapes import bundled_models
 
     if src.lower() in bundled_models() and not Path(src).exists():
@@ -416,6 +441,7 @@ def _make_engine(p: Plan, o: EvalOptions):
         raise KvarnError(f"--engine vllm needs real weights for {src!r}: {fix}")
     tok = load_tokenizer(src)
     return VLLMEngine(VLLMConfig(model=src, tp=o.tp, seed=o.seed, timeout_s=o.timeout_min * 60,
+                                 dtype=o.dtype or "auto",
                                  log_dir=str(Path(o.out) / "logs"), extra=dict(p.engine_args)), tok)
 
 

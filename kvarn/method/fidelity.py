@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import KvarnError
+from ..finite import FiniteWatch, check_metric, dtype_name, load_dtype, parse_dtype
 from .codecs import Codec, IdentityCodec, parse_codecs
 from .hf_cache import KVCodecCache, cache_kwarg
 
@@ -126,8 +127,10 @@ def capture_kv(model, ids: torch.Tensor, first: int = 128) -> list[LayerKV]:
     old = model.config._attn_implementation
     model.set_attn_implementation("kvarn_capture")
     try:
-        with torch.no_grad():
-            model(ids, use_cache=False)
+        with torch.no_grad(), FiniteWatch(model) as watch:
+            out = model(ids, use_cache=False)
+            watch.check(out.logits, f"in the K/V capture forward ({t} tokens, no cache: every format's K/V come "
+                                    "from it)")
     finally:
         model.set_attn_implementation(old)
     if not got:
@@ -178,13 +181,16 @@ def chunked_eval(model, ids: torch.Tensor, codecs: list[Codec], chunk: int, sink
     caches = {c.name: KVCodecCache(c, config=cfg, sink_tokens=sink, keep_decoded=True) for c in quant}
     acc = {c.name: {"nll_sum": 0.0, "n": 0, "kl_sum": 0.0, "top1": 0} for c in [*codecs, REF]}
     t = ids.shape[-1]
-    with torch.no_grad():
+    with torch.no_grad(), FiniteWatch(model) as watch:
         for s in range(0, t, chunk):
             e = min(s + chunk, t)
             piece = ids[:, s:e]
             tgt = ids[0, s + 1:e + 1]
             m = tgt.shape[0]  # the last position of the text has no target
-            lp_ref = torch.log_softmax(model(piece, use_cache=True, **{kw: ref}).logits[0, :m].float(), -1)
+            step = f"chunk {s // chunk} (tokens {s}-{e - 1})"
+            logits = model(piece, use_cache=True, **{kw: ref}).logits
+            watch.check(logits, f"for kv dtype auto (the fp16 cache) in {step}")
+            lp_ref = torch.log_softmax(logits[0, :m].float(), -1)
             nll_ref = -lp_ref.gather(-1, tgt[:, None]).sum().item()
             top_ref = lp_ref.argmax(-1)
             for c in [*codecs, REF]:
@@ -193,7 +199,9 @@ def chunked_eval(model, ids: torch.Tensor, codecs: list[Codec], chunk: int, sink
                     a["nll_sum"] += nll_ref
                     a["top1"] += m
                 else:
-                    lp = torch.log_softmax(model(piece, use_cache=True, **{kw: caches[c.name]}).logits[0, :m].float(), -1)
+                    logits = model(piece, use_cache=True, **{kw: caches[c.name]}).logits
+                    watch.check(logits, f"for kv dtype {c.name} in {step}")
+                    lp = torch.log_softmax(logits[0, :m].float(), -1)
                     a["nll_sum"] += -lp.gather(-1, tgt[:, None]).sum().item()
                     a["kl_sum"] += (lp_ref.exp() * (lp_ref - lp)).sum().item()
                     a["top1"] += int((lp.argmax(-1) == top_ref).sum())
@@ -214,8 +222,11 @@ def _mean(xs):
 
 def run_fidelity(model: str = SYNTHETIC, kv_dtypes: str | None = None, context: int | None = None, chunk: int = 128,
                  text: str | None = None, device: str = "cpu", sink: int | None = None, windows: int = 1,
-                 start_char: int | None = None, log=None) -> tuple[list[FidelityResult], dict]:
-    """Run both measurements; returns (results per format, run info)."""
+                 start_char: int | None = None, log=None, dtype: str | None = None
+                 ) -> tuple[list[FidelityResult], dict]:
+    """Run both measurements; returns (results per format, run info). `dtype`: the model's (DTYPES; None or
+    `auto`: its config's). A forward or metric that goes non-finite raises NonFiniteError naming format and step."""
+    dtype = parse_dtype(dtype)
     codecs = parse_codecs(kv_dtypes, DEFAULT_KV)
     if chunk < 1:
         raise KvarnError(f"--chunk must be >= 1, got {chunk}")
@@ -228,10 +239,13 @@ def run_fidelity(model: str = SYNTHETIC, kv_dtypes: str | None = None, context: 
     info = {"model": model, "chunk": chunk, "device": device, "sink": sink, "windows": windows}  # None: each preset's
     lm = None
     if model.strip().lower() == SYNTHETIC:
+        if dtype not in (None, "float32"):
+            raise KvarnError(f"--dtype {dtype} picks a real model's dtype; the synthetic K/V are float32 (give "
+                             "--model smollm2-135m or a local folder)")
         context = context or 1024
         if context < 2:
             raise KvarnError(f"--context must be >= 2, got {context}")
-        info.update(context=context, text="", tokens=context)
+        info.update(context=context, text="", tokens=context, dtype="float32")
         layers_kv = synthetic_kv(t=context)
         windows_ids = []
     else:
@@ -243,7 +257,8 @@ def run_fidelity(model: str = SYNTHETIC, kv_dtypes: str | None = None, context: 
         body = load_text(text)
         start = start_char if start_char is not None else (MOBY_START if not text else 0)
         log(f"loading {model} ...")
-        lm, tok = load_model(model, device=device)
+        lm, tok = load_model(model, device=device, dtype=load_dtype(dtype))
+        info["dtype"] = dtype_name(lm)
         ids = tok(body[start:], return_tensors="pt").input_ids.to(device)
         need = context * windows
         if ids.shape[-1] < need:
@@ -262,7 +277,8 @@ def run_fidelity(model: str = SYNTHETIC, kv_dtypes: str | None = None, context: 
         for i, lay in enumerate(layers_kv):
             row = kv_metrics(lay, c, sixteen_bit=c.is_16bit_layer(i, n_layers) or isinstance(c, IdentityCodec))
             per.append({"layer": i, **row})
-        m = {k: _mean(r[k] for r in per) for k in ("k_rel_mse", "v_rel_mse", "out_rel_err", "score_kl")}
+        m = {k: check_metric(_mean(r[k] for r in per), f"{k} of kv dtype {c.name}")
+             for k in ("k_rel_mse", "v_rel_mse", "out_rel_err", "score_kl")}
         results.append(FidelityResult(c.name, c.bytes_per_token_per_head(d), m, per))
         log(f"K/V metrics: {c.name}")
     if windows_ids:
@@ -273,11 +289,11 @@ def run_fidelity(model: str = SYNTHETIC, kv_dtypes: str | None = None, context: 
             for name, a in part.items():
                 for k in a:
                     acc[name][k] += a[k]
-        ref_ppl = math.exp(acc[REF.name]["nll_sum"] / acc[REF.name]["n"])
+        ref_ppl = check_metric(math.exp(acc[REF.name]["nll_sum"] / acc[REF.name]["n"]), "perplexity of kv dtype auto")
         info["ppl_fp16"] = ref_ppl
         for r in results:
             a = acc[r.kv_dtype]
-            ppl = math.exp(a["nll_sum"] / a["n"])
+            ppl = check_metric(math.exp(a["nll_sum"] / a["n"]), f"perplexity of kv dtype {r.kv_dtype}")
             r.metrics["ppl"] = ppl
             r.metrics["next_token_kl"] = a["kl_sum"] / a["n"]
             r.metrics["top1_agree"] = a["top1"] / a["n"]

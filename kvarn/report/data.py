@@ -133,14 +133,18 @@ def bench_cells(bench: pd.DataFrame) -> pd.DataFrame:
         rec["output_tok_s_max"] = float(tps.max()) if len(tps) else math.nan
         rec["output_tok_s_spread_pct"] = (float((tps.max() - tps.min()) / tps.median() * 100) if len(tps) > 1
                                           else math.nan)
-        for col in PROVENANCE + ("created_at", "run_id", "hf_device"):
+        for col in PROVENANCE + ("created_at", "run_id", "hf_device", "fp16_run_id", "ratio_scope"):
             if col in g.columns:
                 vals = g[col].dropna().astype(str)
                 rec[col] = ", ".join(sorted(set(vals))) if len(vals) else ""
         rows.append(rec)
     cells = pd.DataFrame(rows)
-    # ratios vs FP16 of the same setting, computed here when bench did not (it may have run formats separately)
-    setting = [k for k in keys if k != "kv_dtype"]
+    # ratios vs FP16 of the same setting, computed here when bench did not (rows older than the baseline columns):
+    # only against an FP16 cell of the same run(s) on the same GPU, never across runs
+    for col in ("run_id", "gpu_name"):
+        if col not in cells.columns:
+            cells[col] = ""
+    setting = [k for k in keys if k != "kv_dtype"] + ["run_id", "gpu_name"]
     fp16 = cells[cells["kv_dtype"].isin(FP16_KV) & (cells["valid_runs"] > 0)]
     def skey(rec) -> tuple:
         return tuple(None if isinstance(rec[s], float) and math.isnan(rec[s]) else rec[s] for s in setting)
@@ -167,11 +171,25 @@ def bench_cells(bench: pd.DataFrame) -> pd.DataFrame:
                               for r in cells.to_dict("records")], index=cells.index, dtype=float)
         old = cells["kv_ratio_vs_fp16"] if "kv_ratio_vs_fp16" in cells else pd.Series(math.nan, index=cells.index)
         cells["kv_ratio_vs_fp16"] = pd.to_numeric(old, errors="coerce").where(old.notna(), by_bytes)
+    cells["ratio_vs"] = [ratio_label(r) for r in cells.to_dict("records")]
     cells["family"] = cells["kv_dtype"].map(family)
     order = {n: i for i, n in enumerate(format_order(cells["kv_dtype"]))}
     cells["_o"] = cells["kv_dtype"].map(order)
     cells = cells.sort_values(["model", "tp", "mode", "burst", "_o"]).drop(columns="_o").reset_index(drop=True)
     return cells
+
+
+def ratio_label(cell: dict) -> str:
+    """Where a cell's ratios come from: 'same run', 'cross-run (FP16 of run X)', 'unpaired' (no FP16 of its run)."""
+    if cell.get("kv_dtype") in FP16_KV:
+        return "same run"
+    scopes = {s.strip() for s in str(cell.get("ratio_scope") or "").split(",") if s.strip()}
+    if "cross-run" in scopes:
+        return f"cross-run (FP16 of run {cell.get('fp16_run_id') or '?'})"
+    ratio = cell.get("kv_ratio_vs_fp16")
+    if ratio is None or (isinstance(ratio, float) and math.isnan(ratio)):
+        return "unpaired"
+    return "same run"
 
 
 def eval_summary(evals: pd.DataFrame) -> pd.DataFrame:

@@ -389,7 +389,7 @@ def _page(df, cells, bench, ev, invalid, failed_eval, head, tasks, figs, notes, 
                 ("runs", "runs"), ("output_tok_s", "out tok/s"), ("output_tok_s_spread_pct", "spread %"),
                 ("output_tok_s_ratio_vs_fp16", "÷ fp16"), ("total_tok_s", "total tok/s"),
                 ("request_throughput", "req/s"), ("kv_tokens", "KV tokens"), ("kv_ratio_vs_fp16", "KV ÷ fp16"),
-                ("max_concurrency", "max conc.")]
+                ("ratio_vs", "ratios vs"), ("max_concurrency", "max conc.")]
         for k in ("ttft", "tpot", "itl", "e2el"):
             for p in ("p50", "p90", "p99"):
                 c = f"{k}_ms_{p}"

@@ -49,6 +49,10 @@ BENCH_METRICS = (
 BENCH_CONFIG_COLUMNS = ("mode", "burst", "prompt_len", "output_len", "requests", "gpu_memory_utilization",
                         "max_num_seqs", "dummy_weights", "model_dtype", "engine_args", "request_rate", "burstiness",
                         "concurrency_limit", "goodput", "weights")
+# Which FP16 row a bench row's *_ratio_vs_fp16 columns were taken against (kvarn/bench/ratios.py): its row_id
+# (comma-joined when the ratio is against the mean over that run's repeats), run_id and GPU, and the scope:
+# same-run | cross-run (asked for with --baseline-run) | unpaired (no FP16 row of this run: the ratios are NaN).
+RATIO_COLUMNS = ("fp16_row_id", "fp16_run_id", "fp16_gpu", "ratio_scope")
 EVAL_METRICS = ("n", "accuracy", "ppl", "ci_low", "ci_high", "delta_vs_fp16", "delta_ci_low", "delta_ci_high",
                 "truncation_rate", "mean_gen_tokens")
 # Provenance columns copied from kvarn.provenance.provenance() into every row.
@@ -66,7 +70,7 @@ COLUMN_TYPES: dict[str, str] = {
     "gpu_memory_utilization": "float64", "max_num_seqs": "float64", "dummy_weights": "boolean",
     "model_dtype": "string", "engine_args": "string", "request_rate": "float64", "burstiness": "float64",
     "concurrency_limit": "float64", "goodput": "string", "weights": "string", "backend_env": "string",
-    "jit_kernels": "string",
+    "jit_kernels": "string", **{c: "string" for c in RATIO_COLUMNS},
     **{c: "string" for c in PROVENANCE_COLUMNS if c != "gpu_count"}, "gpu_count": "int64",
 }
 

@@ -33,8 +33,10 @@ def register(app: typer.Typer) -> None:
                                                      "are found locally."),
         weights: Optional[str] = typer.Option(None, "--weights", help="Real weights for the shape: a local folder "
                                               "or a hub id in the local HF cache (smollm2-135m on hf)."),
-        dtype: Optional[str] = typer.Option(None, "--dtype", help="Model dtype (float16, bfloat16, float32). "
-                                            "Default: the model's; fp8 KV runs bfloat16 on vLLM; float32 on a CPU."),
+        dtype: Optional[str] = typer.Option(None, "--dtype", metavar="auto|float16|bfloat16|float32",
+                                            help="Model dtype, passed to vLLM as dtype= and to transformers (auto: "
+                                            "the model config's). Default: the model's; fp8 KV runs bfloat16 on "
+                                            "vLLM; float32 on a CPU."),
         gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization"),
         max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="vLLM's running-request cap; the "
                                                    "hf engine's batch size (default: all requests)."),
@@ -59,6 +61,12 @@ def register(app: typer.Typer) -> None:
                                                     "'ttft:500 tpot:50 e2el:20000' (repeatable)."),
         engine_arg: Optional[List[str]] = typer.Option(None, "--engine-arg", "-E", help="Extra vLLM engine argument "
                                                        "key=value (repeatable), e.g. enforce_eager=true."),
+        baseline_run: Optional[str] = typer.Option(None, "--baseline-run", metavar="RUN_ID", help="Take the ratios "
+                                                   "against the FP16 rows of this earlier run in OUT (same GPU) "
+                                                   "instead of this run's own; such ratios are labelled cross-run."),
+        pair_fp16: bool = typer.Option(False, "--pair-fp16", help="Rerun a setting's FP16 cell in this run whenever "
+                                       "one of its candidates runs (a resumed candidate never pairs with an earlier "
+                                       "call's FP16 row; an unpaired stored candidate runs again)."),
         distributed_executor_backend: Optional[str] = typer.Option(
             None, "--distributed-executor-backend", help="vLLM executor: mp (one host) or ray (multi-node: start a "
             "Ray cluster first, then run kvarn bench on its head node)."),
@@ -81,7 +89,7 @@ def register(app: typer.Typer) -> None:
                             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs, repeat=repeat,
                             seed=seed, out=out_dir, mode=mode, engine=engine, timeout=timeout, force=force,
                             request_rate=request_rate, burstiness=burstiness, max_concurrency=max_concurrency,
-                            goodput=goodput, engine_args=args)
+                            goodput=goodput, engine_args=args, baseline_run=baseline_run, pair_fp16=pair_fp16)
         plan = build_plan(opts)
         out.print(f"engine: [bold]{plan.engine.name}[/] ({plan.engine_reason}); model {plan.shape.name} "
                   f"({'dummy weights' if plan.configs[0].dummy_weights else 'real weights'}); "
@@ -118,7 +126,7 @@ def register(app: typer.Typer) -> None:
             latest[(r["config_hash"], int(r["repeat"]))] = r  # an ok row wins over an older failure
         order = {(c.hash, c.repeat): i for i, c in enumerate(plan.cells)}
         final = sorted(latest.values(), key=lambda r: order[(r["config_hash"], int(r["repeat"]))])
-        out.print(summary_table(final, width=out.width))
+        out.print(summary_table(final, width=out.width, baseline_run=plan.baseline_run))
         for note in stall_notes(final):
             out.print(note, markup=False)
         bad = [r for r in final if r["status"] != "ok"]

@@ -147,6 +147,9 @@ def register(app: typer.Typer) -> None:
                                        "model_args), e.g. enable_prefix_caching=false,max_num_seqs=1."),
         gen_kwargs: str = typer.Option(None, "--gen-kwargs", help="lm-eval gen_kwargs, e.g. max_gen_toks=2048."),
         json_: bool = typer.Option(False, "--json", help="Print the summary rows as JSON lines."),
+        dtype: str = typer.Option(None, "--dtype", metavar="auto|float16|bfloat16|float32",
+                                  help="Model dtype, as vLLM's --dtype (auto: the model config's). Default: vllm "
+                                       "auto; hf transformers' choice (float32 for the shipped SmolLM2)."),
     ) -> None:
         """Accuracy and fidelity of KV formats vs the fp16 cache: n, score, 95% CI, paired Δ with its CI.
 
@@ -171,7 +174,8 @@ def register(app: typer.Typer) -> None:
                 ("--temperature", temperature is not None), ("--top-p", top_p is not None),
                 ("--max-tokens", max_tokens is not None), ("--context", context is not None),
                 ("--thinking", thinking is not None), ("--data", data is not None), ("--chunk", chunk is not None),
-                ("--needle", needle != "kv"), ("--depth", depth is not None), ("--no-resume", not resume)) if given]
+                ("--needle", needle != "kv"), ("--depth", depth is not None), ("--no-resume", not resume),
+                ("--dtype", dtype is not None)) if given]
             if unused:
                 raise KvarnError(f"not used with --harness lm-eval: {', '.join(unused)} (it runs vLLM with each "
                                  "task's own settings); pass generation settings as --gen-kwargs, engine ones as "
@@ -205,7 +209,7 @@ def register(app: typer.Typer) -> None:
                             max_tokens=max_tokens, context=context, chat=chat, thinking=thinking, data=data,
                             seed=seed, out=out_dir, chunk=chunk, fewshot=fewshot, needle=needle, depth=depth,
                             resume=resume, timeout_min=timeout_min, model_args=model_args,
-                            concurrency=concurrency)
+                            concurrency=concurrency, dtype=dtype)
             rows = run_eval(o, reporter)
         else:
             raise KvarnError(f"unknown --harness {harness!r}; accepted: kvarn, lm-eval")

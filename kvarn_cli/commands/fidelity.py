@@ -29,6 +29,9 @@ def register(app: typer.Typer) -> None:
                                             "shipped excerpt, 0 for --text)."),
         windows: int = typer.Option(1, "--windows", help="Consecutive windows of --context tokens for perplexity."),
         device: str = typer.Option("cpu", "--device", help="torch device for the model."),
+        dtype: str = typer.Option(None, "--dtype", metavar="auto|float16|bfloat16|float32",
+                                  help="Model dtype (auto: the model config's, as vLLM; default: transformers' "
+                                       "choice, float32 for the shipped SmolLM2)."),
         sink: int = typer.Option(None, "--sink", help="First N tokens kept 16-bit in the cache (default: each "
                                                       "format's own: 16 for KVarN presets, 0 for the others)."),
         per_layer: bool = typer.Option(False, "--per-layer", help="Also show / emit the per-layer K/V metrics."),
@@ -41,17 +44,20 @@ def register(app: typer.Typer) -> None:
 
         log = lambda m: err(m)  # noqa: E731  progress goes to stderr, JSON to stdout
         results, info = run_fidelity(model=model, kv_dtypes=kv_dtype, context=context, chunk=chunk, text=text,
-                                     device=device, sink=sink, windows=windows, start_char=start_char, log=log)
+                                     device=device, sink=sink, windows=windows, start_char=start_char, log=log,
+                                     dtype=dtype)
         if out_dir:
             _store(out_dir, results, info)
         if json_:
             for r in results:
-                print_json({**{k: info[k] for k in ("model", "context", "chunk", "sink", "windows", "layers")},
+                print_json({**{k: info.get(k) for k in ("model", "context", "chunk", "sink", "windows", "layers",
+                                                        "dtype")},
                             **r.as_dict(per_layer)})
             return
         has_ppl = "ppl" in results[0].metrics
         t = Table(title=f"KV fidelity: {info['model']}, {info['context']} tokens x {info['windows'] if has_ppl else 1}"
-                        f", {info['layers']} layers" + (f", chunk {info['chunk']}" if has_ppl else ""))
+                        f", {info['layers']} layers"
+                        + (f", chunk {info['chunk']}, {info['dtype']}" if has_ppl else ""))
         t.add_column("kv dtype", no_wrap=True)
         cols = ["B/tok/head", "K rel MSE", "V rel MSE", "attn out err", "score KL"]
         if has_ppl:
@@ -89,12 +95,14 @@ def _store(out_dir: str, results, info: dict) -> None:
     rows = []
     for r in results:
         cfg = {k: info.get(k) for k in ("model", "context", "chunk", "sink", "windows", "text", "start_char")}
+        if info.get("dtype") not in (None, "float32"):  # hashed when not the float32 every earlier row ran in
+            cfg["dtype"] = info["dtype"]
         cfg["kv_dtype"] = r.kv_dtype
         rows.append({"kind": "fidelity", "status": "ok", "config_hash": config_hash(cfg), "run_id": _run_id(),
                      "model": info["model"], "kv_dtype": r.kv_dtype, "engine": "hf", "tp": 1, "seed": 0,
                      "context": info["context"], "chunk": info["chunk"],
                      "sink": info["sink"] if info["sink"] is not None else get_codec(r.kv_dtype).fmt.sink_tokens,
-                     "windows": info["windows"], "layers": info["layers"],
+                     "windows": info["windows"], "layers": info["layers"], "model_dtype": info.get("dtype"),
                      "bytes_per_token_per_head": r.bytes_per_token_per_head, **r.metrics,
                      "per_layer_json": json.dumps(r.layers)})
     ResultsStore(out_dir).append(rows, kind="fidelity")

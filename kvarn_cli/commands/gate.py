@@ -31,6 +31,9 @@ def register(app: typer.Typer) -> None:
         json_out: Path = typer.Option(None, "--json-out", help="Write the JSON verdict here."),
         markdown_out: Path = typer.Option(None, "--markdown-out", help="Write the Markdown summary here (CI comment)."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not print the Markdown summary."),
+        min_repeats: int = typer.Option(None, "--min-repeats", metavar="N", help="Fewest repeats a cell needs "
+                                        "(overrides the policy's repeats.min; 1 gates a single-repeat run, each "
+                                        "cell's one run being its median)."),
     ) -> None:
         """Gate a run against a baseline: medians of odd repeats after validating every raw run, relative and
         absolute perf bounds, accuracy bounds on the paired interval. Exit 0 pass, 1 regression, 2 unusable input."""
@@ -38,7 +41,8 @@ def register(app: typer.Typer) -> None:
 
         try:
             pol = load_policy(policy)
-            verdict = run_gate(results, baseline, pol, policy_source=str(policy) if policy else "built-in")
+            verdict = run_gate(results, baseline, pol, policy_source=str(policy) if policy else "built-in",
+                               min_repeats=min_repeats)
         except KvarnError as e:  # unusable input: still leave a verdict for CI to read
             v = {"verdict": "unusable", "exit_code": 2, "results": str(results), "baseline": str(baseline),
                  "problems": [{"message": str(e)}], "checks": [], "invalid_runs": [],

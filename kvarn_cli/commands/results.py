@@ -68,6 +68,31 @@ def _cell(v) -> str:
     return str(v)
 
 
+TABLES = ("readme",)
+
+
+def _print_table(table, baseline_run, df, store) -> None:
+    from kvarn.errors import choices
+    from kvarn.report.readme_table import readme_table
+
+    if table not in TABLES:
+        if table is None:
+            raise KvarnError(f"--baseline-run goes with --table; accepted tables: {choices(TABLES)}")
+        raise KvarnError(f"unknown --table {table!r}; accepted: {choices(TABLES)}")
+    bench = df[df["kind"] == "bench"] if "kind" in df.columns else df.iloc[0:0]
+    if baseline_run:
+        runs = set(store.read("bench").get("run_id", []))
+        if baseline_run not in runs:
+            raise KvarnError(f"--baseline-run {baseline_run!r} is not a run of these results; accepted: "
+                             f"{choices(sorted(map(str, runs))) or 'none'}")
+        if "run_id" in bench.columns and baseline_run not in set(bench["run_id"]):  # filters must not drop it
+            import pandas as pd
+
+            b = store.read("bench")
+            bench = pd.concat([bench, b[b["run_id"] == baseline_run]], ignore_index=True)
+    print(readme_table(bench.reset_index(drop=True), baseline_run))
+
+
 def register(app: typer.Typer) -> None:
     @app.command("results")
     def results(
@@ -87,6 +112,12 @@ def register(app: typer.Typer) -> None:
         json_: bool = typer.Option(False, "--json", help="One JSON object per row (all columns)."),
         csv: bool = typer.Option(False, "--csv", help="CSV on stdout (all columns, or --columns)."),
         compact: bool = typer.Option(False, "--compact", help="Merge the stored parts into one file, then list."),
+        table: Optional[str] = typer.Option(None, "--table", metavar="readme", help="Print a markdown table of the "
+                                            "(filtered) bench rows instead: readme = one line per workload x "
+                                            "candidate format, each ratio with the FP16 row, run and GPU it used."),
+        baseline_run: Optional[str] = typer.Option(None, "--baseline-run", metavar="RUN_ID", help="With --table: "
+                                                   "take the ratios against this run's FP16 rows (labelled "
+                                                   "cross-run) instead of each row's own run's."),
     ) -> None:
         """List stored result rows, newest last, filtered by kind, model, KV format and status."""
         from kvarn.results import STATUSES, ResultsStore
@@ -132,6 +163,9 @@ def register(app: typer.Typer) -> None:
         if last:
             df = df.tail(last)
         df = df.reset_index(drop=True)
+        if table is not None or baseline_run:
+            _print_table(table, baseline_run, df, store)
+            return
         if columns and columns.strip() != "all":
             cols = [c.strip() for c in columns.split(",") if c.strip()]
             missing = [c for c in cols if c not in df.columns]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU-marked kernel tests that guard the vLLM decode path (compiled Triton, CUDA-graph capture), failures shown
 # in full. Part of scripts/device/run.sh: bash scripts/device/run.sh gputest:300 (the default selection, 42 tests,
-# ran past 180 s on a fresh machine in session 10: its first calls compile every kernel variant)
+# ran past 180 s on a fresh machine in session 10: its first calls compile every kernel variant). The whole
+# `pytest -m gpu` selection plus a vLLM smoke, with one summary line: scripts/device/gpusuite.sh
 set -uo pipefail
 # no pipe: a part cut by its time limit still leaves every finished test's line in the log (-v, one per test)
 # KVARN_GPUTEST_FILES: other test files, e.g. tests/test_vllm_plugin_warmup.py (with KVARN_GPUTEST_K=warm_up)

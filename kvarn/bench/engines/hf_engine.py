@@ -38,9 +38,9 @@ def default_dtype(shape_dtype: str) -> str:
 
 
 def _torch_dtype(name: str):
-    import torch
+    from ...finite import torch_dtype
 
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+    return torch_dtype(name)
 
 
 def load_hf_model(cfg: BenchConfig, device: str):
@@ -196,7 +196,11 @@ class HfEngine(Engine):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        with torch.inference_mode():
+        from ...finite import FiniteWatch
+
+        # every forward's logits are checked (a NaN is never a throughput): a non-finite one fails the cell, naming
+        # the format, the batch, the step and the first non-finite layer
+        with torch.inference_mode(), FiniteWatch(model, layers_only=True) as watch:
             for b in range(0, len(prompts), batch):
                 chunk = prompts[b:b + batch]
                 cache, _ = _cache_for(cfg.kv_dtype, model)
@@ -205,15 +209,18 @@ class HfEngine(Engine):
                 recs = [RequestRecord(prompt_len=len(p), start=start) for p in chunk]
                 ckw = _hf_cache().cache_kwarg(model)
                 out = model(input_ids=ids, use_cache=True, **{ckw: cache}, **_last_logits_only(model))
+                what = f"for kv dtype {cfg.kv_dtype}, batch {b // batch}"
+                watch.check(out.logits[:, -1], f"{what}, prefill")
                 nxt = out.logits[:, -1].argmax(-1)
                 now = time.perf_counter()
                 for r in recs:
                     r.ttft, r.latency, r.output_tokens = now - start, now - start, 1
-                for _ in range(cfg.output_len - 1):
+                for step in range(1, cfg.output_len):
                     if time.monotonic() > deadline:
                         return EngineResult("timeout", f"no result after {timeout_s:.0f} s (hf engine stopped "
                                                        f"between decode steps)", {"wall_s": time.perf_counter() - start})
                     out = model(input_ids=nxt[:, None], use_cache=True, **{ckw: cache})
+                    watch.check(out.logits[:, -1], f"{what}, decode step {step}")
                     nxt = out.logits[:, -1].argmax(-1)
                     now = time.perf_counter()
                     for r in recs:
@@ -231,7 +238,7 @@ class HfEngine(Engine):
                  preemptions=0.0)
         if device == "cuda":
             m["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
-        info = {"hf_device": device}
+        info = {"hf_device": device, "model_dtype": str(model.dtype).replace("torch.", "")}
         if tok is not None and not cfg.dummy_weights:
             t_ppl = time.perf_counter()
             ids = window_ids(tok)

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The whole `pytest -m gpu` selection plus a vLLM smoke, ending in one line:
+#   gpu tests: N passed, M failed; vllm smoke: ok|failed
+# Needs the vLLM bundle (run.sh stages it and installs kvarn), so it runs as a part of scripts/device/run.sh:
+#   KVARN_BG=1 bash scripts/device/run.sh gpusuite:1500      # the whole selection: longer than one 10-minute call,
+#   bash scripts/device/run.sh wait:540                      # so it runs in the background; `wait` (again) collects it
+#   bash scripts/device/run.sh gpusuite:590@KVARN_GPUSUITE_FILES=tests/test_vllm_gpu.py   # a part of it in one call
+# Each test file runs in its own pytest process: a CUDA error that poisons its process (an illegal memory access)
+# fails that file's later tests, which count as failed, but cannot fail the other files'. A file not started for
+# lack of time, cut by it or dead before writing its results is counted apart ("files not run"), never as passed,
+# and makes the exit status non-zero.
+#   KVARN_GPUSUITE_FILES  test files to run (default: every file with a test the gpu marker selects)
+#   KVARN_SMOKE_CASES     vllm_smoke.sh cases (default: the FP16 baseline and the shipped KVarN preset with CUDA graphs)
+#   KVARN_SMOKE_BUDGET    seconds for the smoke (default 300), kept out of the part's time limit before the tests
+set -uo pipefail
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT/gpusuite"
+DIR="$(cd "$(dirname "$0")" && pwd)"
+T0=$(date +%s)
+LIMIT="${KVARN_PART_SECS:-590}"
+export KVARN_SMOKE_BUDGET="${KVARN_SMOKE_BUDGET:-300}"
+export KVARN_SMOKE_CASES="${KVARN_SMOKE_CASES:-smol_fp16_eager_v2,smol_g128_graph_v2}"
+TESTS_END=$(( T0 + LIMIT - KVARN_SMOKE_BUDGET - 20 ))   # the smoke keeps its share of the part's time
+smoke="not run"
+not_run=()
+
+summary() {  # counts from the JUnit files written so far: the line is printed even when the part is cut short
+  python3 - "$OUT/gpusuite" "$smoke" "${#not_run[@]}" <<'PY'
+import glob, sys
+import xml.etree.ElementTree as ET
+root, smoke, not_run = sys.argv[1], sys.argv[2], int(sys.argv[3])
+passed = failed = errors = skipped = 0
+for f in sorted(glob.glob(f"{root}/*.xml")):
+    try:
+        suites = ET.parse(f).getroot()
+    except ET.ParseError:  # a process killed while writing: its file says nothing, count it as not run
+        not_run += 1
+        continue
+    for s in ([suites] if suites.tag == "testsuite" else suites.iter("testsuite")):
+        n, fl, er, sk = (int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+        passed += n - fl - er - sk
+        failed += fl
+        errors += er
+        skipped += sk
+extra = [f"{what}: {n}" for n, what in ((errors, "errors"), (skipped, "skipped"), (not_run, "files not run")) if n]
+print(f"gpu tests: {passed} passed, {failed + errors} failed; vllm smoke: {smoke}"
+      + (f" ({', '.join(extra)})" if extra else ""))
+sys.exit(0 if passed and not (failed or errors or not_run) and smoke == "ok" else 1)
+PY
+}
+# children run in the background and are waited for, so a TERM from run.sh's time limit reaches this trap at once
+CHILD=""
+bg() {  # LOG CMD...
+  local log="$1"; shift
+  "$@" > "$log" 2>&1 & CHILD=$!
+  wait "$CHILD"; local rc=$?; CHILD=""; return $rc
+}
+stopped() {
+  [ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null
+  [ -n "${current:-}" ] && not_run+=("$current (stopped)")
+  [ "$smoke" = "not run" ] || [ "$smoke" = running ] && smoke="cut by the time limit"
+  echo "=== the part was stopped"; summary; exit 124
+}
+trap stopped TERM INT
+
+if [ -n "${KVARN_GPUSUITE_FILES:-}" ]; then
+  read -r -a files <<< "$KVARN_GPUSUITE_FILES"
+else
+  # what the marker selects, and every file that names the marker: one whose collection fails still runs (and
+  # counts as failed) instead of dropping out of the selection
+  mapfile -t files < <({ python3 -m pytest -m gpu --collect-only -q -p no:cacheprovider tests 2>/dev/null \
+                         | grep '::' | cut -d: -f1; grep -l -E 'mark\.gpu' tests/test_*.py; } | sort -u)
+fi
+echo "gpu test files: ${files[*]:-none}"
+for f in "${files[@]}"; do
+  left=$(( TESTS_END - $(date +%s) ))
+  if [ "$left" -lt 20 ]; then not_run+=("$f"); echo "--- $f: not run (time)"; continue; fi
+  name=$(basename "$f" .py)
+  echo "--- $f (at most ${left} s)"
+  current=$f
+  bg "$OUT/gpusuite/$name.log" timeout -k 5 "$left" python3 -m pytest -m gpu "$f" -p no:cacheprovider -q -rfE \
+    --tb=short --junitxml="$OUT/gpusuite/$name.xml"
+  rc=$?; current=""
+  tail -n 4 "$OUT/gpusuite/$name.log"
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then  # cut: the finished tests are lost with the unwritten XML
+    rm -f "$OUT/gpusuite/$name.xml"; not_run+=("$f (cut after ${left} s)")
+  elif [ ! -s "$OUT/gpusuite/$name.xml" ]; then  # the process died (e.g. a CUDA abort) before writing its results
+    not_run+=("$f (no result: exit $rc, see gpusuite/$name.log)")
+  fi
+  bash "$DIR/free_gpu.sh" > /dev/null 2>&1
+done
+[ ${#not_run[@]} -gt 0 ] && printf 'not run: %s\n' "${not_run[@]}"
+
+echo "--- vLLM smoke: $KVARN_SMOKE_CASES"
+smoke=running
+bg "$OUT/gpusuite/smoke.log" env OUT="$OUT/gpusuite/smoke" bash "$DIR/vllm_smoke.sh"
+tail -n 8 "$OUT/gpusuite/smoke.log"
+smoke=ok
+IFS=, read -r -a cases <<< "$KVARN_SMOKE_CASES"
+for c in "${cases[@]}"; do
+  if ! python3 -c "import json,sys; sys.exit(0 if json.load(open(sys.argv[1])).get('ok') is True else 1)" \
+      "$OUT/gpusuite/smoke/$c.json" 2>/dev/null; then
+    smoke=failed; echo "smoke case $c: not ok (log: gpusuite/smoke/$c.log)"
+  fi
+done
+trap - TERM INT
+echo "=== $(( $(date +%s) - T0 )) s"
+summary   # exit 0 only when every selected test ran and passed and the smoke is ok
