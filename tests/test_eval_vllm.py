@@ -157,3 +157,19 @@ def test_model_args_refused_on_the_hf_engine(tmp_path):
     r = run_cli("eval", "gsm8k", "--engine", "hf", "--model-args", "max_num_seqs=1", "--out", str(tmp_path))
     assert r.returncode == 2 and "--model-args are vLLM engine arguments" in r.stderr + r.stdout
     assert "Traceback" not in r.stderr
+
+
+def test_engines_side_by_side_share_memory_and_size_their_cache(monkeypatch):
+    """--concurrency: each engine takes 1/n of the memory fraction and a KV cache sized up front (vLLM's profiling
+    reads the whole GPU, which the other engines change)."""
+    from kvarn.eval import engines as E
+    from kvarn.formats import get_format
+
+    monkeypatch.setattr(E, "gpu_total_bytes", lambda: 100 * 2**30)
+    fmt = get_format("kvarn_k4v2_g128")
+    one = E.VLLMEngine(E.VLLMConfig(model="m"), None)._llm_args(fmt, None, None)
+    assert one["gpu_memory_utilization"] == 0.85 and "kv_cache_memory_bytes" not in one
+    four = E.VLLMEngine(E.VLLMConfig(model="m", share=4, extra={"gpu_memory_utilization": 0.8}), None)
+    a = four._llm_args(fmt, None, None)
+    assert a["gpu_memory_utilization"] == 0.2 and a["kv_cache_memory_bytes"] == 10 * 2**30
+    assert a["block_size"] == 128

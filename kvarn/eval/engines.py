@@ -317,6 +317,17 @@ class VLLMConfig:
     share: int = 1  # engines side by side on the GPU: each takes 1/share of the memory fraction
 
 
+def gpu_total_bytes() -> int | None:
+    """Memory of the first visible GPU from nvidia-smi (no CUDA context in this process), None where unknown."""
+    dev = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", dev, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+        return int(float(out.stdout.strip().splitlines()[0]) * 2**20) if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
 def _end_group(proc: subprocess.Popen, leftovers_only: bool = False) -> None:
     """End the worker's process group (and its GPU processes), with the bench engine's helper when present."""
     try:
@@ -364,6 +375,12 @@ class VLLMEngine:
         a.update(self.cfg.extra)
         if self.cfg.share > 1:
             a["gpu_memory_utilization"] = round(float(a["gpu_memory_utilization"]) / self.cfg.share, 3)
+            total = gpu_total_bytes()
+            if total and "kv_cache_memory_bytes" not in a:
+                # engines side by side: vLLM's memory profiling reads the whole GPU's usage, which the other engines
+                # change while they start and stop (a smaller cache, or its "Error in memory profiling" assert);
+                # a KV cache sized up front (half of the engine's share) skips that profiling
+                a["kv_cache_memory_bytes"] = int(total * a["gpu_memory_utilization"] / 2)
         return a
 
     def _run(self, fmt: KVFormat, job: dict) -> Iterator[dict]:
