@@ -15,7 +15,7 @@ def cpu_box(tmp_path, monkeypatch):
     d = tmp_path / "tiny-llama"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(TINY_LLAMA))
-    monkeypatch.setenv("KVARN_BENCH_DEFAULT_MODEL", str(d))
+    monkeypatch.setattr("kvarn.bench.plan.DEFAULT_MODEL", str(d))  # the embedded default, pointed at the tiny model
     from kvarn.bench.engines import vllm_engine
 
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)

@@ -30,7 +30,6 @@ def cpu_box(tmp_path, monkeypatch):
     d = tmp_path / "tiny-llama"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(TINY_LLAMA))
-    monkeypatch.setenv("KVARN_BENCH_DEFAULT_MODEL", str(d))
     from kvarn.bench.engines import vllm_engine
 
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
@@ -51,7 +50,8 @@ def test_flags_show_no_value_type_and_take_no_value(tmp_path):
 
 
 def test_bench_takes_vllm_bench_names(cpu_box, tmp_path):
-    code, out, err = cli("bench", "--dry-run", "--out", str(tmp_path / "r"), "--kv-cache-dtype", "auto,fp8",
+    code, out, err = cli("bench", "--dry-run", "--model", str(cpu_box), "--out", str(tmp_path / "r"),
+                         "--kv-cache-dtype", "auto,fp8",
                          "--input-len", "256", "--output-len", "32", "--num-prompts", "3",
                          "--tensor-parallel-size", "1")
     assert code == 0, err
@@ -63,9 +63,10 @@ def test_bench_takes_vllm_bench_names(cpu_box, tmp_path):
     ("2", "--tp 2: the hf engine runs on one device"),
 ])
 def test_bench_tp_beyond_the_machine_offers_only_what_runs(cpu_box, tmp_path, tp, says):
-    code, _, err = cli("bench", "--dry-run", "--out", str(tmp_path / "r"), "--tp", tp)
+    code, _, err = cli("bench", "--dry-run", "--model", str(cpu_box), "--out", str(tmp_path / "r"), "--tp", tp)
     assert code == 2 and says in err and "accepted: 1" in err and "accepted: 1, 2" not in err
-    assert cli("bench", "--dry-run", "--out", str(tmp_path / "r"), "--tp", "1")[0] == 0  # the value offered works
+    ok = cli("bench", "--dry-run", "--model", str(cpu_box), "--out", str(tmp_path / "r"), "--tp", "1")
+    assert ok[0] == 0  # the value offered works
 
 
 def test_tp_is_one_option_everywhere():
