@@ -388,7 +388,12 @@ def test_gpu_flush_layers_equals_store_tiles_per_layer():
         assert codes > 0.999, (layer, codes)
         kd, vd = dequantize_tiles(got, fmt, D)
         kr, vr = dequantize_tiles(want, fmt, D)
-        assert rel_err(kd, kr) < 1e-3 and rel_err(vd, vr) < 1e-3, layer
+        # the two launches may round a value on a code boundary the other way (fp32 reduction order): with at most
+        # 0.1% of codes one step apart, rel_err <= sqrt(1e-3) * step / rms, and a step of a 128-sample Gaussian row
+        # is ~5.2 sigma / 15 for 4-bit keys (0.35 sigma: 0.011), ~5.2 sigma / 3 for 2-bit values (1.7 sigma: 0.055)
+        assert rel_err(kd, kr) < 0.012 and rel_err(vd, vr) < 0.06, layer
+        for q in ("qK", "qV"):  # a flip is one step, never more
+            assert (a[q].int() - b[q].int()).abs().max() <= 1, (layer, q)
         assert torch.count_nonzero(caches[layer][[b for b in range(nb) if b not in (3, 17)]]) == 0
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -388,7 +389,8 @@ class VLLMEngine:
 
         log_dir = Path(self.cfg.log_dir or tempfile.gettempdir())
         log_dir.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y%m%dT%H%M%S")
+        # unique per call: engines side by side (and evals sharing one --out) start in the same second
+        stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
         log = log_dir / f"vllm-{fmt.name}-{stamp}.log"
         jobf = log_dir / f"vllm-{fmt.name}-{stamp}.job.json"
         jobf.write_text(json.dumps(job))
