@@ -1,5 +1,5 @@
 """The per-row plan builder that kvarn.vllm_plugin.step_plan.plan_step replaced: the oracle its vectorized version is
-tested against (tests/test_vllm_plugin_plan.py) and timed against (scripts/time_plan.py --ref)."""
+tested against (tests/vllm_plugin/test_vllm_plugin_plan.py) and timed against (scripts/time_plan.py --ref)."""
 from __future__ import annotations
 
 import numpy as np

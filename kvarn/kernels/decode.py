@@ -63,7 +63,7 @@ from .tail import merge_kernel, tail_partial
 # Launch shape of the records kernel. 2 warps (each owns 32 of the 64 token / channel pair rows) replicate less of
 # the softmax and scale work than 4; 5 pipeline stages because Triton gives the block index (an indirect load) a
 # stage of its own: below 5 the next tile's async copies are waited for in full at the top of each iteration, from
-# 5 on they stay in flight while the current tile computes (tests/test_kernels_pipelining.py checks the waits).
+# 5 on they stay in flight while the current tile computes (tests/kernels/test_kernels_pipelining.py checks the waits).
 RECORD_WARPS = 2
 RECORD_STAGES = 5
 MMA_N = 8  # the group's query heads as N, padded: mma.sync m16n8 tiles

@@ -5,7 +5,7 @@ from .. import settings
 from ..formats import DEFAULT_KVARN, KVFormat, get_format, kvarn_formats
 
 PREFIX = "kvarn_"
-# head dims the plugin serves (every kernel the backend calls is tested at each: tests/test_kernels_gpu.py)
+# head dims the plugin serves (every kernel the backend calls is tested at each: tests/kernels/test_kernels_gpu.py)
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
 SUPPORTED_VLLM = "0.26."
 

@@ -4,7 +4,7 @@
 # Needs the vLLM bundle (run.sh stages it and installs kvarn), so it runs as a part of scripts/device/run.sh:
 #   KVARN_BG=1 bash scripts/device/run.sh gpusuite:1500      # the whole selection: longer than one 10-minute call,
 #   bash scripts/device/run.sh wait:540                      # so it runs in the background; `wait` (again) collects it
-#   bash scripts/device/run.sh gpusuite:590@KVARN_GPUSUITE_FILES=tests/test_vllm_gpu.py   # a part of it in one call
+#   bash scripts/device/run.sh gpusuite:590@KVARN_GPUSUITE_FILES=tests/vllm_plugin/test_vllm_gpu.py   # a part of it in one call
 # Each test file runs in its own pytest process: a CUDA error that poisons its process (an illegal memory access)
 # fails that file's later tests, which count as failed, but cannot fail the other files'. A file not started for
 # lack of time, cut by it or dead before writing its results is counted apart ("files not run"), never as passed,
@@ -68,7 +68,7 @@ else
   # what the marker selects, and every file that names the marker: one whose collection fails still runs (and
   # counts as failed) instead of dropping out of the selection
   mapfile -t files < <({ python3 -m pytest -m gpu --collect-only -q -p no:cacheprovider tests 2>/dev/null \
-                         | grep '::' | cut -d: -f1; grep -l -E 'mark\.gpu' tests/test_*.py; } | sort -u)
+                         | grep '::' | cut -d: -f1; find tests -name 'test_*.py' -exec grep -l -E 'mark\.gpu' {} +; } | sort -u)
 fi
 echo "gpu test files: ${files[*]:-none}"
 for f in "${files[@]}"; do

@@ -41,7 +41,7 @@ mb prefill 20 prefill --batch 4 --context 8192 --q-heads 32 --kv-heads 8 --head-
 # 3. a short correctness smoke on the compiled path (graph capture, one decode preset, the dense prefill)
 left=$(( BUDGET - ($(date +%s) - T0) )); [ "$left" -gt 60 ] && left=60
 if [ "$left" -gt 5 ]; then
-  timeout "$left" python -m pytest -q -m gpu tests/test_kernels_gpu.py -x -p no:cacheprovider \
+  timeout "$left" python -m pytest -q -m gpu tests/kernels/test_kernels_gpu.py -x -p no:cacheprovider \
     -k "cuda_graph or store_matches or store_decode or (decode_matches and 128-32-8) or dense_prefill" \
     >"$OUT/pytest_gpu.log" 2>&1
   echo "pytest_gpu rc=$?" >>"$OUT/status.txt"

@@ -171,7 +171,7 @@ import vllm.platforms.cuda as c; print("routing:", c._get_backend_priorities(Fal
 PY
 echo "    stage0 rc=$?"; sed 's/^/    /' "$OUT/stage0.log" | tail -n 14
 log "stage 0b: kernels-vs-torch ops on the GPU (also warms the Triton cache)"
-timeout 120 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_vllm_gpu.py -k "ops" > "$OUT/gpu_ops.log" 2>&1
+timeout 120 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/vllm_plugin/test_vllm_gpu.py -k "ops" > "$OUT/gpu_ops.log" 2>&1
 echo "    gpu ops tests rc=$?"; tail -n 6 "$OUT/gpu_ops.log" | sed 's/^/    /'
 fi
 

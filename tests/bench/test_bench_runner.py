@@ -213,7 +213,7 @@ def test_interrupt_kills_the_worker_group(tmp_path):
         "import sys, tests.test_bench_runner\n"  # registers the sleepy engine in this process
         "from kvarn_cli.app import main\n"
         f"sys.exit(main(['bench', '--engine', 'sleepy', '--kv-dtype', 'auto', '--burst', '2k', '--out', r'{tmp_path / 'res'}']))\n")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     p = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     logs = tmp_path / "res" / "logs"
     deadline = time.time() + 30

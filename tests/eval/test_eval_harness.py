@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from helpers import run_cli
+from tests.helpers import run_cli
 from kvarn.eval.harness import model_args, parse_kv_args, primary_metric
 from kvarn.formats import get_format
 from kvarn.results import ResultsStore
@@ -50,7 +50,7 @@ def fake_lm_eval(tmp_path):
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(FAKE)
     log = tmp_path / "calls.jsonl"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), root, os.environ.get("PYTHONPATH", "")]),
            "FAKE_LM_EVAL_LOG": str(log)}
     return env, log

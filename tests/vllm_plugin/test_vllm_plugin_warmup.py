@@ -1,5 +1,5 @@
 """The engine-start warm-up (kvarn.vllm_plugin.warmup) must run every kind of step a serving run sends through the
-backend, so that no kernel compiles mid-run (the GPU half: tests/test_kernels_gpu.py's no-compile test)."""
+backend, so that no kernel compiles mid-run (the GPU half: tests/kernels/test_kernels_gpu.py's no-compile test)."""
 from __future__ import annotations
 
 import pytest
@@ -85,7 +85,7 @@ def test_no_kernel_compiles_mid_run_after_warm_up(tmp_path):
 
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
     r = subprocess.run([sys.executable, "-c", _NO_COMPILE_AFTER_WARM_UP, "kvarn_k4v2_g128"], capture_output=True,
-                       text=True, env=env, cwd=Path(__file__).resolve().parents[1], timeout=900)
+                       text=True, env=env, cwd=Path(__file__).resolve().parents[2], timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     compiles = json.loads(r.stdout.strip().splitlines()[-1])
     assert any(p == "warm-up" for p, _ in compiles), compiles  # the cache was cold: the listener saw the compiles

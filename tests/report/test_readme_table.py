@@ -6,7 +6,7 @@ import pytest
 
 from kvarn.report.fixtures import bench_row
 from kvarn.results import ResultsStore
-from tests import test_bench_runner as fake  # registers the fake engine
+from tests.bench import test_bench_runner as fake  # registers the fake engine
 from tests.helpers import run_cli
 
 CANDIDATES = ("fp8", "kvarn_k4v2_g128", "turboquant_k3v4_nc", "turboquant_4bit_nc")

@@ -86,14 +86,14 @@ def fake_vllm(tmp_path, monkeypatch, request):
     (pkg / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
     if request.param == "delta":  # vLLM's RequestOutputKind: the worker asks for only new tokens per step
         (pkg / "sampling_params.py").write_text("class RequestOutputKind:\n    DELTA = 'delta'\n")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'site'}:{root}")
     monkeypatch.setenv("FAKE_VLLM_KWARGS", str(tmp_path / "kwargs.txt"))
     return tmp_path
 
 
 def _cell(tmp_path, kv="kvarn_k4v2_g128"):
-    shape = Path(__file__).resolve().parents[1] / "suites" / "models" / "qwen3-8b.json"
+    shape = Path(__file__).resolve().parents[2] / "suites" / "models" / "qwen3-8b.json"
     cfg = BenchConfig(model="Qwen/Qwen3-8B", kv_dtype=kv, tp=1, engine="vllm", mode="offline", burst=4096,
                       prompt_len=512, output_len=6, requests=3, gpu_memory_utilization=0.9, max_num_seqs=None,
                       dummy_weights=True, seed=0, model_path=str(shape))

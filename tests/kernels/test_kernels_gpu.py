@@ -1,5 +1,5 @@
 """GPU checks of the Triton kernels (compiled path: bf16 tensor-core dots, real sizes, CUDA-graph capture).
-Run on the device: python -m pytest -q -m gpu tests/test_kernels_gpu.py"""
+Run on the device: python -m pytest -q -m gpu tests/kernels/test_kernels_gpu.py"""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvarn.formats import get_format, kvarn_formats  # noqa: F401
-from tests.test_kernels import decode_reference, paged_setup, prefill_reference, rel_err
+from tests.kernels.test_kernels import decode_reference, paged_setup, prefill_reference, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -295,7 +295,7 @@ def test_gpu_decode_sink_matches_reference(dtype):
     sl[-1] = 0
     cpu = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
     from kvarn.method.reference import reference_attention
-    from tests.test_kernels import request_kv
+    from tests.kernels.test_kernels import request_kv
 
     ref = torch.stack([torch.zeros(32, 128) if s == 0 else
                        reference_attention(q[b].float().cpu()[:, None], *request_kv(cpu, fmt, 128, b, int(sl[b])),
@@ -333,7 +333,7 @@ def test_gpu_decode_sink_lens_cuda_graph_replay():
     prefix hit's 0) change the output as the reference says, without a new capture."""
     from kvarn.kernels import decode_attention
     from kvarn.method.reference import reference_attention
-    from tests.test_kernels import request_kv
+    from tests.kernels.test_kernels import request_kv
 
     fmt = get_format("kvarn_k4v2_g128")
     D, Hq, Hk = 128, 32, 8
@@ -402,7 +402,7 @@ def test_gpu_decode_defer_reads_the_completed_tile_from_the_tail():
     is read from the tail's g rows by the tensor-core tail kernel; the other rows read as without deferral."""
     from kvarn.kernels import decode_attention
     from kvarn.method.reference import reference_attention
-    from tests.test_kernels import request_kv
+    from tests.kernels.test_kernels import request_kv
 
     fmt = get_format("kvarn_k4v2_g128")
     gen = torch.Generator().manual_seed(23)

@@ -7,7 +7,7 @@ import pytest
 from kvarn.bench.plan import DEFAULT_KV_DTYPES, HF_KV_DTYPES, BenchOptions, build_plan
 from kvarn.results import ResultsStore
 from kvarn_cli.app import main
-from tests.test_bench_hf_e2e import TINY_LLAMA
+from tests.bench.test_bench_hf_e2e import TINY_LLAMA
 
 
 @pytest.fixture

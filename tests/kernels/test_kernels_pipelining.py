@@ -53,7 +53,7 @@ print(json.dumps({"waits": [int(n) for n in re.findall(r"async_wait[^{]*\{num = 
 def _loop(stages: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE, str(stages)], capture_output=True, text=True, env=env,
-                       cwd=Path(__file__).resolve().parents[1], timeout=300)
+                       cwd=Path(__file__).resolve().parents[2], timeout=300)
     if r.returncode != 0:
         last = r.stderr.strip().splitlines()[-1:]
         if any(e in r.stderr for e in ("CompilationError", "AttributeError", "TypeError", "NameError", "KeyError")):

@@ -431,7 +431,7 @@ def test_pending_flush_logs_its_first_and_slow_launches(caplog, monkeypatch):
 
 
 def test_kernel_path_matches_torch_path_in_the_interpreter():
-    """The GPU test's comparison (tests/test_vllm_gpu.py::test_ops_kernels_match_torch_path) with the kernels run
+    """The GPU test's comparison (tests/vllm_plugin/test_vllm_gpu.py::test_ops_kernels_match_torch_path) with the kernels run
     by the Triton interpreter: fp16 steps through store, dense prefill and decode kernels against the fp32 torch
     path over the same records, within the fp16 arithmetic bound of tests/helpers.py."""
     from tests.helpers import ATOL_KERNEL_PATH, RTOL_KERNEL_PATH, kernel_path_vs_torch_path

@@ -13,7 +13,7 @@ import pytest
 from kvarn.eval import runner as R
 from kvarn.eval.engines import VLLMConfig, VLLMEngine
 from kvarn.results import ResultsStore
-from test_eval_runner import FakeTok
+from tests.eval.test_eval_runner import FakeTok
 
 FAKE = textwrap.dedent('''
     import json, os, sys, time
@@ -66,7 +66,7 @@ def fake_vllm(tmp_path, monkeypatch):
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(FAKE)
     log = tmp_path / "llm.jsonl"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fakevllm"), root,
                                                       os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
@@ -152,7 +152,7 @@ def test_model_args_reach_vllm_and_the_config_hash(tmp_path, monkeypatch):
 
 
 def test_model_args_refused_on_the_hf_engine(tmp_path):
-    from helpers import run_cli
+    from tests.helpers import run_cli
 
     r = run_cli("eval", "gsm8k", "--engine", "hf", "--model-args", "max_num_seqs=1", "--out", str(tmp_path))
     assert r.returncode == 2 and "--model-args are vLLM engine arguments" in r.stderr + r.stdout

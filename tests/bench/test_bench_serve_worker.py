@@ -76,7 +76,7 @@ def fake_serve(tmp_path, monkeypatch):
     for d in (cli.parents[1], cli.parent, cli):
         (d / "__init__.py").write_text("")
     (cli / "main.py").write_text(textwrap.dedent(FAKE_SERVE))
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'site'}:{root}")
     monkeypatch.setenv("FAKE_SERVE_ARGV", str(tmp_path / "argv.json"))
     return tmp_path
@@ -84,7 +84,7 @@ def fake_serve(tmp_path, monkeypatch):
 
 def test_serve_mode_metrics_capacity_warmup_and_goodput(fake_serve, monkeypatch):
     monkeypatch.setenv("KVARN_PROGRESS_S", "0")  # progress.json written at every update
-    shape = Path(__file__).resolve().parents[1] / "suites" / "models" / "qwen3-8b.json"
+    shape = Path(__file__).resolve().parents[2] / "suites" / "models" / "qwen3-8b.json"
     cfg = BenchConfig(model="Qwen/Qwen3-8B", kv_dtype="kvarn_k4v2_g128", tp=1, engine="vllm", mode="serve",
                       burst=4000, prompt_len=512, output_len=6, requests=4, gpu_memory_utilization=0.9,
                       max_num_seqs=None, dummy_weights=True, seed=0, model_path=str(shape),
@@ -117,7 +117,7 @@ def test_serve_mode_metrics_capacity_warmup_and_goodput(fake_serve, monkeypatch)
 def test_serve_start_oom_is_an_oom_row(fake_serve, monkeypatch):
     """A server that dies at start says why only in its log: the row is `oom` with that line, not a bare exit code."""
     monkeypatch.setenv("FAKE_SERVE_OOM", "1")
-    shape = Path(__file__).resolve().parents[1] / "suites" / "models" / "qwen3-8b.json"
+    shape = Path(__file__).resolve().parents[2] / "suites" / "models" / "qwen3-8b.json"
     cfg = BenchConfig(model="Qwen/Qwen3-8B", kv_dtype="auto", tp=1, engine="vllm", mode="serve", burst=4096,
                       prompt_len=512, output_len=6, requests=4, gpu_memory_utilization=0.9, max_num_seqs=None,
                       dummy_weights=True, seed=0, model_path=str(shape))

@@ -65,7 +65,7 @@ def test_serving_kernels_compile_one_variant_for_every_step():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real JIT binder, not the interpreter
     spec = {k: (m, sorted(i), sorted(p)) for k, (m, i, p) in SERVING_KERNELS.items()}
     r = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(spec)], capture_output=True, text=True, env=env,
-                       cwd=Path(__file__).resolve().parents[1], timeout=240)
+                       cwd=Path(__file__).resolve().parents[2], timeout=240)
     if r.returncode != 0:
         if any(e in r.stderr for e in ("AttributeError", "TypeError", "NameError", "KeyError")):
             pytest.fail(r.stderr.strip().splitlines()[-1])

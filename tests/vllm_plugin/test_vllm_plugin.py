@@ -215,7 +215,7 @@ def test_plugin_entry_point(fake_vllm, monkeypatch):
     import tomllib
     from pathlib import Path
 
-    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    meta = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     assert meta["project"]["entry-points"]["vllm.general_plugins"] == {"kvarn": "kvarn.vllm_plugin:register"}
 
 
