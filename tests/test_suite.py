@@ -41,7 +41,7 @@ def test_plan_is_the_cartesian_product():
 
 
 def test_workloads_and_dummy_weights():
-    # issue 9's two bursts side by side (same context, different prompt/output split) on dummy weights
+    # the performance suite's two bursts side by side (same context, different prompt/output split) on dummy weights
     perf = load_suite("performance")
     steps = plan(perf, "out")
     # the showcase on both shapes, the 8B decode-heavy burst, the 32B shape's two: workloads name their models

@@ -94,7 +94,7 @@ def stall_notes(rows: list[dict]) -> list[str]:
     """One line per ok row whose throughput a stall that every running request shared understates: kernels that
     compiled during the timed burst (`jit_compiles`, from the cell's log), else a longest inter-token gap (itl_ms_max)
     of seconds against a median of milliseconds. The gap test leaves out rows with preemptions: a preempted request's
-    gap spans its wait for re-admission and its recompute (the Qwen3-32B showcase's 130 s gap in session 11), which
+    gap spans its wait for re-admission and its recompute (130 s in a Qwen3-32B showcase run), which
     says nothing about the other requests (the trade-off: no false alarm on every preempting run)."""
     notes = []
     for r in rows:

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# `kvarn bench` on the lent H200 (issue 6). Assumes PYTHONPATH=/tmp/kvarn-site:/tmp/site (vLLM 0.26 + kvarn) and
+# `kvarn bench` on the lent H200. Assumes PYTHONPATH=/tmp/kvarn-site:/tmp/site (vLLM 0.26 + kvarn) and
 # VLLM_USE_FLASHINFER_SAMPLER=0, as scripts/device/run.sh sets them:
 #   KVARN_PART_TIMEOUT=500 bash scripts/device/run.sh bench                 (offline matrix, ~8 min)
 #   KVARN_BENCH_PART=serve KVARN_PART_TIMEOUT=300 bash scripts/device/run.sh bench   (serve-mode check, ~4 min)
 # offline: Qwen3-8B shape, dummy weights, 64 x (1024 + 512) burst for auto, fp8, kvarn_k4v2_g128 (if the plugin
 #   imports), turboquant_k3v4_nc, turboquant_4bit_nc; each cell a fresh engine process with a 300 s timeout (the
-#   first TurboQuant start compiles for minutes). The issue's showcase (96 x (14336 + 2048)) is the same command
+#   first TurboQuant start compiles for minutes). The showcase (96 x (14336 + 2048)) is the same command
 #   with --burst 16k --requests 96 --prompt-len 14336; it needs ~25 min for five formats.
 # A cell longer than one call (TurboQuant at the showcase burst: ~10-12 min with its compile) runs in the background
 # and is collected by back-to-back calls (the machine must stay warm: < 30 s between calls):
@@ -30,7 +30,7 @@ else
   if python3 -c "import kvarn.vllm_plugin" >/dev/null 2>&1; then kv="$kv,kvarn_k4v2_g128"; else
     echo "kvarn vLLM plugin does not import: kvarn_k4v2_g128 left out"; fi
   kv="${KVARN_BENCH_KV:-$kv,turboquant_k3v4_nc,turboquant_4bit_nc}"
-  # KVARN_BENCH_SHAPE: e.g. "--burst 16640 --prompt-len 16384 --requests 64" (issue 5's burst); KVARN_BENCH_MODEL: a
+  # KVARN_BENCH_SHAPE: e.g. "--burst 16640 --prompt-len 16384 --requests 64" (the prefill-heavy burst); KVARN_BENCH_MODEL: a
   # bundled shape, e.g. qwen3-32b with KVARN_BENCH_SHAPE="... --max-num-seqs 96" (the tail reserve must fit the burst)
   read -r -a shape <<< "${KVARN_BENCH_SHAPE:---burst 1536 --prompt-len 1024 --requests 64}"
   $KVARN bench --engine vllm --model "${KVARN_BENCH_MODEL:-qwen3-8b}" --kv-dtype "$kv" "${shape[@]}" \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `kvarn eval` on the lent H200 (issue 7): ppl / niah / gsm8k with vLLM 0.26 + the kvarn plugin, fp16 vs KVarN,
+# `kvarn eval` on the lent H200: ppl / niah / gsm8k with vLLM 0.26 + the kvarn plugin, fp16 vs KVarN,
 # plus an hf-engine ppl cross-check on the same windows (vLLM KVarN backend vs the PyTorch reference cache).
 #   Needs PYTHONPATH=/tmp/kvarn-site:/tmp/site (vLLM 0.26 + kvarn installed) and the model at
 #   /tmp/models/smollm2-135m-instruct. As a part of scripts/device/run.sh:
@@ -42,7 +42,7 @@ step niah "${KVARN_NIAH_SECS:-220}" niah --engine vllm --kv-dtype "$KV" --contex
 # 4. gsm8k, lm-eval protocol (5-shot, strict/flexible), 200 problems, greedy, 256 new tokens
 step gsm8k "${KVARN_GSM8K_SECS:-220}" gsm8k --engine vllm --kv-dtype "$KV" --limit 200 --max-tokens 256
 
-# 5. issue 5's greedy check: the same 8 gsm8k prompts, greedy, 32 new tokens, on vLLM (the plugin) and on the hf
+# 5. the greedy check: the same 8 gsm8k prompts, greedy, 32 new tokens, on vLLM (the plugin) and on the hf
 #    engine (transformers + the reference KVCodecCache, same weights, same preset); compared token by token below.
 #    vLLM runs one prompt at a time without prefix caching, as the reference does: a prefix-cache hit on the shared
 #    5-shot preamble (or a prompt split across steps) makes vLLM read that part quantized, the reference reads it raw

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# KVarN on stock vLLM 0.26: end-to-end smoke on the lent H200 (issue 5).
+# KVarN on stock vLLM 0.26: end-to-end smoke on the lent H200.
 #   PYTHONPATH=/tmp/kvarn-site:/tmp/site (vLLM 0.26 + kvarn installed), model at /tmp/models/smollm2-135m-instruct.
 #   As a part of scripts/device/run.sh:  KVARN_PART_TIMEOUT=420 bash scripts/device/run.sh vllm_smoke
 # Stages (each engine in its own process with a timeout; a failure never stops the run):
