@@ -22,3 +22,15 @@ def _settings_read_per_test():
     settings.reload()
     yield
     settings.reload()
+
+
+@pytest.fixture(scope="session")
+def overflow_model(tmp_path_factory):
+    """(model folder, text file): a tiny local Llama whose layer 1 overflows in float16 (its config's dtype) and
+    runs in float32, with a few hundred tokens of text."""
+    from tests.overflow_model import make_overflow_model
+
+    root = tmp_path_factory.mktemp("ovf")
+    text = root / "text.txt"
+    text.write_text("It was the best of times, it was the worst of times, it was the age of wisdom. " * 30)
+    return make_overflow_model(root / "model"), text

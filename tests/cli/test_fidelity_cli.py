@@ -75,16 +75,6 @@ def test_text_loader(tmp_path):
         load_text(tmp_path / "missing.txt")
 
 
-@pytest.fixture(scope="module")
-def overflow_model(tmp_path_factory):
-    from tests.overflow_model import make_overflow_model
-
-    root = tmp_path_factory.mktemp("ovf")
-    text = root / "text.txt"
-    text.write_text("Call me Ishmael. Some years ago, never mind how long precisely, I went to sea. " * 20)
-    return make_overflow_model(root / "model"), text
-
-
 def test_a_model_that_overflows_in_float16_is_an_error_naming_the_layer(overflow_model):
     """Its config says float16 and layer 1 overflows there: no NaN perplexity with exit 0, but exit 1 and a line
     naming the forward and the module that went non-finite; --dtype float32 runs it."""

@@ -13,16 +13,6 @@ from kvarn_cli.app import main
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def overflow(tmp_path_factory):
-    from tests.overflow_model import make_overflow_model
-
-    root = tmp_path_factory.mktemp("ovf-eval")
-    text = root / "text.txt"
-    text.write_text("It was the best of times, it was the worst of times, it was the age of wisdom. " * 30)
-    return make_overflow_model(root / "model"), text
-
-
 def _eval(capsys, model, text, out, *extra):
     code = main(["eval", "ppl", "--engine", "hf", "--model", str(model), "--data", str(text), "--context", "256",
                  "--limit", "2", "--kv-dtype", "auto,kvarn_k4v2_g128", "--out", str(out), "--json", *extra])
@@ -30,8 +20,8 @@ def _eval(capsys, model, text, out, *extra):
     return code, [json.loads(x) for x in cap.out.splitlines() if x.startswith("{")], cap.err
 
 
-def test_overflow_is_a_failed_row_naming_format_window_and_layer(overflow, tmp_path, capsys):
-    model, text = overflow
+def test_overflow_is_a_failed_row_naming_format_window_and_layer(overflow_model, tmp_path, capsys):
+    model, text = overflow_model
     code, rows, err = _eval(capsys, model, text, tmp_path / "r16")
     assert code == 1, err
     by = {r["kv_dtype"]: r for r in rows}
@@ -44,8 +34,8 @@ def test_overflow_is_a_failed_row_naming_format_window_and_layer(overflow, tmp_p
     assert set(stored["status"]) == {"failed"} and set(stored["model_dtype"]) == {"float16"}
 
 
-def test_dtype_float32_runs_it_and_is_recorded(overflow, tmp_path, capsys):
-    model, text = overflow
+def test_dtype_float32_runs_it_and_is_recorded(overflow_model, tmp_path, capsys):
+    model, text = overflow_model
     code, rows, err = _eval(capsys, model, text, tmp_path / "r32", "--dtype", "float32")
     assert code == 0, err
     assert {r["status"] for r in rows} == {"ok"} and all(r["ppl"] > 0 for r in rows)
@@ -59,7 +49,7 @@ def test_bad_dtype_one_line_exit_2(capsys):
                  "config's dtype)"]
 
 
-def test_generation_names_the_decode_step(overflow):
+def test_generation_names_the_decode_step(overflow_model):
     """A decode step that goes non-finite (the prefill was fine) fails its format at that step."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -67,7 +57,7 @@ def test_generation_names_the_decode_step(overflow):
     from kvarn.eval.engines import EngineError, GenParams, GenRequest, HFEngine
     from kvarn.formats import get_format
 
-    model_dir, _ = overflow
+    model_dir, _ = overflow_model
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     calls = {"n": 0}
