@@ -7,6 +7,7 @@ size and sha256, and converts it once into a plain Hugging Face folder (fp16 saf
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -103,6 +104,44 @@ def weights_dir(name: str) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# loading quietly
+
+
+def _quiet_gguf_bar():
+    """Silence the GGUF conversion's own tqdm bar (it ignores transformers' progress-bar switch); returns undo."""
+    try:
+        import functools
+
+        import transformers.modeling_gguf_pytorch_utils as g
+    except ImportError:  # pragma: no cover
+        return lambda: None
+    old = getattr(g, "tqdm", None)
+    if old is None:
+        return lambda: None
+    g.tqdm = functools.partial(old, disable=True)
+    return lambda: setattr(g, "tqdm", old)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' warnings and progress bars (the GGUF dequantization's own included) are noise in CLI output."""
+    import logging
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as tlog
+
+        tlog.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+    undo = _quiet_gguf_bar()
+    try:
+        yield
+    finally:
+        undo()
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # install
 
 
@@ -172,8 +211,6 @@ def convert(gguf: Path, dest: Path, log: Callable[[str], None]) -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError:
         raise KvarnError("converting a GGUF needs transformers and gguf: pip install 'kvarn[data]'") from None
-    from .method.textdata import quiet_transformers
-
     log(f"  converting {gguf.name} to a Hugging Face folder (fp16)")
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float16)

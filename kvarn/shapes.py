@@ -117,7 +117,7 @@ def bundled_models() -> dict[str, Path]:
     return {p.stem: p for p in sorted(models_dir().glob("*.json"))}
 
 
-def _hf_cache_config(hf_id: str) -> Path | None:
+def hf_cache_config(hf_id: str) -> Path | None:
     roots = [os.environ.get("HF_HUB_CACHE"), os.environ.get("HUGGINGFACE_HUB_CACHE")]
     hf_home = os.environ.get("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
     roots.append(str(Path(hf_home) / "hub"))
@@ -165,7 +165,7 @@ def resolve_model(spec: str) -> ModelShape:
         config = json.loads(bundled[key].read_text())
         return ModelShape(key, config.get("_name_or_path"), config, "bundled", bundled[key])
     if "/" in spec:
-        cached = _hf_cache_config(spec)
+        cached = hf_cache_config(spec)
         if cached:
             config = _checked(json.loads(cached.read_text()), cached)
             return ModelShape(spec.split("/")[-1].lower(), spec, config, "hf-cache", cached.parent)

@@ -5,7 +5,7 @@ engine (engines.base.Engine: "vllm" = a fresh worker process per cell, "hf" = tr
 per (configuration, repeat) as soon as it ends; view renders the plan, the live progress and the summary.
 """
 from .config import BenchConfig, Cell
-from .engines.base import ENGINES, Engine, EngineResult, get_engine, register_engine
+from .engines import ENGINES, Engine, EngineResult, get_engine, register_engine
 from .plan import DEFAULT_KV_DTYPES, DEFAULT_MODEL, BenchOptions, BenchPlan, build_plan
 
 __all__ = ["BenchConfig", "BenchOptions", "Cell", "DEFAULT_KV_DTYPES", "DEFAULT_MODEL", "ENGINES", "Engine",

@@ -17,7 +17,7 @@ from ..results import ResultsStore
 from ..shapes import ModelShape, resolve_model
 from ..settings import result_env
 from .config import MODE_ALIASES, MODES, OFFLINE, SERVE, BenchConfig, Cell
-from .engines.base import Engine, get_engine
+from .engines import Engine, get_engine
 from .parsing import parse_engine_args, parse_goodput, parse_token_list, parse_tokens, parse_tp
 
 DEFAULT_MODEL = "smollm2-135m"  # the embedded default: runs on a CPU with the `data` extra
@@ -215,9 +215,9 @@ def build_plan(o: BenchOptions) -> BenchPlan:
     # hf also reads the bundled SmolLM2 (the `data` extra) by name; nothing is ever downloaded from a hub
     hf_named = engine_name == "hf" and o.weights == SMOLLM2
     if o.weights and not hf_named and not Path(o.weights).expanduser().is_dir():
-        from ..shapes import _hf_cache_config
+        from ..shapes import hf_cache_config
 
-        cached = _hf_cache_config(o.weights) if "/" in o.weights else None
+        cached = hf_cache_config(o.weights) if "/" in o.weights else None
         if cached is None:
             also = f", or {SMOLLM2}" if engine_name == "hf" else ""
             raise KvarnError(f"--weights {o.weights!r} was not found; accepted: a local folder or a hub id in the "

@@ -24,6 +24,31 @@ from ..formats import KVFormat
 RESULT_TAG = "KVARN_RESULT "
 
 
+def parse_kv_args(spec: str | None) -> dict:
+    """'k=v,k2=v2' (as lm-eval's --model_args) -> dict with ints/floats/bools converted."""
+    out: dict = {}
+    for part in (spec or "").split(","):
+        if not part.strip():
+            continue
+        if "=" not in part:
+            raise KvarnError(f"bad --model-args entry {part!r}; expected key=value")
+        k, v = part.split("=", 1)
+        v = v.strip()
+        low = v.lower()
+        val: object = v
+        if low in ("true", "false"):
+            val = low == "true"
+        else:
+            for cast in (int, float):
+                try:
+                    val = cast(v)
+                    break
+                except ValueError:
+                    pass
+        out[k.strip()] = val
+    return out
+
+
 @dataclass
 class GenRequest:
     id: str

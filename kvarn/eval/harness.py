@@ -22,6 +22,7 @@ from ..formats import KVFormat, parse_formats
 from ..results import ResultsStore, config_hash
 from ..shapes import model_label
 from . import stats as S
+from .engines import parse_kv_args
 from .runner import Reporter, with_baseline
 
 PREFERRED = ("exact_match,strict-match", "exact_match,none", "acc,none", "acc_norm,none",
@@ -37,31 +38,6 @@ def model_args(src: str, fmt: KVFormat, tp: int, seed: int, extra: dict | None =
         a["dtype"] = "bfloat16"
     a.update(extra or {})
     return a
-
-
-def parse_kv_args(spec: str | None) -> dict:
-    """'k=v,k2=v2' (as lm-eval's --model_args) -> dict with ints/floats/bools converted."""
-    out: dict = {}
-    for part in (spec or "").split(","):
-        if not part.strip():
-            continue
-        if "=" not in part:
-            raise KvarnError(f"bad --model-args entry {part!r}; expected key=value")
-        k, v = part.split("=", 1)
-        v = v.strip()
-        low = v.lower()
-        val: object = v
-        if low in ("true", "false"):
-            val = low == "true"
-        else:
-            for cast in (int, float):
-                try:
-                    val = cast(v)
-                    break
-                except ValueError:
-                    pass
-        out[k.strip()] = val
-    return out
 
 
 def primary_metric(metrics: dict) -> str | None:

@@ -157,7 +157,7 @@ def plan(o: EvalOptions) -> Plan:
         raise KvarnError("ppl takes one --context (the window in tokens), e.g. --context 1024")
     formats, base = with_baseline(parse_formats(o.kv_dtypes or "auto"))
     engine, why = pick_engine(o.engine)
-    from .harness import parse_kv_args
+    from .engines import parse_kv_args
 
     engine_args = parse_kv_args(o.model_args)
     if engine_args and engine != "vllm":

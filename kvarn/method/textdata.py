@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 from pathlib import Path
@@ -67,21 +66,6 @@ def model_folder(name_or_path: str) -> str | None:
     return str(p)
 
 
-def _quiet_gguf_bar():
-    """Silence the GGUF conversion's own tqdm bar (it ignores transformers' progress-bar switch); returns undo."""
-    try:
-        import functools
-
-        import transformers.modeling_gguf_pytorch_utils as g
-    except ImportError:  # pragma: no cover
-        return lambda: None
-    old = getattr(g, "tqdm", None)
-    if old is None:
-        return lambda: None
-    g.tqdm = functools.partial(old, disable=True)
-    return lambda: setattr(g, "tqdm", old)
-
-
 def load_model(name_or_path: str, device: str = "cpu", dtype=None):
     """(model, tokenizer) in eval mode. dtype None keeps what transformers picks (fp32 for the GGUF)."""
     try:
@@ -97,29 +81,10 @@ def load_model(name_or_path: str, device: str = "cpu", dtype=None):
         if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
             raise KvarnError(f"loading a GGUF model needs the packages gguf and accelerate; install them with: {PIP_FIX}")
     try:
-        with quiet_transformers():
+        with models.quiet_transformers():
             tok = AutoTokenizer.from_pretrained(src, **kw)
             model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw) if dtype is not None else \
                 AutoModelForCausalLM.from_pretrained(src, **kw)
     except (OSError, ValueError) as e:
         raise KvarnError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]}") from None
     return model.to(device).eval(), tok
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    """transformers' warnings and progress bars (the GGUF dequantization's own included) are noise in CLI output."""
-    import logging
-
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    try:
-        from transformers.utils import logging as tlog
-
-        tlog.disable_progress_bar()
-    except ImportError:  # pragma: no cover
-        pass
-    undo = _quiet_gguf_bar()
-    try:
-        yield
-    finally:
-        undo()

@@ -210,7 +210,7 @@ def test_interrupt_kills_the_worker_group(tmp_path):
     import subprocess
 
     script = (
-        "import sys, tests.test_bench_runner\n"  # registers the sleepy engine in this process
+        "import sys, tests.bench.test_bench_runner\n"  # registers the sleepy engine in this process
         "from kvarn_cli.app import main\n"
         f"sys.exit(main(['bench', '--engine', 'sleepy', '--kv-dtype', 'auto', '--burst', '2k', '--out', r'{tmp_path / 'res'}']))\n")
     root = Path(__file__).resolve().parents[2]

@@ -9,7 +9,8 @@ import textwrap
 import pytest
 
 from tests.helpers import run_cli
-from kvarn.eval.harness import model_args, parse_kv_args, primary_metric
+from kvarn.eval.engines import parse_kv_args
+from kvarn.eval.harness import model_args, primary_metric
 from kvarn.formats import get_format
 from kvarn.results import ResultsStore
 

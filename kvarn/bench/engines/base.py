@@ -56,17 +56,3 @@ def register_engine(name: str):
         return factory
 
     return deco
-
-
-def get_engine(name: str) -> Engine:
-    from . import hf_engine, vllm_engine  # noqa: F401  (register the built-in engines; both import lazily)
-
-    if name not in ENGINES:
-        raise KvarnError(f"unknown --engine {name!r}; accepted: auto, {choices(ENGINES)}")
-    return ENGINES[name]()
-
-
-def engine_names() -> list[str]:
-    from . import hf_engine, vllm_engine  # noqa: F401
-
-    return list(ENGINES)
