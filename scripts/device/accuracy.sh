@@ -22,11 +22,12 @@ log() { echo "[acc +$(( $(date +%s) - T0 ))s] $*"; }
 want() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 mkdir -p "$RES"
 : >>"$RES/status.txt"
-ev() {  # name, seconds, kvarn eval args... (each step its own limit: a stuck engine is a timeout row, not a hang)
+ev() {  # name, seconds, kvarn eval args... (each step its own limit: a stuck engine is a timeout row, not a hang;
+        # eval's own limit ends well before the step's, so its workers are ended by eval and never outlive the step)
   local name=$1 secs=$2; shift 2
   log "$name: kvarn eval $*"
   timeout -k 10 "$secs" python3 -m kvarn_cli.app eval "$@" --out "$RES" --engine vllm --concurrency "$N" \
-    --timeout "$((secs - 15))" \
+    --timeout "$((secs - 60))" \
     >"$RES/$name.out" 2>"$RES/$name.err"
   local rc=$?
   echo "$name rc=$rc $(( $(date +%s) - T0 ))s" >>"$RES/status.txt"
