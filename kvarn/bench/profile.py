@@ -35,7 +35,7 @@ WARMUP_STEPS = 3
 # (key, label) in table order
 CATEGORIES: tuple[tuple[str, str], ...] = (
     ("kv_store", "KV store (KVarN tile flush / vLLM reshape_and_cache)"),
-    ("kvarn_decode", "KVarN decode attention (rotate, split-K, finish)"),
+    ("kvarn_decode", "KVarN decode attention (query scale, split-K records + tail, merge)"),
     ("kvarn_prefill", "KVarN prefill attention"),
     ("kvarn_tail", "KVarN tail (16-bit unfinished tile)"),
     ("kvarn_glue", "KVarN glue (torch index/copy in store/attention)"),
