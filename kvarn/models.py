@@ -78,10 +78,6 @@ def cache_root() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvarn" / "models"
 
 
-def folder(name: str) -> Path:
-    return cache_root() / get(name).name
-
-
 def installed(name: str) -> Path | None:
     """The converted Hugging Face folder of a registry model, or None where it is not installed (or unknown)."""
     m = lookup(name)

