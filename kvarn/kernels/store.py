@@ -7,7 +7,8 @@ Public API (the vLLM backend codes against these; signatures are stable):
         cache      uint8 [num_blocks, H, record_bytes(D)] (records contiguous)
         block_ids  int32 [T]: the block (record row) each tile goes to; entries < 0 are skipped (padding)
         One program per (tile, head, keys|values): sanitize (NaN -> 0, clamp to the fp16 range), rotate values by Hn,
-        balance (Sinkhorn-like, `iters` iterations, best iterate kept), round, fold, pack; fp32 math throughout.
+        balance (Sinkhorn-like, `iters` iterations, best iterate kept), round (keys min-max, values with the range
+        search and gain), fold, pack; fp32 math throughout.
         Writes the bytes kvarn.method.reference.quantize_tiles would (codes may differ by one where a value sits
         on a rounding boundary, because of fp32 reduction order / exp ulps).
 
@@ -40,7 +41,11 @@ from ..errors import KvarnError
 from ..formats import KVFormat
 from .device import hadamard_pm1_block, rot_scale, x_times_h, x_times_h_acc
 from .records import as_format, check_cache, check_tail, defer_flag, f16_view, layout
+from ..method.reference import CLIP_STEPS, TIE_TOL as _TIE_TOL
 from .runtime import compiled, serving_jit
+
+VALUE_CLIP_STEPS = tl.constexpr(CLIP_STEPS)  # range factors the value rows try (the reference's)
+TIE_TOL = tl.constexpr(_TIE_TOL)
 
 @triton.jit
 def _round_half_even(x):
@@ -77,14 +82,55 @@ def _keep_best(imb, best, er, best_er, ec, best_ec):
 
 
 @triton.jit
-def _codes_from_factors(x, best_ec, best_er, BITS: tl.constexpr):
-    """Round x [R, C] per row after balancing by the factors ec (columns) and er (rows); returns codes, and the
-    folded fp16 vectors s, z (rows) and c (columns). Multiplies by reciprocals where the reference divides
-    element-wise (codes may move by one on a rounding boundary, which the contract allows)."""
-    t = x * best_ec[None, :] * best_er[:, None]
-    QMAX: tl.constexpr = (1 << BITS) - 1
+def _value_range(t, w, QMAX: tl.constexpr, STEPS: tl.constexpr):
+    """Per row of the balanced tile t [R, C] (w [C]: squared column factors): the range [a * min, a * max],
+    a = 1, 0.95, ... (STEPS factors), whose rounding is best correlated with the row, and the gain that makes the
+    rounding's projection on the row exact (kvarn.method.reference._value_range says why)."""
     mn = tl.min(t, axis=1)
     mx = tl.max(t, axis=1)
+    tw = t * w[None, :]
+    best = tl.full(mn.shape, -1.0, dtype=tl.float32)
+    lo_b = mn
+    hi_b = mx
+    ip_b = tl.zeros(mn.shape, dtype=tl.float32)
+    for i in tl.static_range(STEPS):
+        a = 1.0 - 0.05 * i
+        lo = mn * a
+        hi = mx * a
+        sc = (hi - lo) / QMAX
+        safe = sc > 1e-12
+        inv = tl.where(safe, 1.0 / tl.where(safe, sc, 1.0), 0.0)
+        q = tl.minimum(tl.maximum(_round_half_even((t - lo[:, None]) * inv[:, None]), 0.0), QMAX)
+        xh = q * sc[:, None] + lo[:, None]
+        ip = tl.sum(xh * tw, axis=1)
+        nh = tl.sum(xh * xh * w[None, :], axis=1)
+        ok = (ip > 0) & (nh > 0)
+        score = tl.where(ok, ip * ip / tl.where(ok, nh, 1.0), 0.0)
+        better = score > best * (1.0 + TIE_TOL)  # near-ties keep the wider range, as the reference
+        best = tl.where(better, score, best)
+        lo_b = tl.where(better, lo, lo_b)
+        hi_b = tl.where(better, hi, hi_b)
+        ip_b = tl.where(better, ip, ip_b)
+    nt = tl.sum(t * tw, axis=1)
+    gain = tl.where(ip_b > 0, nt / tl.where(ip_b > 0, ip_b, 1.0), 1.0)
+    return lo_b, hi_b, tl.minimum(tl.maximum(gain, 0.5), 2.0)
+
+
+@triton.jit
+def _codes_from_factors(x, best_ec, best_er, BITS: tl.constexpr, SEARCH: tl.constexpr):
+    """Round x [R, C] per row after balancing by the factors ec (columns) and er (rows); returns codes, and the
+    folded fp16 vectors s, z (rows) and c (columns). SEARCH (values): the range search and gain of _value_range,
+    else min-max. Multiplies by reciprocals where the reference divides element-wise (codes may move by one on a
+    rounding boundary, which the contract allows)."""
+    t = x * best_ec[None, :] * best_er[:, None]
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    if SEARCH > 0:
+        col = 1.0 / best_ec
+        mn, mx, gain = _value_range(t, col * col, QMAX, SEARCH)
+    else:
+        mn = tl.min(t, axis=1)
+        mx = tl.max(t, axis=1)
+        gain = tl.full(mn.shape, 1.0, dtype=tl.float32)
     row = 1.0 / best_er
     s = _to_f16_range((mx - mn) / QMAX * row)
     z = _to_f16_range(mn * row)
@@ -94,6 +140,9 @@ def _codes_from_factors(x, best_ec, best_er, BITS: tl.constexpr):
     s_inv = tl.where(s_ok, 1.0 / tl.where(s_ok, s, 1.0), 0.0)  # 0: a constant row gets code 0
     q = (x * (1.0 / c_safe)[None, :] - z[:, None]) * s_inv[:, None]
     q = tl.minimum(tl.maximum(_round_half_even(q), 0.0), QMAX)
+    if SEARCH > 0:  # the levels scaled, the codes kept
+        s = _to_f16_range(s * gain)
+        z = _to_f16_range(z * gain)
     return q.to(tl.int32), s, z, c
 
 
@@ -126,10 +175,11 @@ def _max_min(x, COMPILED: tl.constexpr):
 
 @triton.jit
 def _balance_and_round(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
-                       COMPILED: tl.constexpr):
+                       COMPILED: tl.constexpr, SEARCH: tl.constexpr):
     """x [R, C] fp32 -> codes int32 [R, C], s [R], z [R], c [C] (fp16-rounded, as fp32) with
     x[r, c] ~= (q[r, c] * s[r] + z[r]) * c[c]: the reference's Sinkhorn-like balancing (kvarn.method.reference,
-    kvarn-method.md), ITERS iterations, the least imbalanced iterate kept, then min-max rounding per row.
+    kvarn-method.md), ITERS iterations, the least imbalanced iterate kept, then rounding per row (min-max, or with
+    SEARCH > 0 the values' range search over SEARCH factors and their gain).
 
     The reference keeps log-scales lc, lr and updates lc = clip(lc + log(clamp(std)), -0.3, 10); here the balance is
     kept as the factors ec = exp(-lc), er = exp(-lr) (the same iterates in exact arithmetic), so each update is
@@ -170,7 +220,7 @@ def _balance_and_round(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, 
         rmax, rmin = _max_min(vr, COMPILED)  # rows span the warps: one exchange for both
         imb = tl.sqrt(cmax / cmin) + tl.sqrt(rmax / rmin)
         best, best_er, best_ec = _keep_best(imb, best, er, best_er, ec, best_ec)
-    return _codes_from_factors(x, best_ec, best_er, BITS)
+    return _codes_from_factors(x, best_ec, best_er, BITS, SEARCH)
 
 
 @triton.jit
@@ -206,10 +256,10 @@ def _values_rotated_blocked(vp, stride_vg, D: tl.constexpr, G: tl.constexpr, RB:
 
 @triton.jit
 def _quantize_pack(x, dst, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
-                   COMPILED: tl.constexpr):
+                   COMPILED: tl.constexpr, SEARCH: tl.constexpr):
     # one matrix [R, C] (keys: channels x tokens, values rotated: tokens x channels) balanced and rounded, its codes
     # packed at dst; returns the row scale, row zero and column scale to store beside them
-    q, s, z, c = _balance_and_round(x, R, C, BITS, ITERS, COMPILED)
+    q, s, z, c = _balance_and_round(x, R, C, BITS, ITERS, COMPILED, SEARCH)
     _pack_store(q, dst, R, C, BITS)
     return s, z, c
 
@@ -232,7 +282,7 @@ def _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, 
         # channel its own range, and a rotation would spread the RoPE'd key biases over all of them
         kp = k_ptr + src * stride_kt + head * stride_kh
         x = _sanitize(tl.load(kp + gi[None, :] * stride_kg + di[:, None]).to(tl.float32))
-        sk, zk, rk = _quantize_pack(x, cache_ptr + base + OFF_PK, D, G, KB, ITERS, COMPILED)
+        sk, zk, rk = _quantize_pack(x, cache_ptr + base + OFF_PK, D, G, KB, ITERS, COMPILED, 0)
         tl.store(cache16_ptr + b16 + OFF_SK // 2 + di, sk.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_ZK // 2 + di, zk.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_RK // 2 + gi, rk.to(tl.float16))
@@ -244,7 +294,7 @@ def _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, 
             y = x_times_h(vt, hadamard_pm1_block(D, D, 0, 0, COMPILED), D, COMPILED)
         else:
             y = _values_rotated_blocked(vp, stride_vg, D, G, RB, COMPILED)
-        sv, zv, cv = _quantize_pack(y, cache_ptr + base + OFF_PV, G, D, VB, ITERS, COMPILED)
+        sv, zv, cv = _quantize_pack(y, cache_ptr + base + OFF_PV, G, D, VB, ITERS, COMPILED, VALUE_CLIP_STEPS)
         tl.store(cache16_ptr + b16 + OFF_SV // 2 + gi, sv.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_ZV // 2 + gi, zv.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_CV // 2 + di, cv.to(tl.float16))

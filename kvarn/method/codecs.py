@@ -25,6 +25,7 @@ from .hadamard import hadamard
 from .reference import dequantize_tiles, quantize_tiles, sanitize
 
 ABLATIONS = {"norot": dict(rotate=False), "nobal": dict(balance=False), "lastiter": dict(keep_best=False),
+             "minmax": dict(search=False),  # value rows rounded min-max, no range search and gain
              # diagnostics: quantize only the keys (values stay as given) or only the values
              "konly": dict(only="k"), "vonly": dict(only="v")}
 FP8_MAX = 448.0  # e4m3fn; vLLM's fp8 cache write saturates (scale 1.0)

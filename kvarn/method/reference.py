@@ -17,6 +17,9 @@ FP16_MAX = 65504.0
 EPS = 1e-12  # guards divisions by a zero rounding scale or column factor
 STD_MIN, STD_MAX = 1e-3, 1e3  # clamp of the measured std per balancing step
 LOG_MIN, LOG_MAX = -0.3, 10.0  # clip of the accumulated log-scales
+CLIP_STEPS = 11  # value rows try their range shrunk toward zero by 0, 5, ..., 50%
+GAIN_MIN, GAIN_MAX = 0.5, 2.0  # guard of the value rows' gain correction
+TIE_TOL = 1e-5  # relative margin a narrower value range must win by
 
 # ---------------------------------------------------------------------------------------------------------------
 # layout
@@ -150,14 +153,53 @@ def balance(x: torch.Tensor, iters: int = DEFAULT_BALANCE_ITERS, keep_best: bool
     return best_lr, best_lc
 
 
-def _quantize_matrix(x: torch.Tensor, bits: int, iters: int, keep_best: bool, do_balance: bool):
+def clip_factors(steps: int = CLIP_STEPS) -> list[float]:
+    """The range factors a value row tries: [a * min, a * max] for a = 1, 0.95, ..., 0.5."""
+    return [1.0 - 0.05 * i for i in range(steps)]
+
+
+def _value_range(t: torch.Tensor, w: torch.Tensor, qmax: int):
+    """Rounding range and gain per row of the balanced value tile t [..., R, C] (w [..., C]: the squared column
+    factors, so sums are in the stored basis). Attention averages the values of many tokens: their rounding noise
+    mostly cancels, a gain common to all of them does not. Min-max rounding at 2 bits leaves most entries a large
+    step from a level; a narrower range halves that noise but rounds the largest entries toward zero, which shrinks
+    every token's value by several percent. So each row takes the range whose rounding is best correlated with it
+    (the least error orthogonal to the row) and a gain on its levels that makes the rounding's projection on the row
+    exact (least-squares slope 1). Returns lo, hi (the range, [..., R]) and the gain [..., R]."""
+    mn, mx = t.amin(-1), t.amax(-1)
+    w = w.unsqueeze(-2)
+    best = torch.full_like(mn, -1.0)
+    lo_b, hi_b, ip_b = mn, mx, torch.zeros_like(mn)
+    for a in clip_factors():
+        lo, hi = mn * a, mx * a
+        sc = (hi - lo) / qmax
+        safe = sc > EPS
+        q = ((t - lo.unsqueeze(-1)) / torch.where(safe, sc, torch.ones_like(sc)).unsqueeze(-1)).round().clamp(0, qmax)
+        xh = torch.where(safe.unsqueeze(-1), q, torch.zeros_like(q)) * sc.unsqueeze(-1) + lo.unsqueeze(-1)
+        ip, nh = (w * xh * t).sum(-1), (w * xh * xh).sum(-1)
+        score = torch.where((ip > 0) & (nh > 0), ip * ip / nh.clamp_min(1e-30), torch.zeros_like(ip))
+        # a narrower range must win by more than fp32 reduction noise: near-ties (a constant or one-hot row scores
+        # the same at every factor) keep the wider range, on every device
+        better = score > best * (1 + TIE_TOL)
+        best = torch.where(better, score, best)
+        lo_b, hi_b, ip_b = torch.where(better, lo, lo_b), torch.where(better, hi, hi_b), torch.where(better, ip, ip_b)
+    nt = (w * t * t).sum(-1)
+    gain = torch.where(ip_b > 0, nt / ip_b.clamp_min(1e-30), torch.ones_like(ip_b)).clamp(GAIN_MIN, GAIN_MAX)
+    return lo_b, hi_b, gain
+
+
+def _quantize_matrix(x: torch.Tensor, bits: int, iters: int, keep_best: bool, do_balance: bool, search: bool):
     """x [..., R, C] fp32 -> (q uint8 [..., R, C], s [..., R], z [..., R], c [..., C]) with
-    x[r, c] ~= (q[r, c] * s[r] + z[r]) * c[c]; s, z, c already rounded to fp16 (returned as fp32)."""
+    x[r, c] ~= (q[r, c] * s[r] + z[r]) * c[c]; s, z, c already rounded to fp16 (returned as fp32).
+    search: the value rows' range search and gain (_value_range); else min-max rounding per row."""
     lr, lc = balance(x, iters if do_balance else 0, keep_best)
     col, row = lc.exp(), lr.exp()
     t = x / col.unsqueeze(-2) / row.unsqueeze(-1)
     qmax = (1 << bits) - 1
-    mn, mx = t.amin(-1), t.amax(-1)
+    if search:
+        mn, mx, gain = _value_range(t, col.square(), qmax)
+    else:
+        mn, mx, gain = t.amin(-1), t.amax(-1), None
     scale = (mx - mn) / qmax
     # fold the row balance factor into the row's rounding scale and zero; store fp16 (clamped to finite)
     s = _to_f16(scale * row)
@@ -170,6 +212,8 @@ def _quantize_matrix(x: torch.Tensor, bits: int, iters: int, keep_best: bool, do
     q = torch.where(safe.unsqueeze(-1), num / torch.where(safe, s, torch.ones_like(s)).unsqueeze(-1),
                     torch.zeros_like(num))
     q = q.round().clamp(0, qmax).to(torch.uint8)
+    if gain is not None:  # the levels scaled, the codes kept
+        s, z = _to_f16(s * gain), _to_f16(z * gain)
     return q, s, z, c
 
 
@@ -178,9 +222,10 @@ def _to_f16(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fields(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, iters: int | None = None, keep_best: bool = True,
-                    rotate: bool = True, balance: bool = True) -> dict:
+                    rotate: bool = True, balance: bool = True, search: bool = True) -> dict:
     """The method up to (not including) bit packing: the fields of unpack_records. iters: balancing iterations
-    (None: the format's balance_iters)."""
+    (None: the format's balance_iters). rotate / balance / search False: ablations (search: the value rows' range
+    search and gain, _value_range)."""
     if iters is None:
         iters = fmt.balance_iters
     if k.shape != v.shape or k.dim() < 2:
@@ -193,17 +238,18 @@ def quantize_fields(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, iters: int 
     if rotate:  # values only: keys are quantized per channel, and rotating them would spread RoPE'd outliers
         v = v @ hadamard(d, v.device)
     x = k.transpose(-1, -2)  # [D, g]: rows = channels -> per-channel key quantization
-    qK, sK, zK, rK = _quantize_matrix(x, int(fmt.key_bits), iters, keep_best, balance)
-    qV, sV, zV, cV = _quantize_matrix(v, int(fmt.value_bits), iters, keep_best, balance)
+    # keys keep min-max rounding: a narrower channel range lowers the largest scores, which set where attention looks
+    qK, sK, zK, rK = _quantize_matrix(x, int(fmt.key_bits), iters, keep_best, balance, search=False)
+    qV, sV, zV, cV = _quantize_matrix(v, int(fmt.value_bits), iters, keep_best, balance, search=search)
     return {"qK": qK, "sK": sK, "zK": zK, "rK": rK, "qV": qV, "sV": sV, "zV": zV, "cV": cV}
 
 
 def quantize_tiles(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, iters: int | None = None, keep_best: bool = True,
-                   rotate: bool = True, balance: bool = True) -> torch.Tensor:
+                   rotate: bool = True, balance: bool = True, search: bool = True) -> torch.Tensor:
     """k, v [..., g, D] (fp16/bf16/fp32) -> uint8 records [..., fmt.record_bytes(D)] (docs/format.md). Values are
-    rotated by Hn, keys are not. rotate=False / balance=False are ablations: their records decode with
-    dequantize_tiles(rotated=True)."""
-    return pack_records(quantize_fields(k, v, fmt, iters, keep_best, rotate, balance), fmt, k.shape[-1])
+    rotated by Hn, keys are not. rotate=False / balance=False / search=False are ablations (records of rotate=False
+    decode with dequantize_tiles(rotated=True))."""
+    return pack_records(quantize_fields(k, v, fmt, iters, keep_best, rotate, balance, search), fmt, k.shape[-1])
 
 
 def dequantize_fields(f: dict, rotated: bool = False):

@@ -122,12 +122,14 @@ def test_ablations_lose_where_their_part_matters():
     k = torch.randn(4, 256, 64, generator=g)
     k[:, ::19] *= 30.0  # outlier tokens: balancing rescales them (keys are per-channel rows)
     v = torch.randn(4, 256, 64, generator=g)
-    v[..., 7] *= 30.0  # outlier channel: rotation spreads it (values are per-token rows)
+    # scattered outlier entries: the rotation spreads each over its token's row (values are per-token rows, and a
+    # column factor cannot take an outlier its channel does not always have)
+    v = torch.where(torch.rand(v.shape, generator=g) < 0.02, 20.0 * v, v)
     kf, vf = get_codec("kvarn_k2v2_g128").roundtrip(k, v)
     kn, _ = get_codec("kvarn_k2v2_g128-nobal").roundtrip(k, v)
     _, vr = get_codec("kvarn_k2v2_g128-norot").roundtrip(k, v)
     assert _rel(kf, k) < 0.8 * _rel(kn, k)
-    assert _rel(vf, v) < 0.8 * _rel(vr, v)
+    assert _rel(vf, v) < 0.5 * _rel(vr, v)
     kl, _ = get_codec("kvarn_k2v2_g128-lastiter").roundtrip(k, v)
     assert kl.shape == k.shape
     ko, vo = get_codec("kvarn_k2v2_g128-konly").roundtrip(k, v)
