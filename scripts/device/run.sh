@@ -10,6 +10,7 @@
 #   bash scripts/device/run.sh wait[:SECS]           a later call (back to back, the machine still warm) waits up to SECS
 #                                                  (default 540) for it, then brings its $OUT back. For runs longer than
 #                                                  one call's 10 minutes (a TurboQuant cell of the showcase burst).
+#   bash scripts/device/run.sh stop                  ends a background run and every engine it started.
 # Lanes, on a machine of several GPUs: KVARN_BG=1 KVARN_LANE=i runs the parts on GPU i alone (CUDA_VISIBLE_DEVICES=i;
 # leftover engines are ended on that GPU only), so two background runs share one call's device time, e.g.
 #   KVARN_BG=1 KVARN_LANE=0 bash scripts/device/run.sh eval:300 bench:600; KVARN_BG=1 KVARN_LANE=1 ... bench:1250
@@ -25,6 +26,14 @@ pack_logs() {
      ! -name logs.tar.xz ! -name 'lane*.tar' -print0 | tar --null -T - -cJf logs.tar.xz --remove-files 2>/dev/null; \
    find . -mindepth 1 -type d -empty -delete 2>/dev/null) || true
 }
+if [ "${1:-}" = stop ]; then
+  # the background run is its own session (setsid): end every process of it, also those in the process groups that
+  # `timeout` makes (engine workers), then whatever still holds the GPU
+  for d in /tmp/kvarn-bg /tmp/kvarn-bg-lane*; do
+    [ -f "$d/pid" ] && pkill -KILL -s "$(cat "$d/pid")" 2>/dev/null && echo "stopped ${d#/tmp/}"
+  done
+  sleep 2; bash "$(dirname "$0")/free_gpu.sh"; nvidia-smi --query-gpu=memory.used --format=csv,noheader; exit 0
+fi
 if [ "${1:-}" != "" ] && [ "${1%%:*}" = wait ]; then
   secs=${1#wait}; secs=${secs#:}; secs=${secs:-540}; end=$(( $(date +%s) + secs ))
   dirs=(); for d in /tmp/kvarn-bg /tmp/kvarn-bg-lane*; do [ -f "$d/pid" ] && dirs+=("$d"); done
