@@ -344,12 +344,20 @@ class VLLMConfig:
 
 
 def gpu_total_bytes() -> int | None:
-    """Memory of the first visible GPU from nvidia-smi (no CUDA context in this process), None where unknown."""
+    """Memory of the first visible GPU, None where unknown. Asks nvidia-smi (no CUDA context in this process); a MIG
+    instance (CUDA_VISIBLE_DEVICES=MIG-...) is not a GPU to nvidia-smi -i, so there a child process asks CUDA."""
     dev = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
+    if not dev.upper().startswith("MIG-"):
+        got = _run_int(["nvidia-smi", "-i", dev, "--query-gpu=memory.total", "--format=csv,noheader,nounits"])
+        return got * 2**20 if got is not None else None
+    return _run_int([sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info(0)[1])"], timeout=60)
+
+
+def _run_int(cmd: list[str], timeout: float = 20) -> int | None:
+    """The first line of a command's output as an integer; None when it fails."""
     try:
-        out = subprocess.run(["nvidia-smi", "-i", dev, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20)
-        return int(float(out.stdout.strip().splitlines()[0]) * 2**20) if out.returncode == 0 else None
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return int(float(out.stdout.strip().splitlines()[0])) if out.returncode == 0 else None
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
         return None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import textwrap
 
 import pytest
@@ -173,3 +174,22 @@ def test_engines_side_by_side_share_memory_and_size_their_cache(monkeypatch):
     a = four._llm_args(fmt, None, None)
     assert a["gpu_memory_utilization"] == 0.2 and a["kv_cache_memory_bytes"] == 10 * 2**30
     assert a["block_size"] == 128
+
+
+def test_gpu_memory_comes_from_nvidia_smi_or_cuda_for_a_mig_instance(monkeypatch):
+    from kvarn.eval import engines as E
+
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        out = "143771\n" if cmd[0] == "nvidia-smi" else "42949672960\n"
+        return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(E.subprocess, "run", fake_run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert E.gpu_total_bytes() == 143771 * 2**20 and calls[-1][:3] == ["nvidia-smi", "-i", "3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-4b2c8e1a-0000-0000-0000-000000000000")
+    assert E.gpu_total_bytes() == 40 * 2**30 and calls[-1][0] != "nvidia-smi"  # nvidia-smi -i takes no MIG UUID
+    monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 9, "", "no GPU"))
+    assert E.gpu_total_bytes() is None  # unknown: vLLM profiles the memory itself
