@@ -8,9 +8,11 @@ partial tile 16-bit (as in serving). `bytes_per_token_per_head(D)` is vLLM's pag
 Names: every kvarn.formats name (and alias), plus ablations of KVarN that are not vLLM dtypes:
 `kvarn_k4v2_g128-norot`, `-nobal`, `-lastiter`, and the diagnostics `-konly` / `-vonly` (only keys / only
 values quantized); any KVarN preset accepts these suffixes.
-TurboQuant follows vLLM 0.26 (facts, not code): Hadamard rotation of the unit-normalized key, per-coordinate
-Lloyd-Max centroids for N(0, 1/D), fp16 norm, optional norm correction (`_nc`), fp8 keys for k8v4, values
-uniform asymmetric per head vector with fp16 scale and zero, no QJL; first/last 2 layers stay 16-bit.
+TurboQuant follows vLLM 0.26 (facts, not code): Sylvester-Hadamard rotation (no random signs, one matrix for all
+layers) of the unit-normalized key, per-coordinate Lloyd-Max centroids for N(0, 1/D) as vLLM's numeric solver gives
+them, fp16 norm, norm correction (`_nc`: the centroid vector re-normalized before the norm is applied), fp8 keys for
+k8v4, values uniform asymmetric min-max per head vector with fp16 scale and zero, no QJL; first/last 2 layers stay
+16-bit; a later chunk of up to 128 tokens reads its own tokens quantized (`stored_chunk`).
 """
 from __future__ import annotations
 
@@ -65,6 +67,9 @@ class Codec:
     name: str
     fmt: KVFormat
     tile: int = 1
+    # the longest later forward (chunk) whose queries read its own tokens back as stored; a longer chunk attends to
+    # its own tokens raw (the dense prefill path). 1: only a decode step reads itself from the cache.
+    stored_chunk: int = 1
 
     def __init__(self, name: str, fmt: KVFormat):
         self.name, self.fmt = name, fmt
@@ -118,29 +123,44 @@ class Fp8Codec(Codec):
 
 
 @functools.lru_cache(maxsize=None)
-def lloyd_max(d: int, bits: int, iters: int = 500) -> tuple[torch.Tensor, torch.Tensor]:
-    """(centroids [2^bits], boundaries [2^bits - 1]) of the MSE-optimal scalar quantizer for N(0, 1/d).
-    Lloyd iterations with the exact Gaussian conditional mean E[x | a < x < b] = s^2 (phi(a)-phi(b)) / (Phi(b)-Phi(a))."""
+def lloyd_max(d: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(centroids [2^bits], boundaries [2^bits - 1]) of the Lloyd-Max scalar quantizer for N(0, 1/d), solved the way
+    vLLM 0.26 solves its TurboQuant codebook, so the levels are vLLM's and not the exact optimum: levels start evenly
+    spread over +-3.5 sigma, each cell's mass and first moment come from a 200-panel trapezoid rule with the outer
+    cells cut at +-10.5 sigma, at most 200 Lloyd steps (stop when no level moves by 1e-10). The trapezoid rule leaves
+    the outermost levels ~0.1% inside the exact ones (3-bit: 2.1503 vs 2.1519 sigma). Boundaries are the float32
+    midpoints of the float32 levels, as vLLM's store kernel searches them."""
     n = 2 ** bits
-    s = 1.0 / math.sqrt(d)
-    pdf = lambda x: math.exp(-0.5 * (x / s) ** 2) / (s * math.sqrt(2 * math.pi)) if math.isfinite(x) else 0.0  # noqa
-    cdf = lambda x: 0.5 * (1 + math.erf(x / (s * math.sqrt(2)))) if math.isfinite(x) else float(x > 0)  # noqa
-    c = [s * (-3.0 + 6.0 * (i + 0.5) / n) for i in range(n)]
-    for _ in range(iters):
-        b = [-math.inf] + [(c[i] + c[i + 1]) / 2 for i in range(n - 1)] + [math.inf]
+    var = 1.0 / d
+    s = math.sqrt(var)
+    pdf = lambda x: math.exp(-x * x / (2 * var)) / math.sqrt(2 * math.pi * var)  # noqa: E731
+
+    def trapezoid(f, a, b, panels=200):
+        h = (b - a) / panels
+        return h * (0.5 * (f(a) + f(b)) + sum(f(a + i * h) for i in range(1, panels)))
+
+    lo, hi = -3.5 * s, 3.5 * s
+    c = [lo + (hi - lo) * (i + 0.5) / n for i in range(n)]
+    for _ in range(200):
+        edges = [3 * lo] + [(c[i] + c[i + 1]) / 2 for i in range(n - 1)] + [3 * hi]
         new = []
         for i in range(n):
-            mass = cdf(b[i + 1]) - cdf(b[i])
-            new.append(s * s * (pdf(b[i]) - pdf(b[i + 1])) / mass if mass > 1e-300 else c[i])
-        done = max(abs(x - y) for x, y in zip(new, c)) < 1e-12 * s
+            mass = trapezoid(pdf, edges[i], edges[i + 1])
+            new.append(trapezoid(lambda x: x * pdf(x), edges[i], edges[i + 1]) / mass if mass > 1e-15 else c[i])
+        if max(abs(x - y) for x, y in zip(new, c)) < 1e-10:
+            break  # converged: the levels of the step before are kept
         c = new
-        if done:
-            break
-    b = [(c[i] + c[i + 1]) / 2 for i in range(n - 1)]
-    return torch.tensor(c, dtype=torch.float32), torch.tensor(b, dtype=torch.float32)
+    cent = torch.tensor(c, dtype=torch.float32)
+    return cent, (cent[:-1] + cent[1:]) / 2
 
 
 class TurboQuantCodec(Codec):
+    # vLLM 0.26's TurboQuant backend runs a continuation chunk of at most 128 query tokens through its decode kernel
+    # over the cache, which do_kv_cache_update has already written that chunk into: every query reads all its keys
+    # and values, its own chunk's included, quantized. Longer chunks get the cached prefix dequantized plus their own
+    # tokens raw.
+    stored_chunk = 128
+
     def __init__(self, name, fmt):
         super().__init__(name, fmt)
         self.kb, self.vb = int(fmt.key_bits), int(fmt.value_bits)

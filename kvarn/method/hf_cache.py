@@ -9,7 +9,8 @@ Semantics shared with the vLLM backend (keep exactly):
   prefill). A later chunk of several tokens attends to the cache state after its tokens were stored (all encoded
   units decoded again, read back on every step as in serving, then the 16-bit tail) for the positions before it,
   and to its own raw K/V for its own positions: the quantized prefix plus the chunk's own raw tokens, as the
-  backend's dense prefill path does. A one-token forward (decode) reads the stored state for every position.
+  backend's dense prefill path does. A forward of at most `codec.stored_chunk` tokens (1: a decode step; 128 for
+  TurboQuant, whose vLLM backend runs such chunks through its decode kernel) reads the stored state everywhere.
 Layers the format keeps 16-bit (TurboQuant's first/last 2) use the identity codec.
 Usable as `model.generate(..., past_key_values=cache)` and in a plain forward loop. No beam search / cropping.
 """
@@ -74,7 +75,7 @@ class CodecLayer(DynamicLayer):
             return key_states, value_states
         k, v = self.read()
         n = key_states.shape[-2]
-        if n > 1:  # a chunk reads its own tokens raw (the prefix stays as stored)
+        if n > self.codec.stored_chunk:  # a long chunk reads its own tokens raw (the prefix stays as stored)
             k = torch.cat([k[..., :-n, :], key_states], -2)
             v = torch.cat([v[..., :-n, :], value_states], -2)
         return k, v

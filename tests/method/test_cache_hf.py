@@ -144,6 +144,30 @@ def test_a_chunk_reads_the_stored_prefix_and_its_own_raw_tokens():
     assert torch.equal(k, layer.read()[0])
 
 
+def test_turboquant_chunk_up_to_128_reads_its_own_tokens_quantized():
+    """vLLM 0.26's TurboQuant backend runs a continuation chunk of <= 128 tokens through its decode kernel over the
+    cache it has just written: the chunk's own K/V come back quantized. A 129-token chunk takes the dense path
+    (the prefix dequantized, its own tokens raw); a first chunk is raw."""
+    from kvarn.method.hf_cache import CodecLayer
+
+    g = torch.Generator().manual_seed(0)
+    kv = lambda n: (torch.randn(1, 2, n, 64, generator=g), torch.randn(1, 2, n, 64, generator=g))  # noqa: E731
+    layer = CodecLayer(get_codec("turboquant_4bit_nc"))
+    k0, v0 = kv(128)
+    assert layer.update(k0, v0)[0] is k0
+    k1, v1 = kv(128)
+    k, v = layer.update(k1, v1)
+    sk, sv = layer.read()
+    assert torch.equal(k, sk) and torch.equal(v, sv) and not torch.equal(k[..., 128:, :], k1)
+    k2, v2 = kv(129)
+    k, v = layer.update(k2, v2)
+    assert torch.equal(k[..., 256:, :], k2) and torch.equal(k[..., :256, :], layer.read()[0][..., :256, :])
+    kvarn = CodecLayer(get_codec("kvarn_k4v2_g128"))
+    kvarn.update(*kv(128))
+    k3, v3 = kv(128)
+    assert torch.equal(kvarn.update(k3, v3)[0][..., 128:, :], k3)  # KVarN's chunks read their own tokens raw
+
+
 class _Tok:
     eos_token_id = 100
 

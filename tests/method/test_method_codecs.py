@@ -82,12 +82,41 @@ def test_turboquant_slot_bytes_match_formats(name, d):
 
 def test_lloyd_max_gaussian_centroids():
     c, b = lloyd_max(128, 3)
-    # known Lloyd-Max levels for N(0,1) at 3 bits, scaled by 1/sqrt(d)
+    # known Lloyd-Max levels for N(0,1) at 3 bits, scaled by 1/sqrt(d): vLLM's numeric solution is close to them
     ref = torch.tensor([0.2451, 0.7560, 1.3439, 2.1519])
     assert torch.allclose(c[4:] * math.sqrt(128), ref, atol=2e-3)
     assert torch.allclose(c, -c.flip(0), atol=1e-6) and torch.all(b[1:] > b[:-1])
+    assert torch.equal(b, (c[:-1] + c[1:]) / 2)
     c4, _ = lloyd_max(64, 4)
     assert abs(float(c4[-1]) * 8 - 2.7326) < 2e-3
+
+
+def test_lloyd_max_levels_are_vllms():
+    """vLLM 0.26's trapezoid-rule solver stops short of the exact outer levels (3-bit 2.1519, 4-bit 2.7326 sigma);
+    the codec uses vLLM's levels, the same for every head dim once scaled by sqrt(d)."""
+    c3, _ = lloyd_max(64, 3)
+    assert torch.allclose(c3[4:] * 8, torch.tensor([0.24498, 0.75565, 1.34318, 2.15035]), atol=2e-5)
+    c4, _ = lloyd_max(64, 4)
+    assert torch.allclose(c4[8:] * 8, torch.tensor([0.12843, 0.38814, 0.65688, 0.94245, 1.25626, 1.61788,
+                                                    2.06845, 2.73092]), atol=2e-5)
+    assert torch.allclose(lloyd_max(128, 3)[0] * math.sqrt(128), c3 * 8, atol=1e-5)
+
+
+def test_turboquant_key_is_the_decode_kernels_score():
+    """vLLM scores a key without reconstructing it: norm * <q H, c / |c|> (H the orthonormal Sylvester Hadamard,
+    symmetric). The codec's decoded key gives the same dot product with any query."""
+    from kvarn.method.codecs import unpack_bits
+    from kvarn.method.hadamard import hadamard
+
+    c = get_codec("turboquant_k3v4_nc")
+    k, v = _kv(t=32, d=64)
+    p = c.encode(k, v)
+    kh, _ = c.decode(p)
+    q = torch.randn(2, 3, 5, 64, generator=torch.Generator().manual_seed(3))
+    cent = lloyd_max(64, 3)[0][unpack_bits(p["pk"], 3, 64)]
+    cent = cent / cent.norm(dim=-1, keepdim=True)
+    score = ((q @ hadamard(64)) @ cent.transpose(-1, -2)) * p["kn"].float().transpose(-1, -2)
+    assert torch.allclose(q @ kh.transpose(-1, -2), score, atol=1e-4)
 
 
 def test_turboquant_norm_correction_and_key_error():
