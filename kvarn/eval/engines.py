@@ -4,6 +4,7 @@ failed rows, never hangs). Both take token-id prompts built here, so the two see
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -346,7 +347,11 @@ class VLLMConfig:
 def gpu_total_bytes() -> int | None:
     """Memory of the first visible GPU, None where unknown. Asks nvidia-smi (no CUDA context in this process); a MIG
     instance (CUDA_VISIBLE_DEVICES=MIG-...) is not a GPU to nvidia-smi -i, so there a child process asks CUDA."""
-    dev = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
+    return _device_total_bytes((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0")
+
+
+@functools.lru_cache(maxsize=8)
+def _device_total_bytes(dev: str) -> int | None:  # once per device: engines side by side each ask
     if not dev.upper().startswith("MIG-"):
         got = _run_int(["nvidia-smi", "-i", dev, "--query-gpu=memory.total", "--format=csv,noheader,nounits"])
         return got * 2**20 if got is not None else None

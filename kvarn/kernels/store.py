@@ -10,7 +10,9 @@ Public API (the vLLM backend codes against these; signatures are stable):
         balance (Sinkhorn-like, `iters` iterations, best iterate kept), round (keys min-max, values with the range
         search and gain), fold, pack; fp32 math throughout.
         Writes the bytes kvarn.method.reference.quantize_tiles would (codes may differ by one where a value sits
-        on a rounding boundary, because of fp32 reduction order / exp ulps).
+        on a rounding boundary, because of fp32 reduction order / exp ulps; a value row whose two best range
+        factors score within that noise of the tie margin may take the other one, a different but equally good
+        rounding of that row).
 
     store_tail_tokens(k, v, tail_k, tail_v, tail_slot, tail_pos) -> None
         k, v       [N, H, D] new tokens (16-bit); tail_k/tail_v [S, H, g, D] the 16-bit unfinished-tile buffer
@@ -39,13 +41,17 @@ import triton.language as tl
 
 from ..errors import KvarnError
 from ..formats import KVFormat
+from ..method import reference as ref
 from .device import hadamard_pm1_block, rot_scale, x_times_h, x_times_h_acc
 from .records import as_format, check_cache, check_tail, defer_flag, f16_view, layout
-from ..method.reference import CLIP_STEPS, TIE_TOL as _TIE_TOL
 from .runtime import compiled, serving_jit
 
-VALUE_CLIP_STEPS = tl.constexpr(CLIP_STEPS)  # range factors the value rows try (the reference's)
-TIE_TOL = tl.constexpr(_TIE_TOL)
+# the value rows' range search, as the reference defines it
+VALUE_CLIP_STEPS = tl.constexpr(ref.CLIP_STEPS)
+CLIP_STEP = tl.constexpr(ref.CLIP_STEP)
+TIE_TOL = tl.constexpr(ref.TIE_TOL)
+GAIN_MIN = tl.constexpr(ref.GAIN_MIN)
+GAIN_MAX = tl.constexpr(ref.GAIN_MAX)
 
 @triton.jit
 def _round_half_even(x):
@@ -94,7 +100,7 @@ def _value_range(t, w, QMAX: tl.constexpr, STEPS: tl.constexpr):
     hi_b = mx
     ip_b = tl.zeros(mn.shape, dtype=tl.float32)
     for i in tl.static_range(STEPS):
-        a = 1.0 - 0.05 * i
+        a = 1.0 - CLIP_STEP * i
         lo = mn * a
         hi = mx * a
         sc = (hi - lo) / QMAX
@@ -113,7 +119,7 @@ def _value_range(t, w, QMAX: tl.constexpr, STEPS: tl.constexpr):
         ip_b = tl.where(better, ip, ip_b)
     nt = tl.sum(t * tw, axis=1)
     gain = tl.where(ip_b > 0, nt / tl.where(ip_b > 0, ip_b, 1.0), 1.0)
-    return lo_b, hi_b, tl.minimum(tl.maximum(gain, 0.5), 2.0)
+    return lo_b, hi_b, tl.minimum(tl.maximum(gain, GAIN_MIN), GAIN_MAX)
 
 
 @triton.jit

@@ -6,8 +6,8 @@ A codec turns K/V `[..., T, D]` into a stored payload (real packed bytes) and ba
 partial tile 16-bit (as in serving). `bytes_per_token_per_head(D)` is vLLM's page accounting (kvarn.formats).
 
 Names: every kvarn.formats name (and alias), plus ablations of KVarN that are not vLLM dtypes:
-`kvarn_k4v2_g128-norot`, `-nobal`, `-lastiter`, and the diagnostics `-konly` / `-vonly` (only keys / only
-values quantized); any KVarN preset accepts these suffixes.
+`kvarn_k4v2_g128-norot`, `-nobal`, `-lastiter`, `-minmax` (value rows rounded min-max), and the diagnostics
+`-konly` / `-vonly` (only keys / only values quantized); any KVarN preset accepts these suffixes.
 TurboQuant follows vLLM 0.26 (facts, not code): Sylvester-Hadamard rotation (no random signs, one matrix for all
 layers) of the unit-normalized key, per-coordinate Lloyd-Max centroids for N(0, 1/D) as vLLM's numeric solver gives
 them, fp16 norm, norm correction (`_nc`: the centroid vector re-normalized before the norm is applied), fp8 keys for

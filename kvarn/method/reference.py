@@ -17,7 +17,7 @@ FP16_MAX = 65504.0
 EPS = 1e-12  # guards divisions by a zero rounding scale or column factor
 STD_MIN, STD_MAX = 1e-3, 1e3  # clamp of the measured std per balancing step
 LOG_MIN, LOG_MAX = -0.3, 10.0  # clip of the accumulated log-scales
-CLIP_STEPS = 11  # value rows try their range shrunk toward zero by 0, 5, ..., 50%
+CLIP_STEPS, CLIP_STEP = 11, 0.05  # value rows try their range shrunk toward zero by 0, 5, ..., 50%
 GAIN_MIN, GAIN_MAX = 0.5, 2.0  # guard of the value rows' gain correction
 TIE_TOL = 1e-5  # relative margin a narrower value range must win by
 
@@ -155,7 +155,7 @@ def balance(x: torch.Tensor, iters: int = DEFAULT_BALANCE_ITERS, keep_best: bool
 
 def clip_factors(steps: int = CLIP_STEPS) -> list[float]:
     """The range factors a value row tries: [a * min, a * max] for a = 1, 0.95, ..., 0.5."""
-    return [1.0 - 0.05 * i for i in range(steps)]
+    return [1.0 - CLIP_STEP * i for i in range(steps)]
 
 
 def _value_range(t: torch.Tensor, w: torch.Tensor, qmax: int):

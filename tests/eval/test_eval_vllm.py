@@ -7,6 +7,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -186,10 +187,18 @@ def test_gpu_memory_comes_from_nvidia_smi_or_cuda_for_a_mig_instance(monkeypatch
         out = "143771\n" if cmd[0] == "nvidia-smi" else "42949672960\n"
         return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
 
+    E._device_total_bytes.cache_clear()
     monkeypatch.setattr(E.subprocess, "run", fake_run)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
     assert E.gpu_total_bytes() == 143771 * 2**20 and calls[-1][:3] == ["nvidia-smi", "-i", "3"]
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-4b2c8e1a-0000-0000-0000-000000000000")
-    assert E.gpu_total_bytes() == 40 * 2**30 and calls[-1][0] != "nvidia-smi"  # nvidia-smi -i takes no MIG UUID
+    assert E.gpu_total_bytes() == 143771 * 2**20 and len(calls) == 1  # asked once per device
+    mig = "MIG-4b2c8e1a-0000-0000-0000-000000000000"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mig)
+    assert E.gpu_total_bytes() == 40 * 2**30  # nvidia-smi -i takes no MIG UUID: CUDA in a child process
+    assert calls[-1][0] == sys.executable and "mem_get_info" in calls[-1][-1]
+    E._device_total_bytes.cache_clear()
     monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 9, "", "no GPU"))
-    assert E.gpu_total_bytes() is None  # unknown: vLLM profiles the memory itself
+    for dev in ("0", mig):  # unknown: vLLM profiles the memory itself
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", dev)
+        assert E.gpu_total_bytes() is None
+    E._device_total_bytes.cache_clear()

@@ -152,7 +152,8 @@ def test_ablations_lose_where_their_part_matters():
     k[:, ::19] *= 30.0  # outlier tokens: balancing rescales them (keys are per-channel rows)
     v = torch.randn(4, 256, 64, generator=g)
     # scattered outlier entries: the rotation spreads each over its token's row (values are per-token rows, and a
-    # column factor cannot take an outlier its channel does not always have)
+    # column factor cannot take an outlier its channel does not always have). A whole outlier channel is no such
+    # case: the column factor takes it, and with the range search the unrotated rows then round as well or better
     v = torch.where(torch.rand(v.shape, generator=g) < 0.02, 20.0 * v, v)
     kf, vf = get_codec("kvarn_k2v2_g128").roundtrip(k, v)
     kn, _ = get_codec("kvarn_k2v2_g128-nobal").roundtrip(k, v)

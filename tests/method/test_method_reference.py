@@ -215,7 +215,8 @@ def test_value_rows_search_their_range_and_keep_unit_gain(bits, search_bound, mi
     _, vm = dequantize_tiles(quantize_tiles(k, v, f, search=False), f, 128)
     assert _rel(vh, v) < search_bound < minmax_floor <= _rel(vm, v)
     slope = (vh * v).sum(-1) / (v * v).sum(-1)  # per token, in the original basis
-    assert abs(slope.mean().item() - 1.0) < 0.01 and slope.std().item() < 0.01
+    # without the gain: mean 0.89 at 2 bits, 0.992 at 4 bits; with it 1.0000 +- 0.0012
+    assert abs(slope.mean().item() - 1.0) < 0.003 and slope.std().item() < 0.005
     # the range search without the gain would shrink: the stored zero and scale carry the gain
     u, um = quantize_fields(k, v, f), quantize_fields(k, v, f, search=False)
     assert (u["sV"].abs() < um["sV"].abs()).float().mean() > 0.9  # narrower ranges on most rows
