@@ -1,6 +1,6 @@
 """Kernels that compiled during a cell's timed burst, read from its engine log: a compile under load stalls every
-running request for seconds (up to 7.6 s of a KVarN burst before the warm-up covered prefill steps), so a row whose engine compiled mid-run
-says so, for any format (vLLM's, TurboQuant's and our kernels alike).
+running request for seconds (up to 7.6 s of a KVarN burst before the warm-up covered prefill steps), so a row
+whose engine compiled mid-run says so, for any format (vLLM's, TurboQuant's and our kernels alike).
 
 kvarn's compile log (KVARN_LOG_COMPILES=1, set for bench cells) has a timed line for every compile, prefixed by vLLM
 with the process that printed it; the worker marks the start of the timed burst (BURST_MARK). With tensor

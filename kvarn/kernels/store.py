@@ -136,7 +136,6 @@ def _codes_from_factors(x, best_ec, best_er, BITS: tl.constexpr, SEARCH: tl.cons
     else:
         mn = tl.min(t, axis=1)
         mx = tl.max(t, axis=1)
-        gain = tl.full(mn.shape, 1.0, dtype=tl.float32)
     row = 1.0 / best_er
     s = _to_f16_range((mx - mn) / QMAX * row)
     z = _to_f16_range(mn * row)

@@ -153,11 +153,6 @@ def balance(x: torch.Tensor, iters: int = DEFAULT_BALANCE_ITERS, keep_best: bool
     return best_lr, best_lc
 
 
-def clip_factors(steps: int = CLIP_STEPS) -> list[float]:
-    """The range factors a value row tries: [a * min, a * max] for a = 1, 0.95, ..., 0.5."""
-    return [1.0 - CLIP_STEP * i for i in range(steps)]
-
-
 def _value_range(t: torch.Tensor, w: torch.Tensor, qmax: int):
     """Rounding range and gain per row of the balanced value tile t [..., R, C] (w [..., C]: the squared column
     factors, so sums are in the stored basis). Attention averages the values of many tokens: their rounding noise
@@ -170,7 +165,8 @@ def _value_range(t: torch.Tensor, w: torch.Tensor, qmax: int):
     w = w.unsqueeze(-2)
     best = torch.full_like(mn, -1.0)
     lo_b, hi_b, ip_b = mn, mx, torch.zeros_like(mn)
-    for a in clip_factors():
+    for i in range(CLIP_STEPS):
+        a = 1.0 - CLIP_STEP * i  # a = 1, 0.95, ..., 0.5
         lo, hi = mn * a, mx * a
         sc = (hi - lo) / qmax
         safe = sc > EPS

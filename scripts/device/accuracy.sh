@@ -34,6 +34,11 @@ ev() {  # name, seconds, kvarn eval args... (each step its own limit: a stuck en
   echo "$name rc=$rc $(( $(date +%s) - T0 ))s" >>"$RES/status.txt"
   tail -n 2 "$RES/$name.err" | sed "s/^/  [$name] /"
 }
+ppl() {  # name, seconds, model, window tokens, windows, memory fraction, more eval args...
+  local name=$1 secs=$2 model=$3 context=$4 windows=$5 mem=$6; shift 6
+  ev "$name" "$secs" ppl --model "$model" "$@" --kv-dtype "$ALL" --context "$context" --limit "$windows" --chunk 128 \
+    --data "$TEXT" --model-args gpu_memory_utilization="$mem"
+}
 
 if want models; then
   for m in qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do
@@ -48,15 +53,12 @@ if want ppl; then
   # Engine starts dominate (TurboQuant's warm-up compiles its kernels for ~2 min per head dim): the first round
   # compiles each head dim once (64: SmolLM2, 128: the 1.5B), the second finds them compiled; steps of a round
   # share the GPU's memory
-  ev ppl_smol 330 ppl --model smollm2-135m --weights "$SMOL" --kv-dtype "$ALL" --context 4096 --limit 2 --chunk 128 \
-    --data "$TEXT" --model-args gpu_memory_utilization=0.42 &
-  ev ppl_q15_2k 330 ppl --model qwen2.5-coder-1.5b --kv-dtype "$ALL" --context 2048 --limit 8 --chunk 128 --data "$TEXT" \
-    --model-args gpu_memory_utilization=0.42 &
+  ppl ppl_smol 330 smollm2-135m 4096 2 0.42 --weights "$SMOL" &
+  ppl ppl_q15_2k 330 qwen2.5-coder-1.5b 2048 8 0.42 &
   wait
-  THIRD=(--model-args gpu_memory_utilization=0.28)
-  ev ppl_q05_2k 300 ppl --model qwen2.5-coder-0.5b --kv-dtype "$ALL" --context 2048 --limit 8 --chunk 128 --data "$TEXT" "${THIRD[@]}" &
-  ev ppl_q05_8k 300 ppl --model qwen2.5-coder-0.5b --kv-dtype "$ALL" --context 8192 --limit 4 --chunk 128 --data "$TEXT" "${THIRD[@]}" &
-  ev ppl_q15_8k 300 ppl --model qwen2.5-coder-1.5b --kv-dtype "$ALL" --context 8192 --limit 4 --chunk 128 --data "$TEXT" "${THIRD[@]}" &
+  ppl ppl_q05_2k 300 qwen2.5-coder-0.5b 2048 8 0.28 &
+  ppl ppl_q05_8k 300 qwen2.5-coder-0.5b 8192 4 0.28 &
+  ppl ppl_q15_8k 300 qwen2.5-coder-1.5b 8192 4 0.28 &
   wait
 fi
 # GSM8K and NIAH side by side (half the memory each), then MATH-500 (long generations) alone. NIAH reads 32K
