@@ -41,7 +41,7 @@ ppl() {  # name, seconds, model, window tokens, windows, memory fraction, more e
 }
 
 if want models; then
-  for m in qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do
+  for m in ${KVARN_ACC_MODELS:-qwen2.5-coder-0.5b qwen2.5-coder-1.5b}; do  # KVARN_ACC_MODELS: those staged
     python3 -m kvarn_cli.app data install --model "$m" --from /tmp/pieces >"$RES/install-$m.log" 2>&1 &
   done
   wait
@@ -61,16 +61,17 @@ if want ppl; then
   ppl ppl_q15_8k 300 qwen2.5-coder-1.5b 8192 4 0.28 &
   wait
 fi
-# GSM8K and NIAH side by side (half the memory each), then MATH-500 (long generations) alone. NIAH reads 32K
-# haystacks in 512-token chunks: KVarN (eager) took over 340 s for its 40 prompts where FP16 took 114 s
-HALF=(--model-args gpu_memory_utilization=0.42)
+# GSM8K, NIAH and MATH-500 side by side, each engine set with its share of the memory (KVARN_{GSM8K,NIAH,MATH}_MEM,
+# default 0.3). NIAH reads 32K haystacks in 512-token chunks: KVarN (eager) took over 340 s for its 40 prompts
+# where FP16 took 114 s; MATH-500 generates up to 4,096 tokens
+mem() { echo --model-args "gpu_memory_utilization=$1"; }
 want gsm8k && ev gsm8k "${KVARN_GSM8K_SECS:-540}" gsm8k --model qwen2.5-coder-1.5b --kv-dtype "$ALL" --max-tokens 256 \
-  "${HALF[@]}" &
+  $(mem "${KVARN_GSM8K_MEM:-0.3}") &
 want niah && ev niah "${KVARN_NIAH_SECS:-900}" niah --model qwen2.5-coder-1.5b --kv-dtype "$ALL" \
-  --context 4k,8k,16k,32k --limit 10 --data "$TEXT" "${HALF[@]}" &
+  --context 4k,8k,16k,32k --limit 10 --data "$TEXT" $(mem "${KVARN_NIAH_MEM:-0.3}") &
+want math500 && ev math500 "${KVARN_MATH_SECS:-900}" math500 --model qwen2.5-coder-1.5b --kv-dtype "$ALL" \
+  --max-tokens 4096 $(mem "${KVARN_MATH_MEM:-0.3}") &
 wait
-want math500 && ev math500 "${KVARN_MATH_SECS:-540}" math500 --model qwen2.5-coder-1.5b --kv-dtype "$ALL" \
-  --max-tokens 4096
 
 mkdir -p "$OUT/acc-results" && cp -r "$RES/." "$OUT/acc-results/" 2>/dev/null
 cat "$RES/status.txt"
