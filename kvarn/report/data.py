@@ -245,10 +245,25 @@ def headline_burst(cells: pd.DataFrame, model: str, tp) -> float | None:
     return float(pool.max()) if len(pool) else None
 
 
+def byte_capacity(model: str, kv_dtype: str, tp: int = 1) -> float:
+    """KV tokens per byte against FP16's for the model's shape, from the formats' page bytes (kvarn.capacity: layers a
+    format keeps 16-bit included, per-request 16-bit buffers not); NaN when the shape or the format is unknown."""
+    from ..capacity import bytes_per_token
+    from ..formats import get_format
+    from ..shapes import resolve_model
+
+    try:
+        shape = resolve_model(str(model))
+        return bytes_per_token(shape, get_format("auto"), tp) / bytes_per_token(shape, get_format(kv_dtype), tp)
+    except (KvarnError, KeyError, ValueError, ZeroDivisionError):
+        return math.nan
+
+
 def frontier(cells: pd.DataFrame, ev: pd.DataFrame, task: str | None, burst: int | None = None) -> pd.DataFrame:
     """Per (model, TP, kv dtype): throughput ratio (x), accuracy change (y, with interval), capacity ratio (size).
 
-    Columns missing from the inputs stay NaN; `pareto` marks formats no other format beats on every available axis.
+    The capacity is vLLM's reported pool from the bench rows (cap_source "vllm"), else what the format's bytes give
+    the model's shape (cap_source "bytes"). Other columns missing from the inputs stay NaN; `pareto` marks formats no other format beats on every available axis.
     """
     groups: dict[tuple, dict] = {}
     if not cells.empty:
@@ -284,6 +299,11 @@ def frontier(cells: pd.DataFrame, ev: pd.DataFrame, task: str | None, burst: int
         metric = BENCH_PPL
         for d in groups.values():
             d.update(y=-_num(d, "ppl_delta_pct"), y_lo=math.nan, y_hi=math.nan, value=_num(d, "ppl"))
+    for (model, tp, kv), d in groups.items():
+        if _num(d, "cap") != _num(d, "cap"):  # no bench row: the capacity the format's bytes give this model's shape
+            d["cap"], d["cap_source"] = byte_capacity(model, kv, tp), "bytes"
+        else:
+            d["cap_source"] = "vllm"
     rows = [{"model": k[0], "tp": k[1], "kv_dtype": k[2], **v} for k, v in groups.items()]
     if not rows:
         return pd.DataFrame()

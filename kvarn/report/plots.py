@@ -136,13 +136,14 @@ def mode_label(modes) -> str:
 def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle: str = "",
                  allowed_drop_pp: float | None = None) -> Path | None:
     """Accuracy change (y, paired interval as error bars) vs throughput ratio (x); capacity ratio = marker size.
-    Without an accuracy axis, capacity ratio becomes the y axis."""
+    Without an accuracy axis, capacity ratio becomes the y axis; without bench rows (no throughput), the x axis."""
     if front.empty:
         return None
     has_y = front["y"].notna().any()
     has_x = front["x"].notna().any()
     if not has_x and not has_y:
         return None
+    cap_x = has_y and not has_x and front["cap"].notna().any()  # eval rows alone: accuracy against capacity
     panels = list(front.groupby(["model", "tp"], sort=False))
     with plt.rc_context(STYLE):
         fig, axes = _grid(len(panels), w=6.4, h=4.6)
@@ -152,12 +153,12 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
             g = g[g["x"].notna()] if has_x else g
             g = g.sort_values("x") if has_x else g
             for i, rec in enumerate(g.to_dict("records")):
-                x = rec["x"] if has_x else 0.0
+                x = rec["x"] if has_x else rec["cap"] if cap_x else 0.0
                 y = rec["y"] if has_y else rec["cap"]
                 if y is None or (isinstance(y, float) and math.isnan(y)):
                     continue
                 cap = rec["cap"] if not math.isnan(rec.get("cap", math.nan)) else 1.0
-                size = 40 + 55 * cap if has_y else 110
+                size = 40 + 55 * cap if has_y and not cap_x else 110
                 if has_y and not math.isnan(rec.get("y_lo", math.nan)):
                     ax.errorbar(x, y, yerr=[[y - rec["y_lo"]], [rec["y_hi"] - y]], fmt="none",
                                 ecolor=color(rec["kv_dtype"]), elinewidth=1.3, capsize=3, alpha=0.7, zorder=2)
@@ -167,7 +168,7 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
                            linewidths=2.2 if rec["pareto"] else 0.8)
                 anns.append(ax.annotate(label(rec["kv_dtype"]), (x, y), textcoords="offset points",
                                         xytext=(math.sqrt(size) / 2 + 2, -4), fontsize=8, color="#222222", zorder=4))
-            if has_x:
+            if has_x or cap_x:
                 ax.axvline(1.0, color="#888888", lw=0.9, ls=":")
             if has_y:
                 ax.axhline(0.0, color="#888888", lw=0.9, ls=":")
@@ -178,7 +179,9 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
             metric = g["metric"].dropna().iloc[0] if g["metric"].notna().any() else None
             burst = g["burst"].dropna().iloc[0] if "burst" in g and g["burst"].notna().any() else None
             ax.set_title(panel_title(model, tp) + (f"  ·  {burst_label(burst)} burst" if burst else ""))
-            ax.set_xlabel("output tokens/s ÷ fp16 (same burst)" if has_x else "(no bench rows: throughput unavailable)")
+            ax.set_xlabel("output tokens/s ÷ fp16 (same burst)" if has_x else
+                          "KV capacity ÷ fp16 (the formats' bytes for this model; no bench rows)" if cap_x else
+                          "(no bench rows: throughput unavailable)")
             if has_y:
                 ax.set_ylabel(f"{task} accuracy change vs fp16 (pp)" if metric == "accuracy"
                               else "chunked perplexity change vs fp16 (%, up = better)" if metric == BENCH_PPL
@@ -194,13 +197,14 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
         kvs = format_order(front["kv_dtype"])
         extra = [Line2D([], [], marker="o", ls="", markerfacecolor="white", markeredgecolor="black", markeredgewidth=2.2,
                         markersize=9, label="Pareto-optimal")]
-        if has_y:
+        if has_y and not cap_x:
             extra += [Line2D([], [], marker="o", ls="", color="#999999", markersize=math.sqrt(40 + 55 * c),
                              label=f"KV capacity {c}× fp16") for c in (1, 4)]
         bottom = _legend_formats(fig, kvs, extra, ncol=min(len(kvs) + len(extra), 6))
         metric = front["metric"].dropna().iloc[0] if front["metric"].notna().any() else None
         title = ("Accuracy–throughput–capacity frontier: chunked perplexity (bench rows)"
-                 if has_y and metric == BENCH_PPL else f"Accuracy–throughput–capacity frontier: {task}" if has_y
+                 if has_y and metric == BENCH_PPL else f"Accuracy–capacity frontier: {task} (no bench rows)" if cap_x
+                 else f"Accuracy–throughput–capacity frontier: {task}" if has_y
                  else "Throughput vs KV capacity (no eval rows: accuracy axis unavailable)")
         fig.suptitle(title + (f"\n{subtitle}" if subtitle else ""), fontsize=12)
         fig.tight_layout(rect=(0, bottom, 1, 1))

@@ -142,7 +142,8 @@ def build_report(results, out: str | Path, *, task: str | None = None, burst: in
         raise KvarnError(f"{results} has no bench or eval rows (kinds present: "
                          f"{', '.join(sorted(set(df.get('kind', pd.Series(dtype=str)).dropna()))) or 'none'})")
     if bench.empty:
-        notes.append("No bench rows: throughput, capacity and latency are unavailable (run `kvarn bench`).")
+        notes.append("No bench rows: throughput and latency are unavailable (run `kvarn bench`); the frontier's KV "
+                     "capacity is what the formats' bytes give each model's shape, not a measured pool.")
     bench_ppl = not cells.empty and "ppl_delta_pct" in cells and cells["ppl_delta_pct"].notna().any()
     if eval_raw.empty and bench_ppl:
         notes.append("No eval rows: the frontier's accuracy axis is the bench rows' own chunked perplexity (a short "
@@ -223,7 +224,10 @@ def build_report(results, out: str | Path, *, task: str | None = None, burst: in
                                allowed_drop_pp=allowed_drop_pp if t and task_metric(ev, t) == "accuracy" else None)
         if p:
             pngs.append(p)
-            if t:
+            if t and not f["x"].notna().any():
+                cap = (f"Frontier for {t}: accuracy change vs fp16 (paired interval) against the KV capacity ÷ fp16 "
+                       "that the formats' bytes give the model (no bench rows); black ring = Pareto-optimal.")
+            elif t:
                 cap = (f"Frontier for {t}: accuracy change vs fp16 (paired interval) against output tokens/s ÷ fp16 "
                        "at the headline burst; marker area = KV capacity ÷ fp16; black ring = Pareto-optimal.")
             elif bench_ppl:

@@ -120,7 +120,9 @@ def register(app: typer.Typer) -> None:
         max_tokens: int = typer.Option(None, "--max-tokens",
                                        help="New tokens per answer (default: the task's: aime 32768, gsm8k 256, niah 16)."),
         context: str = typer.Option(None, "--context", help="niah lengths (2k,4k,8k; default 2k); ppl window (1024)."),
-        chat: bool = typer.Option(False, "--chat/--no-chat", help="Wrap prompts in the model's chat template."),
+        chat: bool = typer.Option(None, "--chat/--no-chat",
+                                  help="Wrap prompts in the model's chat template (default: the task's protocol: "
+                                       "math500_cot chat, the others completion)."),
         thinking: bool = typer.Option(None, "--thinking/--no-thinking",
                                       help="Chat template enable_thinking; scoring reads after </think>."),
         data: str = typer.Option(None, "--data", help="Local data: jsonl/json/parquet/csv (text file for ppl/niah)."),
@@ -183,11 +185,9 @@ def register(app: typer.Typer) -> None:
 
             names = [t.strip() for t in (tasks or task or task_arg or "").split(",") if t.strip()]
             rows = run_harness(names, kv_dtype, model, weights, tp=tp, limit=limit, seed=seed, out=out_dir,
-                               chat=chat, fewshot=fewshot, gen_kwargs=gen_kwargs, extra_model_args=model_args,
+                               chat=bool(chat), fewshot=fewshot, gen_kwargs=gen_kwargs, extra_model_args=model_args,
                                timeout_min=timeout_min, reporter=reporter)
         elif h == "kvarn":
-            if thinking is not None and not chat:
-                raise KvarnError("--thinking / --no-thinking switch the chat template's enable_thinking; add --chat")
             if task_arg and task and task_arg != task:
                 raise KvarnError(f"two tasks given: {task_arg!r} and --task {task!r}")
             listed = [t.strip() for t in (tasks or "").split(",") if t.strip()]

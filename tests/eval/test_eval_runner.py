@@ -11,7 +11,7 @@ from tests.helpers import run_cli
 from kvarn.errors import KvarnError
 from kvarn.eval import runner as R
 from kvarn.eval.engines import EngineError, GenResult, ScoreResult
-from kvarn.eval.tasks import LoadOptions, get_task, load_gsm8k, load_math500, load_niah, load_ppl, parse_contexts
+from kvarn.eval.tasks import Item, LoadOptions, get_task, load_gsm8k, load_math500, load_niah, load_ppl, parse_contexts
 from kvarn.results import ResultsStore
 
 
@@ -82,7 +82,7 @@ def _run(tmp_path, task="gsm8k", engine=None, **kw):
 def test_registry_and_contexts():
     import kvarn.eval as ev
 
-    assert set(ev.task_names()) == {"aime25", "aime24", "gsm8k", "math500", "niah", "ppl"}
+    assert set(ev.task_names()) == {"aime25", "aime24", "gsm8k", "math500", "math500_cot", "niah", "ppl"}
     assert parse_contexts("2k,4k,8k", ()) == (2048, 4096, 8192)
     assert parse_contexts("1500", ()) == (1500,)
     with pytest.raises(KvarnError):
@@ -110,6 +110,24 @@ def test_bundled_data_gsm8k_math500():
         assert items[doc].prompt.startswith(shots), doc
     m, _ = load_math500(LoadOptions())
     assert len(m) == 500 and m[0].prompt.startswith("Problem: ") and m[0].target
+    cot, _ = get_task("math500_cot").loader(LoadOptions(), None)
+    assert [c.id for c in cot] == [x.id for x in m] and [c.target for c in cot] == [x.target for x in m]
+    assert cot[0].prompt.endswith("\nPlease reason step by step, and put your final answer within \\boxed{}.")
+    assert "Problem:" not in cot[0].prompt
+
+
+def test_math500_cot_protocol_chat_by_default_boxed_answers():
+    """The instruct protocol: the chat template unless --no-chat, 4,096 new tokens, the last \\boxed{} scored."""
+    p = R.plan(R.EvalOptions(task="math500_cot", engine="hf"))
+    assert p.protocol["chat"] is True and p.params.max_tokens == 4096
+    assert R.plan(R.EvalOptions(task="math500_cot", engine="hf", chat=False)).protocol["chat"] is False
+    assert R.plan(R.EvalOptions(task="math500", engine="hf")).protocol["chat"] is False
+    spec = get_task("math500_cot")
+    item = Item("1", "", "\\frac{1}{2}")
+    assert spec.scorer(item, "so $x=3$ first, then \\boxed{\\frac12} at last")["correct"]
+    assert not spec.scorer(item, "the answer is \\boxed{2}")["correct"]
+    with pytest.raises(KvarnError, match="add --chat"):
+        R.plan(R.EvalOptions(task="gsm8k", engine="hf", thinking=True))
 
 
 def test_niah_items_exact_lengths_and_depths():
@@ -266,6 +284,7 @@ def test_plan_validation():
     (["eval"], "give a task"),
     (["eval", "ppl", "--kv-dtype", "int3"], "unknown kv dtype"),
     (["eval", "ppl", "--samples", "4"], "--samples applies to generation tasks"),
+    (["eval", "gsm8k", "--thinking"], "add --chat"),
 ])
 def test_cli_bad_input_exit_2(args, needle, tmp_path):
     r = run_cli(*args, "--out", str(tmp_path), env={"HF_HUB_OFFLINE": "1"})

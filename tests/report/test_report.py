@@ -76,10 +76,33 @@ def test_eval_only_says_throughput_is_missing(tmp_path):
     write_demo_results(tmp_path / "e", models=MODELS, bench=False)
     rep = build_report(tmp_path / "e", tmp_path / "r")
     text = _text(rep.html.read_text())
-    assert "No bench rows: throughput, capacity and latency are unavailable" in text
+    assert "No bench rows: throughput and latency are unavailable" in text
+    assert "bytes give each model" in text and "not a measured pool" in text
     names = {p.name for p in rep.pngs}
-    assert "accuracy.png" in names and "capacity.png" not in names
+    assert "accuracy.png" in names and "capacity.png" not in names and "frontier.png" in names
     assert "kvarn_k4v2_g128" in text and "qwen3-32b" in text
+    assert "bytes give the model (no bench rows)" in text
+
+
+def test_eval_only_frontier_takes_capacity_from_the_format_bytes():
+    """Without bench rows the frontier's capacity is the page-byte ratio for the model's shape: 512 / 108 per token
+    and head at D=128 for the KVarN default on every layer, TurboQuant's 16-bit first and last two layers counted."""
+    import math
+
+    import pandas as pd
+
+    from kvarn.report.data import frontier
+
+    ev = pd.DataFrame([{"model": "Qwen/Qwen3-8B", "tp": 1, "task": "gsm8k", "kv_dtype": kv, "metric": "accuracy",
+                        "accuracy": 0.5, "delta_vs_fp16": d, "delta_ci_low": d - 0.01, "delta_ci_high": d + 0.01}
+                       for kv, d in (("auto", 0.0), ("kvarn_k4v2_g128", 0.0), ("turboquant_4bit_nc", -0.02))])
+    f = frontier(pd.DataFrame(), ev, "gsm8k").set_index("kv_dtype")
+    assert (f["cap_source"] == "bytes").all() and f["x"].isna().all()
+    assert f.loc["auto", "cap"] == 1.0 and math.isclose(f.loc["kvarn_k4v2_g128", "cap"], 512 / 108)
+    layers, tq = 36, 134  # Qwen3-8B: 36 layers, 4 of them 16-bit under TurboQuant
+    assert math.isclose(f.loc["turboquant_4bit_nc", "cap"], 512 * layers / (512 * 4 + tq * (layers - 4)))
+    # fp16: the same accuracy with less capacity; TurboQuant: less of both
+    assert f["pareto"].to_dict() == {"auto": False, "turboquant_4bit_nc": False, "kvarn_k4v2_g128": True}
 
 
 def test_pareto_mask():
