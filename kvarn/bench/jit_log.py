@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-from .engines.vllm_worker import BURST_MARK, latest_attempt
+from ..engines.vllm_log import BURST_MARK, latest_attempt
 
 _TIMED = re.compile(r"\[kvarn\] \d\d:\d\d:\d\d\.\d{3} triton compile (\S+) ([0-9.]+|\?) s")
 _PROCESS = re.compile(r"^\(([^)]*?)pid=(\d+)\)")  # "(EngineCore pid=5547) ...", "(Worker_TP1 pid=7) ..."

@@ -91,11 +91,11 @@ def choose_engine(requested: str, mode: str = OFFLINE) -> tuple[str, str]:
     req = (requested or "auto").strip().lower()
     if req != "auto":
         return req, f"--engine {req}"
-    from .engines.vllm_engine import visible_gpus, vllm_available
+    from ..engines import gpus
 
-    if not vllm_available():
+    if not gpus.vllm_available():
         why = "vLLM is not installed"
-    elif not visible_gpus():
+    elif not gpus.visible_gpus():
         why = "no CUDA GPU is visible"
     else:
         return "vllm", "vLLM is installed and a GPU is visible"

@@ -281,7 +281,7 @@ def run_worker(spec: dict) -> dict:
     import torch
 
     from ..shapes import resolve_model
-    from .engines.vllm_args import llm_kwargs, model_dir_for
+    from ..engines.vllm_args import llm_kwargs, model_dir_for
     from .prompts import random_prompts
 
     hooked = HOOK.install()
@@ -409,7 +409,7 @@ def profile(model: str, kv_dtypes: list[str], batch: int, context: int, steps: i
     import tempfile
 
     from ..shapes import resolve_model
-    from .process import GroupRunner
+    from ..engines.process import GroupRunner
 
     if batch < 1 or context < 1 or steps < 1:
         raise KvarnError(f"--batch, --context and --steps must be >= 1 (got {batch}, {context}, {steps})")

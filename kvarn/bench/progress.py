@@ -1,7 +1,7 @@
 """How far a worker got, in WORKDIR/progress.json, so a cell killed by its timeout still says what it reached.
 
-The worker (engines/vllm_worker.py) rewrites the file atomically at each phase and every few seconds of the burst;
-the orchestrator reads it only when it had to kill the worker. A timed-out row then carries the capacity vLLM
+The worker (a cell, engines/vllm_cell.py) rewrites the file atomically at each phase and every few seconds of the
+burst; the orchestrator reads it only when it had to kill the worker. A timed-out row then carries the capacity vLLM
 reported and the partial counts (requests done, tokens generated, seconds into the burst), and its error says
 them: enough to bound the configuration's throughput (the burst took longer than that) and, offline, to estimate it
 (tokens generated over the burst's seconds so far) instead of knowing nothing.

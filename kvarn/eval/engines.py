@@ -4,11 +4,8 @@ failed rows, never hangs). Both take token-id prompts built here, so the two see
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -19,10 +16,13 @@ from pathlib import Path
 from typing import Iterator
 
 from .. import models
+from ..engines import gpus, process
+from ..engines.hf import kv_cache
+from ..engines.vllm_args import format_args
+from ..engines.vllm_log import classify_error, last_error_line
+from ..engines.vllm_worker import RESULT_TAG
 from ..errors import KvarnError
 from ..formats import KVFormat
-
-RESULT_TAG = "KVARN_RESULT "
 
 
 def parse_kv_args(spec: str | None) -> dict:
@@ -95,33 +95,20 @@ class EngineError(KvarnError):
         self.status = status
 
 
-def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
-
-
-def gpu_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except ImportError:  # pragma: no cover
-        return False
-
-
 def pick_engine(engine: str) -> tuple[str, str]:
     """('hf'|'vllm', why)."""
     e = (engine or "auto").lower()
     if e not in ("auto", "hf", "vllm"):
         raise KvarnError(f"unknown --engine {engine!r}; accepted: auto, vllm, hf")
     if e == "vllm":
-        if not vllm_available():
+        if not gpus.vllm_available():
             raise KvarnError("--engine vllm: vLLM is not installed here (pip install 'kvarn[vllm]'), or use --engine hf")
         return "vllm", "requested"
     if e == "hf":
         return "hf", "requested"
-    if vllm_available() and gpu_available():
+    if gpus.vllm_available() and gpus.gpu_available():
         return "vllm", "auto: vLLM and a GPU are present"
-    return "hf", "auto: " + ("no GPU" if vllm_available() else "vLLM not installed") + ", using transformers"
+    return "hf", "auto: " + ("no GPU" if gpus.vllm_available() else "vLLM not installed") + ", using transformers"
 
 
 def model_source(model: str, weights: str | None) -> str:
@@ -166,7 +153,7 @@ def _pick_token(logits, temperature: float, top_p: float):
 
 
 class HFEngine:
-    """transformers in process; the KV cache of each request is kvarn.method.hf_cache.KVCodecCache(kv dtype)."""
+    """transformers in process; the KV cache of each request is kvarn.engines.hf.kv_cache(kv dtype)."""
 
     name = "hf"
 
@@ -183,19 +170,6 @@ class HFEngine:
         from ..method.hf_cache import cache_kwarg
 
         self.cache_kw = cache_kwarg(model)
-
-    def new_cache(self, fmt: KVFormat):
-        try:
-            from ..method.hf_cache import KVCodecCache
-        except ImportError:
-            KVCodecCache = None
-        if KVCodecCache is not None:
-            return KVCodecCache(fmt.name, config=self.model.config)
-        if fmt.family == "fp16":
-            from transformers import DynamicCache
-
-            return DynamicCache()
-        raise KvarnError(f"--engine hf cannot run {fmt.name}: kvarn.method.hf_cache is missing")
 
     @property
     def dtype(self) -> str:
@@ -268,7 +242,7 @@ class HFEngine:
         for r in requests:
             t0 = time.perf_counter()
             ids = torch.tensor([r.prompt_ids], device=self.device)
-            cache = self.new_cache(fmt)
+            cache = kv_cache(fmt.name, self.model)
             sample = params.temperature > 0
             if sample:
                 torch.manual_seed(r.seed)
@@ -318,7 +292,7 @@ class HFEngine:
         for wid, toks in windows:
             t0 = time.perf_counter()
             ids = torch.tensor([toks], device=self.device)
-            cache = self.new_cache(fmt)
+            cache = kv_cache(fmt.name, self.model)
             logits = torch.cat(self._prefill(ids, cache, chunk, watch, f"for kv dtype {fmt.name}, window {wid}"),
                                dim=1)[0, :-1].float()
             lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])
@@ -344,49 +318,14 @@ class VLLMConfig:
     share: int = 1  # engines side by side on the GPU: each takes 1/share of the memory fraction
 
 
-def gpu_total_bytes() -> int | None:
-    """Memory of the first visible GPU, None where unknown. Asks nvidia-smi (no CUDA context in this process); a MIG
-    instance (CUDA_VISIBLE_DEVICES=MIG-...) is not a GPU to nvidia-smi -i, so there a child process asks CUDA."""
-    return _device_total_bytes((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0")
-
-
-@functools.lru_cache(maxsize=8)
-def _device_total_bytes(dev: str) -> int | None:  # once per device: engines side by side each ask
-    if not dev.upper().startswith("MIG-"):
-        got = _run_int(["nvidia-smi", "-i", dev, "--query-gpu=memory.total", "--format=csv,noheader,nounits"])
-        return got * 2**20 if got is not None else None
-    return _run_int([sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info(0)[1])"], timeout=60)
-
-
-def _run_int(cmd: list[str], timeout: float = 20) -> int | None:
-    """The first line of a command's output as an integer; None when it fails."""
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        return int(float(out.stdout.strip().splitlines()[0])) if out.returncode == 0 else None
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
-
-
 def _end_group(proc: subprocess.Popen, leftovers_only: bool = False) -> None:
-    """End the worker's process group (and its GPU processes), with the bench engine's helper when present."""
-    try:
-        from ..bench.process import kill_group, session_members
-    except ImportError:
-        kill_group = session_members = None
-    if kill_group is not None:
-        if not leftovers_only or session_members(proc.pid):
-            kill_group(proc, grace_s=2.0)
-        return
-    if leftovers_only:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """End the worker's process group and its GPU processes; leftovers_only: only when some are still alive."""
+    if not leftovers_only or process.session_members(proc.pid):
+        process.kill_group(proc, grace_s=2.0)
 
 
 class VLLMEngine:
-    """One `python -m kvarn.eval.vllm_worker` subprocess per kv dtype; results stream back line by line."""
+    """One `python -m kvarn.engines.vllm_worker` subprocess per kv dtype; results stream back line by line."""
 
     name = "vllm"
 
@@ -394,13 +333,10 @@ class VLLMEngine:
         self.cfg, self.tokenizer = cfg, tokenizer
 
     def _llm_args(self, fmt: KVFormat, chunk: int | None, max_num_seqs: int | None) -> dict:
-        a = {"model": self.cfg.model, "kv_cache_dtype": fmt.name, "tensor_parallel_size": self.cfg.tp,
-             "dtype": self.cfg.dtype, "gpu_memory_utilization": self.cfg.gpu_memory_utilization,
-             "enforce_eager": self.cfg.enforce_eager, "seed": self.cfg.seed}
-        if fmt.block_size:
-            a["block_size"] = fmt.block_size  # KVarN: vLLM block = the preset's tile
-        if fmt.family == "fp8" and self.cfg.dtype in ("auto", "float16"):
-            a["dtype"] = "bfloat16"  # FA3 rejects fp8 KV with an fp16 model
+        a = {"model": self.cfg.model, "tensor_parallel_size": self.cfg.tp, "dtype": self.cfg.dtype,
+             "gpu_memory_utilization": self.cfg.gpu_memory_utilization, "enforce_eager": self.cfg.enforce_eager,
+             "seed": self.cfg.seed}
+        a.update(format_args(fmt.name, self.cfg.dtype))
         if self.cfg.max_model_len:
             a["max_model_len"] = self.cfg.max_model_len
         if chunk:
@@ -414,7 +350,7 @@ class VLLMEngine:
         a.update(self.cfg.extra)
         if self.cfg.share > 1:
             a["gpu_memory_utilization"] = round(float(a["gpu_memory_utilization"]) / self.cfg.share, 3)
-            total = gpu_total_bytes()
+            total = gpus.gpu_total_bytes()
             if total and "kv_cache_memory_bytes" not in a:
                 # engines side by side: vLLM's memory profiling reads the whole GPU's usage, which the other engines
                 # change while they start and stop (a smaller cache, or its "Error in memory profiling" assert);
@@ -434,7 +370,7 @@ class VLLMEngine:
         jobf.write_text(json.dumps(job))
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
         with open(log, "w") as logf:
-            proc = subprocess.Popen([sys.executable, "-m", "kvarn.eval.vllm_worker", str(jobf)], stdout=subprocess.PIPE,
+            proc = subprocess.Popen([sys.executable, "-m", "kvarn.engines.vllm_worker", str(jobf)], stdout=subprocess.PIPE,
                                     stderr=logf, text=True, env=env, start_new_session=True)
             timed_out = threading.Event()
 
@@ -461,10 +397,8 @@ class VLLMEngine:
             raise EngineError(f"vLLM run for {fmt.name} passed its {self.cfg.timeout_s:.0f} s limit (log: {log})",
                               "timeout")
         if proc.returncode != 0:
-            from ..bench.engines.vllm_worker import last_error_line
-
             text = log.read_text(errors="replace")
-            status = "oom" if "out of memory" in text.lower() else "failed"
+            status = classify_error(text)
             # the exception, not the shutdown chatter that follows it in the log
             raise EngineError(f"vLLM exited {proc.returncode} for {fmt.name}: {last_error_line(text)[:300]} (log: {log})",
                               status)

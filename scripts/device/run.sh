@@ -28,12 +28,12 @@ pack_logs() {
 }
 if [ "${1:-}" = stop ]; then
   # the background run is its own session (setsid): end every process of it, also those in the process groups that
-  # `timeout` makes; the eval's vLLM workers start their own sessions, so they are ended by name; then whatever
+  # `timeout` makes; the vLLM workers start their own sessions, so they are ended by name; then whatever
   # still holds the GPU (a worker that was still loading when the rest went)
   for d in /tmp/kvarn-bg /tmp/kvarn-bg-lane*; do
     [ -f "$d/pid" ] && pkill -KILL -s "$(cat "$d/pid")" 2>/dev/null && echo "stopped ${d#/tmp/}"
   done
-  pkill -KILL -f 'kvarn[.]eval[.]vllm_worker' 2>/dev/null
+  pkill -KILL -f 'kvarn[.]engines[.]vllm_worker' 2>/dev/null
   for _ in 1 2 3; do sleep 2; bash "$(dirname "$0")/free_gpu.sh"; done
   nvidia-smi --query-gpu=memory.used --format=csv,noheader; exit 0
 fi

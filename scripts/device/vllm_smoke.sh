@@ -106,8 +106,8 @@ try:
         res.update(preempt_s=round(time.time() - t, 1), preempt_done=sum(len(o.outputs[0].token_ids) == 200 for o in outs),
                    preempt_text=[o.outputs[0].text[:60] for o in outs[:2]],
                    preempt_ids=[list(o.outputs[0].token_ids) for o in outs])  # compared in full across tagged runs
-        try:  # the bench worker's reading of vLLM's counter (its name differs across versions)
-            from kvarn.bench.engines.vllm_worker import metric_values, preemption_count
+        try:  # the bench cell's reading of vLLM's counter (its name differs across versions)
+            from kvarn.bench.engines.vllm_cell import metric_values, preemption_count
             res["num_preemptions"] = preemption_count(metric_values(llm.get_metrics()))
         except Exception as e:
             res["num_preemptions"] = f"n/a ({type(e).__name__})"

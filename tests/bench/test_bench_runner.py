@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvarn.bench.engines.base import Engine, EngineResult, register_engine
-from kvarn.bench.process import GroupRunner, _alive
+from kvarn.engines import gpus
+from kvarn.engines.process import GroupRunner, _alive
 from kvarn.results import ResultsStore
 from kvarn.results.schema import BENCH_METRICS, CORE_COLUMNS
 from kvarn_cli.app import main
@@ -159,9 +160,9 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, args, ms
 def test_vllm_engine_checks_visible_gpus_and_fp8_dtype(tmp_path, capsys, monkeypatch):
     from kvarn.bench.engines import vllm_engine
 
-    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
-    gpus = [{"index": "0", "name": "H200", "capability": "9.0"}, {"index": "1", "name": "H200", "capability": "9.0"}]
-    monkeypatch.setattr(vllm_engine, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr(gpus, "vllm_available", lambda: True)
+    two = [{"index": "0", "name": "H200", "capability": "9.0"}, {"index": "1", "name": "H200", "capability": "9.0"}]
+    monkeypatch.setattr(gpus, "visible_gpus", lambda: two)
     common = ["bench", "--engine", "vllm", "--model", "qwen3-8b", "--out", str(tmp_path / "r"), "--dry-run"]
     assert main([*common, "--tp", "4"]) == 2
     assert "--tp 4 needs 4 GPUs but 2 are visible" in capsys.readouterr().err
@@ -186,7 +187,7 @@ def test_vllm_engine_checks_visible_gpus_and_fp8_dtype(tmp_path, capsys, monkeyp
     assert "--mode serve runs `vllm serve`, whose API server imports uvicorn, not installed here" in err
     assert "pip install uvicorn" in err and len(err.strip().splitlines()) == 1
     monkeypatch.setattr(vllm_engine.importlib.util, "find_spec", real_find)
-    monkeypatch.setattr(vllm_engine, "visible_gpus", lambda: [])
+    monkeypatch.setattr(gpus, "visible_gpus", lambda: [])
     assert main([*common]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
 
 
@@ -236,11 +237,10 @@ def test_result_settings_key_only_kvarn_cells(tmp_path, monkeypatch):
     """A result-changing setting (KVARN_SINK) makes the KVarN cells new ones; the FP16 / FP8 cells stay the same, so
     an A/B of the setting reuses them (and the ratios vs FP16)."""
     from kvarn import settings
-    from kvarn.bench.engines import vllm_engine
     from kvarn.bench.plan import BenchOptions, build_plan
 
-    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
-    monkeypatch.setattr(vllm_engine, "visible_gpus", lambda: [{"index": "0", "name": "H200", "capability": "9.0"}])
+    monkeypatch.setattr(gpus, "vllm_available", lambda: True)
+    monkeypatch.setattr(gpus, "visible_gpus", lambda: [{"index": "0", "name": "H200", "capability": "9.0"}])
     o = BenchOptions(model="qwen3-8b", kv_dtype="auto,fp8,kvarn_k4v2_g128", engine="vllm", out=str(tmp_path / "r"))
     plain = {c.kv_dtype: c for c in build_plan(o).configs}
     monkeypatch.setenv("KVARN_SINK", "0")

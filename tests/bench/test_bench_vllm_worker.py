@@ -9,7 +9,6 @@ import pytest
 
 from kvarn.bench.config import BenchConfig, Cell
 from kvarn.bench.engines.vllm_engine import VllmEngine
-from kvarn.bench.engines.vllm_worker import last_error_line
 
 FAKE_VLLM = '''
 import os, sys, time
@@ -196,26 +195,15 @@ def test_progress_describes_each_phase(tmp_path):
     assert read_progress(tmp_path) == {}
 
 
-def test_last_error_line():
-    log = "INFO start\nTraceback (most recent call last):\n  File x\nValueError: bad block size\nINFO shutdown\n"
-    assert last_error_line(log) == "ValueError: bad block size"
-    # an out-of-memory line is the root cause even when other errors follow it (the server's shutdown traceback)
-    log = ("(EngineCore pid=7) torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
-           "(APIServer pid=6) RuntimeError: Engine core initialization failed. See root cause above.\nINFO bye\n")
-    assert last_error_line(log).startswith("(EngineCore pid=7) torch.OutOfMemoryError: CUDA out of memory")
-    assert last_error_line("(APIServer pid=6) RuntimeError: x\nINFO bye\n") == "(APIServer pid=6) RuntimeError: x"
-    assert last_error_line("") == "worker exited without output"
-
-
 def test_warmup_overflows_one_step_and_preemptions_exclude_it():
-    from kvarn.bench.engines.vllm_worker import preemption_count, warmup_requests
+    from kvarn.bench.engines.vllm_cell import preemption_count, warmup_requests
 
     assert warmup_requests(64, 16384, 8192) == 2  # each prompt is split already
     assert warmup_requests(64, 1024, 8192) == 9  # 9 x 1024 > 8192: the 9th is split across steps
     assert warmup_requests(4, 1024, 8192) == 4 and warmup_requests(64, 1024, None) == 2
     assert preemption_count({"vllm:num_preemptions_total": 3.0}) == 3.0
     # the last warm-up prompt is cut so that a decode step completes a tile (its store path compiles untimed too)
-    from kvarn.bench.engines.vllm_worker import WARMUP_TILE, warmup_burst
+    from kvarn.bench.engines.vllm_cell import WARMUP_TILE, warmup_burst
 
     for plen in (14336, 1024, 1000, 300):
         prompts, out = warmup_burst({"requests": 64, "prompt_len": plen, "output_len": 2048, "seed": 0}, 1000, 8192)
@@ -231,10 +219,3 @@ def test_warmup_overflows_one_step_and_preemptions_exclude_it():
     one, _ = warmup_burst({"requests": 1, "prompt_len": 1000, "output_len": 8, "seed": 0}, 1000, 8192)
     assert [len(p) for p in one] == [1000]  # a single prompt keeps the burst's length
     assert preemption_count({}) != preemption_count({})  # nan when vLLM reports none
-
-
-def test_last_error_line_reads_the_latest_attempt():
-    """A rerun appends to the cell's log after a `$ command` header: an OOM of an earlier attempt is not this one's."""
-    log = ("$ python -m worker a\nCUDA out of memory. Tried to allocate 2 GiB\n"
-           "$ python -m worker b\nImportError: no module named x\n")
-    assert last_error_line(log) == "ImportError: no module named x"

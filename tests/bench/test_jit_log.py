@@ -1,7 +1,7 @@
 """Kernels compiled during a cell's timed burst, from its engine log (kvarn.bench.jit_log), and the summary's note."""
 import math
 
-from kvarn.bench.engines.vllm_worker import BURST_MARK
+from kvarn.engines.vllm_log import BURST_MARK
 from kvarn.bench.jit_log import midrun_compiles
 from kvarn.bench.view import stall_notes
 
@@ -10,7 +10,7 @@ _MON = "(EngineCore pid=5547) INFO 11-30 05:21:22 [jit_monitor.py:79] Kernel JIT
 
 
 def _log(*body):
-    return "\n".join(["$ python -m kvarn.bench.engines.vllm_worker spec.json result.json", *body])
+    return "\n".join(["$ python -m kvarn.engines.vllm_worker spec.json result.json", *body])
 
 
 def test_counts_only_what_compiled_after_the_burst_mark_of_the_latest_attempt():

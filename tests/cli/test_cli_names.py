@@ -30,9 +30,9 @@ def cpu_box(tmp_path, monkeypatch):
     d = tmp_path / "tiny-llama"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(TINY_LLAMA))
-    from kvarn.bench.engines import vllm_engine
+    from kvarn.engines import gpus
 
-    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
+    monkeypatch.setattr(gpus, "vllm_available", lambda: False)
     return d
 
 

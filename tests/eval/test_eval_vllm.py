@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -164,10 +162,11 @@ def test_model_args_refused_on_the_hf_engine(tmp_path):
 def test_engines_side_by_side_share_memory_and_size_their_cache(monkeypatch):
     """--concurrency: each engine takes 1/n of the memory fraction and a KV cache sized up front (vLLM's profiling
     reads the whole GPU, which the other engines change)."""
+    from kvarn.engines import gpus
     from kvarn.eval import engines as E
     from kvarn.formats import get_format
 
-    monkeypatch.setattr(E, "gpu_total_bytes", lambda: 100 * 2**30)
+    monkeypatch.setattr(gpus, "gpu_total_bytes", lambda: 100 * 2**30)
     fmt = get_format("kvarn_k4v2_g128")
     one = E.VLLMEngine(E.VLLMConfig(model="m"), None)._llm_args(fmt, None, None)
     assert one["gpu_memory_utilization"] == 0.85 and "kv_cache_memory_bytes" not in one
@@ -175,30 +174,3 @@ def test_engines_side_by_side_share_memory_and_size_their_cache(monkeypatch):
     a = four._llm_args(fmt, None, None)
     assert a["gpu_memory_utilization"] == 0.2 and a["kv_cache_memory_bytes"] == 10 * 2**30
     assert a["block_size"] == 128
-
-
-def test_gpu_memory_comes_from_nvidia_smi_or_cuda_for_a_mig_instance(monkeypatch):
-    from kvarn.eval import engines as E
-
-    calls = []
-
-    def fake_run(cmd, **kw):
-        calls.append(cmd)
-        out = "143771\n" if cmd[0] == "nvidia-smi" else "42949672960\n"
-        return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
-
-    E._device_total_bytes.cache_clear()
-    monkeypatch.setattr(E.subprocess, "run", fake_run)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
-    assert E.gpu_total_bytes() == 143771 * 2**20 and calls[-1][:3] == ["nvidia-smi", "-i", "3"]
-    assert E.gpu_total_bytes() == 143771 * 2**20 and len(calls) == 1  # asked once per device
-    mig = "MIG-4b2c8e1a-0000-0000-0000-000000000000"
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mig)
-    assert E.gpu_total_bytes() == 40 * 2**30  # nvidia-smi -i takes no MIG UUID: CUDA in a child process
-    assert calls[-1][0] == sys.executable and "mem_get_info" in calls[-1][-1]
-    E._device_total_bytes.cache_clear()
-    monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 9, "", "no GPU"))
-    for dev in ("0", mig):  # unknown: vLLM profiles the memory itself
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", dev)
-        assert E.gpu_total_bytes() is None
-    E._device_total_bytes.cache_clear()

@@ -15,6 +15,7 @@ import logging
 import time
 from pathlib import Path
 
+from ...engines.hf import kv_cache
 from ...errors import KvarnError
 from ...formats import get_format
 from ...method.textdata import SMOLLM2
@@ -73,23 +74,6 @@ def load_hf_model(cfg: BenchConfig, device: str):
             tok = None
     model = model.to(device).eval()
     return model, time.perf_counter() - t0, tok
-
-
-def _cache_for(kv_dtype: str, model):
-    """The KV cache object for a format, or (None, reason) when this format cannot run on hf yet."""
-    fmt = get_format(kv_dtype)
-    if fmt.family == "fp16":
-        from transformers import DynamicCache
-
-        return DynamicCache(config=model.config), ""
-    if importlib.util.find_spec("kvarn.method.hf_cache") is None:
-        return None, f"pending: {kv_dtype} on the hf engine needs kvarn.method.hf_cache (not installed yet)"
-    from ...method.hf_cache import KVCodecCache
-
-    # each stored tile is decoded once and its copy kept (identical numbers): a CPU stand-in for an attention
-    # kernel that reads packed tiles, instead of decoding every tile again at every step; capacity counts the
-    # stored bytes only (_cache_bytes)
-    return KVCodecCache(fmt.name, config=model.config, keep_decoded=True), ""
 
 
 def _last_logits_only(model) -> dict:
@@ -184,10 +168,6 @@ class HfEngine(Engine):
         device = hf_device()
         deadline = time.monotonic() + timeout_s
         model, load_s, tok = self._model(cfg, device)
-        cache_probe, why = _cache_for(cfg.kv_dtype, model)
-        if cache_probe is None:
-            log.write(why + "\n")
-            return EngineResult("skipped", why)
         vocab = int(model.config.get_text_config().vocab_size)
         prompts = random_prompts(cfg.requests, cfg.prompt_len, vocab, cfg.seed)
         batch = cfg.max_num_seqs or cfg.requests
@@ -203,7 +183,7 @@ class HfEngine(Engine):
         with torch.inference_mode(), FiniteWatch(model, layers_only=True) as watch:
             for b in range(0, len(prompts), batch):
                 chunk = prompts[b:b + batch]
-                cache, _ = _cache_for(cfg.kv_dtype, model)
+                cache = kv_cache(cfg.kv_dtype, model)
                 ids = torch.tensor(chunk, dtype=torch.long, device=device)
                 t_send = time.perf_counter()  # later batches queue from the burst start, as in an engine
                 recs = [RequestRecord(prompt_len=len(p), start=start) for p in chunk]

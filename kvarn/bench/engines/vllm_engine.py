@@ -9,51 +9,24 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+from ...engines import gpus
+from ...engines.process import GroupRunner
+from ...engines.vllm_args import resolved_dtype
+from ...engines.vllm_log import classify_error, last_error_line
 from ...errors import KvarnError
 from ...formats import get_format
 from ...shapes import resolve_model
 from ..config import BenchConfig, Cell
 from ..jit_log import midrun_compiles
-from ..process import GroupRunner
 from ..progress import describe, read_progress, row_metrics
 from .base import Engine, EngineResult, register_engine
-from .vllm_args import resolved_dtype
-from .vllm_worker import classify_error, last_error_line
 
 DEFAULT_TIMEOUT_S = 1800.0  # the first TurboQuant start compiles Triton kernels for minutes
-
-
-def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
-
-
-def visible_gpus() -> list[dict]:
-    """[{index, name, capability}] of the GPUs this process may use, without creating a CUDA context."""
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,compute_cap", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=15)
-            gpus = []
-            for line in out.stdout.strip().splitlines():
-                parts = [s.strip() for s in line.split(",")]
-                if len(parts) >= 3:
-                    gpus.append({"index": parts[0], "name": parts[1], "capability": parts[2]})
-            vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if vis is not None:
-                keep = [v.strip() for v in vis.split(",") if v.strip()]
-                gpus = [g for g in gpus if g["index"] in keep]
-            return gpus
-        except (OSError, subprocess.SubprocessError):
-            pass
-    from ...provenance import gpus as torch_gpus
-
-    return [{"index": str(g["index"]), "name": g["name"], "capability": g["capability"]} for g in torch_gpus()]
 
 
 # what vLLM 0.26's OpenAI server imports beyond the offline engine's needs (its `vllm[...]`-less install, e.g. the
@@ -72,10 +45,10 @@ class VllmEngine(Engine):
 
     def check(self, configs: list[BenchConfig]) -> None:
         super().check(configs)
-        if not vllm_available():
+        if not gpus.vllm_available():
             raise KvarnError("--engine vllm needs vLLM 0.26 (pip install 'kvarn[vllm]'); use --engine hf to run without it")
-        gpus = visible_gpus()
-        if not gpus:
+        visible = gpus.visible_gpus()
+        if not visible:
             raise KvarnError("--engine vllm needs a CUDA GPU and none is visible; use --engine hf on this machine")
         if any(c.mode == "serve" for c in configs):
             missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
@@ -87,15 +60,15 @@ class VllmEngine(Engine):
             extra = c.engine_arg_dict()
             pp = int(extra.get("pipeline_parallel_size", 1) or 1)
             # with Ray the engine's workers spread over the cluster's nodes: this host's GPUs are no bound
-            if str(extra.get("distributed_executor_backend", "")).lower() != "ray" and c.tp * pp > len(gpus):
+            if str(extra.get("distributed_executor_backend", "")).lower() != "ray" and c.tp * pp > len(visible):
                 need = f"--tp {c.tp}" + (f" x pipeline_parallel_size {pp}" if pp > 1 else "")
-                raise KvarnError(f"{need} needs {c.tp * pp} GPUs but {len(gpus)} are visible "
+                raise KvarnError(f"{need} needs {c.tp * pp} GPUs but {len(visible)} are visible "
                                  f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-                                 f"accepted: 1..{len(gpus)}, or --distributed-executor-backend ray on a Ray cluster")
+                                 f"accepted: 1..{len(visible)}, or --distributed-executor-backend ray on a Ray cluster")
             fmt = get_format(c.kv_dtype)
             dtype = resolved_dtype(c.kv_dtype, c.model_dtype)
             if dtype == "bfloat16" or fmt.family == "fp8":
-                low = [g for g in gpus if _cap(g["capability"]) < 8.0]
+                low = [g for g in visible if _cap(g["capability"]) < 8.0]
                 if low:
                     raise KvarnError(f"kv dtype {c.kv_dtype} needs a bfloat16 model, which {low[0]['name']} "
                                      f"(compute {low[0]['capability']}) does not run; drop {c.kv_dtype} from --kv-dtype")
@@ -113,7 +86,7 @@ class VllmEngine(Engine):
         spec_path.write_text(json.dumps(spec, indent=1, default=str))
         result_path.unlink(missing_ok=True)
         (work / "progress.json").unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "kvarn.bench.engines.vllm_worker", str(spec_path), str(result_path)]
+        cmd = [sys.executable, "-m", "kvarn.engines.vllm_worker", str(spec_path), str(result_path)]
         env = dict(os.environ)
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         env.setdefault("PYTHONUNBUFFERED", "1")

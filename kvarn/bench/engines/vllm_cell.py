@@ -1,102 +1,29 @@
-"""Worker process of the vllm engine: one configuration x repeat in a fresh engine, result as JSON.
+"""A bench cell inside the vLLM worker process (kvarn.engines.vllm_worker, modes offline and serve): one
+configuration x repeat in a fresh engine, returned as {"status", "error", "metrics", "info"}.
 
-    python -m kvarn.bench.engines.vllm_worker SPEC.json RESULT.json
-
-SPEC holds the BenchConfig fields plus `workdir`; RESULT gets {"status", "error", "metrics", "info"}. Everything
-vLLM prints goes to this process's stdout/stderr, which the orchestrator sends to DIR/logs/<hash>-r<k>.log.
-Offline mode drives LLM.llm_engine step by step (the loop LLM.generate runs) to time every request's tokens and
-sample get_metrics(); serve mode starts `vllm serve` on a free 127.0.0.1 port and streams /v1/completions.
+The spec holds the BenchConfig fields plus `workdir`. Everything vLLM prints goes to the worker's stdout/stderr,
+which the orchestrator sends to DIR/logs/<hash>-r<k>.log. Offline mode drives LLM.llm_engine step by step (the
+loop LLM.generate runs) to time every request's tokens and sample get_metrics(); serve mode starts `vllm serve` on a free 127.0.0.1 port and streams /v1/completions.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
+from ...engines.vllm_args import llm_kwargs, model_dir_for, serve_argv
+from ...engines.vllm_log import BURST_MARK, log_file_error
 from ..metrics import RequestRecord, max_concurrency_at, summarize
 from ..progress import ProgressFile
 from ..prompts import random_prompts
-from .vllm_args import llm_kwargs, model_dir_for, serve_argv
 
-OOM_PATTERNS = ("CUDA out of memory", "OutOfMemoryError", "out of memory", "No available memory for the cache blocks",
-                "larger than the available KV cache memory", "Insufficient memory")
 KV_LOG = re.compile(r"GPU KV cache size:\s*([\d,]+)\s*tokens")
-BURST_MARK = "[kvarn] the timed burst starts"  # in the cell log: what compiles after it, compiled under load
-
-
-def classify_error(text: str) -> str:
-    return "oom" if any(p.lower() in text.lower() for p in OOM_PATTERNS) else "failed"
-
-
-def latest_attempt(log_text: str) -> list[str]:
-    """The non-empty lines (stripped) of a cell log's latest attempt: each rerun appends after a `$ command` header."""
-    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
-    heads = [i for i, ln in enumerate(lines) if ln.startswith("$ ")]
-    return lines[heads[-1] + 1:] if heads else lines
-
-
-def last_error_line(log_text: str) -> str:
-    """The line of an engine's log that says why it stopped: the last out-of-memory line, else the last exception
-    line (not the traceback's frames), else the last line; of the latest attempt only (a cell's log is appended to
-    by each rerun, after a `$ command` header)."""
-    lines = latest_attempt(log_text)
-    for pick in (lambda x: classify_error(x) == "oom",
-                 lambda x: re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", x) or "Error:" in x or "error:" in x):
-        hit = [x for x in lines if pick(x)]
-        if hit:
-            return hit[-1][:500]
-    return lines[-1][:500] if lines else "worker exited without output"
-
-
-def _log_error(path: str | None, tail_bytes: int = 200_000) -> str:
-    """last_error_line of the end of a log file this process writes to (a server's, sharing our stdout)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, 2) - tail_bytes))
-            return last_error_line(f.read().decode(errors="replace"))[:300]  # within the row's 500
-    except (OSError, TypeError):
-        return "(no log)"
-
-
-class GpuMemSampler(threading.Thread):
-    """Peak used memory (GiB) over the visible GPUs from nvidia-smi, without touching CUDA in this process."""
-
-    def __init__(self, interval_s: float = 0.5):
-        super().__init__(daemon=True)
-        self.interval_s, self.peak, self._halt = interval_s, float("nan"), threading.Event()
-        self.ok = shutil.which("nvidia-smi") is not None
-        vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-        self.ids = [x for x in vis.split(",") if x.strip()] if vis else None
-
-    def run(self):
-        while self.ok and not self._halt.is_set():
-            try:
-                cmd = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
-                for line in out.strip().splitlines():
-                    idx, used = (s.strip() for s in line.split(","))
-                    if self.ids is None or idx in self.ids:
-                        gib = float(used) / 1024.0
-                        self.peak = gib if self.peak != self.peak else max(self.peak, gib)
-            except (OSError, ValueError, subprocess.SubprocessError):
-                pass
-            self._halt.wait(self.interval_s)
-
-    def stop(self) -> float:
-        self._halt.set()
-        self.join(timeout=15)
-        return self.peak
 
 
 def metric_values(metrics) -> dict[str, float]:
@@ -308,7 +235,7 @@ def run_serve(spec: dict) -> dict:
             wait_healthy(host, port, spec.get("start_timeout_s", 1800), proc=server)
         except (RuntimeError, TimeoutError) as e:
             # the server's own error (an OOM at KV sizing, say) is only in its log: name it, so the row says oom
-            raise RuntimeError(f"{e}; server log: {_log_error(spec.get('log_path'))}") from None
+            raise RuntimeError(f"{e}; server log: {log_file_error(spec.get('log_path'))}") from None
         start_s = time.perf_counter() - t0
         sys.stdout.flush()
         log_text = Path(spec["log_path"]).read_text(errors="replace") if spec.get("log_path") else ""
@@ -364,26 +291,3 @@ def run_serve(spec: dict) -> dict:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
-
-
-def main(argv: list[str]) -> int:
-    spec_path, result_path = argv
-    spec = json.loads(Path(spec_path).read_text())
-    mem = GpuMemSampler()
-    mem.start()
-    try:
-        result = run_serve(spec) if spec["mode"] == "serve" else run_offline(spec)
-    except BaseException as e:  # noqa: BLE001 - the row must say what happened
-        text = "".join(traceback.format_exception(e))
-        print(text, file=sys.stderr, flush=True)
-        last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        result = {"status": classify_error(text), "error": f"{type(e).__name__}: {last}"[:500], "metrics": {}, "info": {}}
-    result["metrics"]["gpu_mem_gib"] = mem.stop()
-    Path(result_path).write_text(json.dumps(result, default=str))
-    sys.stdout.flush()
-    # vLLM's background threads can keep the interpreter alive; the result is written, leave now
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,14 +1,14 @@
-"""How a BenchConfig becomes vLLM 0.26 engine arguments: `LLM(**kwargs)` and the same as `vllm serve` flags.
+"""vLLM 0.26 engine arguments for a KV format: `LLM(**kwargs)` and the same as `vllm serve` flags.
 
-Shared by the bench worker and anything else that starts vLLM for a KV format (eval): one place knows that FP8
-needs a bfloat16 model (FA3), that KVarN presets need block_size = their tile, and how dummy weights are set up.
+format_args is the one place that knows what a format needs from vLLM (FP8 a bfloat16 model for FA3, KVarN presets
+block_size = their tile); bench's cells (llm_kwargs) and eval's jobs both build on it.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ...formats import get_format
+from ..formats import get_format
 
 
 def model_dir_for(model_path: str, workdir: str | Path) -> str:
@@ -24,20 +24,32 @@ def model_dir_for(model_path: str, workdir: str | Path) -> str:
 
 
 def resolved_dtype(kv_dtype: str, model_dtype: str | None) -> str | None:
-    """Model dtype the engine runs with: explicit, else bfloat16 for FP8 KV (FA3 rejects fp8 KV + fp16 output)."""
-    if model_dtype:
+    """Model dtype the engine runs with: explicit, else bfloat16 for FP8 KV (FA3 rejects fp8 KV + fp16 output);
+    None (or "auto"): vLLM's default."""
+    if model_dtype and model_dtype != "auto":
         return model_dtype
     return "bfloat16" if get_format(kv_dtype).family == "fp8" else None
 
 
+def format_args(kv_dtype: str, model_dtype: str | None = None) -> dict:
+    """The `vllm.LLM` arguments a KV format sets: kv_cache_dtype, block_size for KVarN presets (a vLLM block is one
+    tile), and the model dtype when one is needed or given (resolved_dtype)."""
+    fmt = get_format(kv_dtype)
+    kw: dict = {"kv_cache_dtype": fmt.name}
+    if fmt.block_size:
+        kw["block_size"] = fmt.block_size
+    dtype = resolved_dtype(fmt.name, model_dtype)
+    if dtype:
+        kw["dtype"] = dtype
+    return kw
+
+
 def llm_kwargs(cfg: dict, model_dir: str) -> dict:
     """`vllm.LLM` keyword arguments for a configuration (a BenchConfig as dict, e.g. dataclasses.asdict)."""
-    fmt = get_format(cfg["kv_dtype"])
     kw: dict = {
         "model": model_dir,
         "tensor_parallel_size": int(cfg.get("tp", 1)),
         "gpu_memory_utilization": float(cfg.get("gpu_memory_utilization", 0.9)),
-        "kv_cache_dtype": fmt.name,
         "seed": int(cfg.get("seed", 0)),
         "max_model_len": int(cfg["burst"]),
         "disable_log_stats": False,  # get_metrics(): preemptions, running requests, KV usage
@@ -46,11 +58,7 @@ def llm_kwargs(cfg: dict, model_dir: str) -> dict:
         kw.update(load_format="dummy", skip_tokenizer_init=True)
     if cfg.get("max_num_seqs"):
         kw["max_num_seqs"] = int(cfg["max_num_seqs"])
-    if fmt.block_size:
-        kw["block_size"] = fmt.block_size
-    dtype = resolved_dtype(fmt.name, cfg.get("model_dtype"))
-    if dtype:
-        kw["dtype"] = dtype
+    kw.update(format_args(cfg["kv_dtype"], cfg.get("model_dtype")))
     extra = cfg.get("engine_args") or {}
     if isinstance(extra, str):
         extra = json.loads(extra)

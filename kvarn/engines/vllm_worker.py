@@ -1,0 +1,117 @@
+"""The vLLM worker process of bench and eval: one fresh engine per run, vLLM imported here only.
+
+    python -m kvarn.engines.vllm_worker SPEC.json RESULT.json   # a bench cell: mode offline | serve
+    python -m kvarn.engines.vllm_worker JOB.json                # an eval job: mode generate | score
+
+A cell writes one result to RESULT ({"status", "error", "metrics", "info"}), also when it fails. A job builds one
+`vllm.LLM` from job["llm"], runs the requests in small batches and prints one `KVARN_RESULT {json}` line per request
+as each batch finishes (the parent stores them as they arrive); a failing job exits non-zero with its traceback.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from .gpus import GpuMemSampler
+from .vllm_log import classify_error
+
+RESULT_TAG = "KVARN_RESULT "
+BATCH = 256  # requests per generate() call: results stream back per batch, vLLM schedules within it
+
+# a cell times a burst with bench's own metrics and progress file, so its body lives in kvarn.bench; named here and
+# imported in the worker only, so this package does not import kvarn.bench
+CELL_MODES = {"offline": "kvarn.bench.engines.vllm_cell:run_offline",
+              "serve": "kvarn.bench.engines.vllm_cell:run_serve"}
+
+
+def emit(obj: dict) -> None:
+    sys.stdout.write(RESULT_TAG + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def generate(llm, job: dict) -> None:
+    from vllm import SamplingParams
+
+    reqs, p = job["requests"], job["params"]
+    for b in range(0, len(reqs), BATCH):
+        part = reqs[b:b + BATCH]
+        sps = [SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"],
+                              top_p=p["top_p"] if p["temperature"] > 0 else 1.0, seed=r["seed"],
+                              stop=p["stop"] or None) for r in part]
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": r["ids"]} for r in part], sps, use_tqdm=False)
+        dt = (time.perf_counter() - t0) / max(1, len(part))
+        for r, o in zip(part, outs):
+            c = o.outputs[0]
+            emit({"id": r["id"], "k": r["k"], "text": c.text, "gen_tokens": len(c.token_ids),
+                  "finish_reason": c.finish_reason or "", "prompt_tokens": len(r["ids"]), "seconds": dt})
+
+
+def score(llm, job: dict) -> None:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
+    for r in job["requests"]:
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": r["ids"]}], sp, use_tqdm=False)[0]
+        nll = 0.0
+        for tid, lp in zip(r["ids"][1:], out.prompt_logprobs[1:]):
+            nll -= lp[tid].logprob
+        emit({"id": r["id"], "nll_sum": nll, "tokens": len(r["ids"]) - 1, "seconds": time.perf_counter() - t0})
+
+
+JOB_MODES = {"generate": generate, "score": score}
+MODES = (*CELL_MODES, *JOB_MODES)
+
+
+def run_job(job: dict) -> int:
+    from vllm import LLM
+
+    llm = LLM(**job["llm"])
+    JOB_MODES[job["mode"]](llm, job)
+    return 0
+
+
+def run_cell(spec: dict, result_path: str) -> int:
+    mod, func = CELL_MODES[spec["mode"]].split(":")
+    mem = GpuMemSampler()
+    mem.start()
+    try:
+        result = getattr(importlib.import_module(mod), func)(spec)
+    except BaseException as e:  # noqa: BLE001 - the row must say what happened
+        text = "".join(traceback.format_exception(e))
+        print(text, file=sys.stderr, flush=True)
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        result = {"status": classify_error(text), "error": f"{type(e).__name__}: {last}"[:500], "metrics": {}, "info": {}}
+    result["metrics"]["gpu_mem_gib"] = mem.stop()
+    Path(result_path).write_text(json.dumps(result, default=str))
+    sys.stdout.flush()
+    # vLLM's background threads can keep the interpreter alive; the result is written, leave now
+    os._exit(0)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) not in (1, 2):
+        print("usage: python -m kvarn.engines.vllm_worker SPEC.json [RESULT.json]", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text())
+    mode = spec.get("mode")
+    if mode in CELL_MODES and len(argv) == 2:
+        return run_cell(spec, argv[1])
+    if mode in JOB_MODES and len(argv) == 1:
+        return run_job(spec)
+    if mode in MODES:
+        want = "SPEC.json RESULT.json" if mode in CELL_MODES else "JOB.json"
+        print(f"error: mode {mode!r} takes {want}, got {len(argv)} paths", file=sys.stderr)
+    else:
+        print(f"error: unknown worker mode {mode!r} in {argv[0]}; accepted: {', '.join(MODES)}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
