@@ -130,6 +130,13 @@ def test_math500_cot_protocol_chat_by_default_boxed_answers():
         R.plan(R.EvalOptions(task="gsm8k", engine="hf", thinking=True))
 
 
+def test_fp8_with_a_float16_model_on_vllm_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(R, "pick_engine", lambda engine: ("vllm", "test"))
+    with pytest.raises(KvarnError, match="kv dtype fp8 runs a bfloat16 model.*--dtype float16 given"):
+        R.plan(R.EvalOptions(task="gsm8k", kv_dtypes="fp8", dtype="float16"))
+    assert R.plan(R.EvalOptions(task="gsm8k", kv_dtypes="fp8")).formats[1].name == "fp8"
+
+
 def test_niah_items_exact_lengths_and_depths():
     tok = FakeTok()
     items, src = load_niah(LoadOptions(contexts=(300, 600), limit=3, seed=1), tok)
