@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The same three measurements with an earlier kvarn (the base) and with this tree, one side after the other in one
+# call on one GPU, so each before / after pair is from one run:
+#   rm -rf .device/base && mkdir -p .device/base && git archive BASE_COMMIT | tar -x -C .device/base   # here
+#   bash scripts/device/run.sh before_after:590      # carrying .device/base (and the bundle's .device/c5, bin, data)
+# Each side: the decode microbench (B=64 x 16K, Qwen3-8B heads), the showcase burst (Qwen3-8B shape, dummy weights,
+# 96 x (14,336 + 2,048): FP16 and kvarn_k4v2_g128 in one `kvarn bench` run), SmolLM2 chunked perplexity (2 x 4096,
+# chunk 128) through vLLM. KVARN_BA_PARTS picks some of mb,bench,ppl (default all). Results under $OUT/<side>/.
+set -uo pipefail
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 COLUMNS=200 VLLM_USE_FLASHINFER_SAMPLER=0
+BASE=.device/base
+SMOL="${KVARN_SMOL:-/tmp/models/smollm2-135m-instruct}"
+PARTS=",${KVARN_BA_PARTS:-mb,bench,ppl},"
+[ -f "$BASE/pyproject.toml" ] || { echo "no base tree in $BASE (git archive BASE | tar -x -C $BASE, then carry it)"; exit 2; }
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kvarn-base-site --upgrade "$BASE" \
+  > "$OUT/base-install.log" 2>&1 || { tail -5 "$OUT/base-install.log"; exit 3; }
+side() {  # name, site dir: the kvarn that side imports (vLLM and torch from the bundle either way)
+  local name=$1 site=$2 d="$OUT/$1"; mkdir -p "$d"
+  kv() { PYTHONPATH="$site:/tmp/site" timeout -k 10 "$@"; }
+  case $PARTS in *,mb,*)
+    kv 90 python3 -m kvarn_cli.app microbench decode --batch 64 --context 16384 --q-heads 32 --kv-heads 8 \
+      --head-dim 128 --kv-dtype kvarn_k4v2_g128 --check --json 2>"$d/mb.err" | tail -n 1 > "$d/mb.json" ;; esac
+  case $PARTS in *,bench,*)
+    kv 420 python3 -m kvarn_cli.app bench --engine vllm --model qwen3-8b --dummy-weights \
+      --kv-dtype auto,kvarn_k4v2_g128 --burst 16k --requests 96 --prompt-len 14336 --output-len 2048 \
+      --max-num-seqs 96 --timeout 380 --out "$d/bench" > "$d/bench.log" 2>&1 ;; esac
+  bash "$(dirname "$0")/free_gpu.sh"
+  case $PARTS in *,ppl,*)
+    kv 300 python3 -m kvarn_cli.app eval ppl --engine vllm --model smollm2-135m --weights "$SMOL" --context 4096 \
+      --limit 2 --chunk 128 --kv-dtype auto,kvarn_k4v2_g128 --data .device/data/moby_dick.txt \
+      --out "$d/eval" > "$d/ppl.log" 2>&1 ;; esac
+  bash "$(dirname "$0")/free_gpu.sh"
+}
+side base /tmp/kvarn-base-site
+side head /tmp/kvarn-site
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+from kvarn.results import ResultsStore
+root = pathlib.Path(sys.argv[1])
+print(f"{'side':5} {'decode ms':>10} {'FA3 ms':>8} {'FP16 tok/s':>11} {'KVarN tok/s':>12} {'ratio':>6} {'KV x':>5} {'ppl FP16':>9} {'ppl KVarN':>10}")
+for side in ("base", "head"):
+    d = root / side
+    try:
+        mb = json.loads((d / "mb.json").read_text())
+    except Exception:  # noqa: BLE001 - a part not run or failed: its columns stay empty
+        mb = {}
+    tok, kv, ppl = {}, {}, {}
+    try:
+        b = ResultsStore(d / "bench").read("bench")
+        for r in b.to_dict("records"):
+            tok[r["kv_dtype"]], kv[r["kv_dtype"]] = r.get("output_tok_s"), r.get("kv_tokens")
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        e = ResultsStore(d / "eval").read("eval")
+        for r in e.to_dict("records"):
+            ppl[r["kv_dtype"]] = r.get("ppl")
+    except Exception:  # noqa: BLE001
+        pass
+    f = lambda x, p=1: "-" if x is None or x != x else f"{x:.{p}f}"  # noqa: E731
+    ratio = tok.get("kvarn_k4v2_g128") / tok["auto"] if tok.get("auto") and tok.get("kvarn_k4v2_g128") else None
+    kvx = kv.get("kvarn_k4v2_g128") / kv["auto"] if kv.get("auto") and kv.get("kvarn_k4v2_g128") else None
+    print(f"{side:5} {f(mb.get('ms'), 4):>10} {f(mb.get('baseline_ms'), 4):>8} {f(tok.get('auto')):>11} "
+          f"{f(tok.get('kvarn_k4v2_g128')):>12} {f(ratio, 2):>6} {f(kvx, 2):>5} {f(ppl.get('auto'), 3):>9} "
+          f"{f(ppl.get('kvarn_k4v2_g128'), 3):>10}")
+PY
