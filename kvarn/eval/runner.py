@@ -161,11 +161,10 @@ def plan(o: EvalOptions) -> Plan:
         raise KvarnError("ppl takes one --context (the window in tokens), e.g. --context 1024")
     formats, base = with_baseline(parse_formats(o.kv_dtypes or "auto"))
     engine, why = pick_engine(o.engine)
-    fp8 = [f.name for f in formats if f.family == "fp8"]
-    if fp8 and engine == "vllm" and o.dtype == "float16":
-        raise KvarnError(f"kv dtype {fp8[0]} runs a bfloat16 model in vLLM (FlashAttention 3 takes no fp8 cache with "
-                         "float16 output); --dtype float16 given: drop it (fp8 then runs bfloat16) or drop "
-                         f"{fp8[0]} from --kv-dtype")
+    if engine == "vllm":
+        from ..engines.vllm_args import check_model_dtype
+
+        check_model_dtype([f.name for f in formats], o.dtype)
     from .engines import parse_kv_args
 
     engine_args = parse_kv_args(o.model_args)
