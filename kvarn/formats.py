@@ -32,6 +32,7 @@ class KVFormat:
     group: int | None = None  # tile = vLLM block (tokens) for KVarN
     block_size: int | None = None  # block size the format requires (None: vLLM's default)
     model_dtypes: tuple[str, ...] = ("float16", "bfloat16")
+    model_dtypes_why: str = ""  # why other model dtypes cannot run it (said in the error)
     boundary_layers: int = 0  # first and last N decoder layers kept 16-bit (dense models)
     tail_tokens: int = 0  # 16-bit tokens per request per layer for the unfinished tile
     sink_tokens: int = 0  # 16-bit tokens per request per layer kept for good (attention sinks)
@@ -81,11 +82,13 @@ class KVFormat:
         n = min(self.boundary_layers, num_layers // 2)
         return layer < n or layer >= num_layers - n
 
-    def check_model_dtype(self, dtype: str) -> None:
-        if dtype not in self.model_dtypes:
-            raise KvarnError(
-                f"kv dtype {self.name!r} does not run with model dtype {dtype!r}; accepted: {choices(self.model_dtypes)}"
-            )
+    def check_model_dtype(self, dtype: str | None) -> None:
+        """One clear line where an explicit model dtype cannot run this format (None / auto: the engine picks)."""
+        if dtype in (None, "auto") or dtype in self.model_dtypes:
+            return
+        why = f" ({self.model_dtypes_why})" if self.model_dtypes_why else ""
+        raise KvarnError(f"kv dtype {self.name!r} does not run with model dtype {dtype!r}{why}; accepted: "
+                         f"{choices(self.model_dtypes)}; drop --dtype {dtype} or drop {self.name} from --kv-dtype")
 
 
 def kvarn_record_bytes(head_dim: int, group: int, key_bits: int, value_bits: int) -> int:
@@ -138,8 +141,8 @@ REGISTRY: dict[str, KVFormat] = {
                  description="the model's own 16-bit dtype (FP16 baseline)", aliases=("fp16",)),
         KVFormat("float16", "fp16", 16, 16, model_dtypes=("float16", "bfloat16", "float32"), description="fp16 cache"),
         KVFormat("bfloat16", "fp16", 16, 16, model_dtypes=("float16", "bfloat16", "float32"), description="bf16 cache"),
-        # FA3 rejects fp8 KV with an fp16 model ("For FP8 input, output must have dtype BF16").
         KVFormat("fp8", "fp8", 8, 8, model_dtypes=("bfloat16",), description="fp8 e4m3, per-tensor scale 1.0",
+                 model_dtypes_why="vLLM's FlashAttention 3 takes an fp8 cache only with bfloat16 output",
                  aliases=("fp8_e4m3",)),
         _tq("turboquant_k8v4", 8, 4, "TurboQuant: fp8 keys, 4-bit values"),
         _tq("turboquant_4bit_nc", 4, 4, "TurboQuant: 4-bit MSE keys, 4-bit values, norm correction"),

@@ -347,10 +347,8 @@ def engine_model_dtype(engine: str, kv_dtype: str, shape: ModelShape, explicit: 
 
         return explicit or default_dtype(shape.dtype)
     if engine == "vllm":
-        dtype = explicit or ("bfloat16" if fmt.family == "fp8" else shape.dtype)
-        if explicit and fmt.family == "fp8":
-            fmt.check_model_dtype(explicit)  # fp8 with a float16-only setup: one clear line
-        return dtype
+        fmt.check_model_dtype(explicit)  # e.g. fp8 with float16: one clear line before any engine starts
+        return explicit or ("bfloat16" if fmt.family == "fp8" else shape.dtype)
     return explicit
 
 

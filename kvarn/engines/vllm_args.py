@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import KvarnError
 from ..formats import get_format
 
 
@@ -30,16 +29,6 @@ def resolved_dtype(kv_dtype: str, model_dtype: str | None) -> str | None:
     if model_dtype and model_dtype != "auto":
         return model_dtype
     return "bfloat16" if get_format(kv_dtype).family == "fp8" else None
-
-
-def check_model_dtype(kv_dtypes, model_dtype: str | None) -> None:
-    """One clear error where a model dtype cannot run a KV format in vLLM: FA3 takes an fp8 cache only with
-    bfloat16 output, so fp8 with an explicit float16 model would fail at the engine's first step."""
-    fp8 = [n for n in kv_dtypes if get_format(n).family == "fp8"]
-    if fp8 and model_dtype == "float16":
-        raise KvarnError(f"kv dtype {fp8[0]} runs a bfloat16 model in vLLM (FlashAttention 3 takes no fp8 cache with "
-                         "float16 output); --dtype float16 given: drop it (fp8 then runs bfloat16) or drop "
-                         f"{fp8[0]} from --kv-dtype")
 
 
 def format_args(kv_dtype: str, model_dtype: str | None = None) -> dict:

@@ -161,10 +161,9 @@ def plan(o: EvalOptions) -> Plan:
         raise KvarnError("ppl takes one --context (the window in tokens), e.g. --context 1024")
     formats, base = with_baseline(parse_formats(o.kv_dtypes or "auto"))
     engine, why = pick_engine(o.engine)
-    if engine == "vllm":
-        from ..engines.vllm_args import check_model_dtype
-
-        check_model_dtype([f.name for f in formats], o.dtype)
+    if engine == "vllm":  # before any engine starts (the transformers engine runs fp8 in any model dtype)
+        for f in formats:
+            f.check_model_dtype(o.dtype)
     from .engines import parse_kv_args
 
     engine_args = parse_kv_args(o.model_args)

@@ -5,7 +5,9 @@
 #   bash scripts/device/run.sh before_after:590      # carrying .device/base (and the bundle's .device/c5, bin, data)
 # Each side: the decode microbench (B=64 x 16K, Qwen3-8B heads), the showcase burst (Qwen3-8B shape, dummy weights,
 # 96 x (14,336 + 2,048): FP16 and kvarn_k4v2_g128 in one `kvarn bench` run), SmolLM2 chunked perplexity (2 x 4096,
-# chunk 128) through vLLM. KVARN_BA_PARTS picks some of mb,bench,ppl (default all). Results under $OUT/<side>/.
+# chunk 128) through vLLM. KVARN_BA_PARTS picks some of mb,bench,ppl (default all); KVARN_BA_BASE_DTYPES the base
+# side's bench formats (default FP16 and KVarN, as this tree's; kvarn_k4v2_g128 alone when only KVarN's code changed,
+# vLLM's FP16 then measured once, beside this tree's KVarN). Results under $OUT/<side>/.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 COLUMNS=200 VLLM_USE_FLASHINFER_SAMPLER=0
@@ -15,15 +17,16 @@ PARTS=",${KVARN_BA_PARTS:-mb,bench,ppl},"
 [ -f "$BASE/pyproject.toml" ] || { echo "no base tree in $BASE (git archive BASE | tar -x -C $BASE, then carry it)"; exit 2; }
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kvarn-base-site --upgrade "$BASE" \
   > "$OUT/base-install.log" 2>&1 || { tail -5 "$OUT/base-install.log"; exit 3; }
-side() {  # name, site dir: the kvarn that side imports (vLLM and torch from the bundle either way)
-  local name=$1 site=$2 d="$OUT/$1"; mkdir -p "$d"
-  kv() { PYTHONPATH="$site:/tmp/site" timeout -k 10 "$@"; }
+side() {  # name, site dir, bench formats: the kvarn that side imports (vLLM and torch from the bundle either way)
+  local name=$1 site=$2 dtypes=$3 d="$OUT/$1"; mkdir -p "$d"
+  # PYTHONSAFEPATH: `python -m` (here and in the engine workers) must not import the kvarn of the working directory
+  kv() { PYTHONSAFEPATH=1 PYTHONPATH="$site:/tmp/site" timeout -k 10 "$@"; }
   case $PARTS in *,mb,*)
     kv 90 python3 -m kvarn_cli.app microbench decode --batch 64 --context 16384 --q-heads 32 --kv-heads 8 \
       --head-dim 128 --kv-dtype kvarn_k4v2_g128 --check --json 2>"$d/mb.err" | tail -n 1 > "$d/mb.json" ;; esac
   case $PARTS in *,bench,*)
     kv 420 python3 -m kvarn_cli.app bench --engine vllm --model qwen3-8b --dummy-weights \
-      --kv-dtype auto,kvarn_k4v2_g128 --burst 16k --requests 96 --prompt-len 14336 --output-len 2048 \
+      --kv-dtype "$dtypes" --burst 16k --requests 96 --prompt-len 14336 --output-len 2048 \
       --max-num-seqs 96 --timeout 380 --out "$d/bench" > "$d/bench.log" 2>&1 ;; esac
   bash "$(dirname "$0")/free_gpu.sh"
   case $PARTS in *,ppl,*)
@@ -32,8 +35,8 @@ side() {  # name, site dir: the kvarn that side imports (vLLM and torch from the
       --out "$d/eval" > "$d/ppl.log" 2>&1 ;; esac
   bash "$(dirname "$0")/free_gpu.sh"
 }
-side base /tmp/kvarn-base-site
-side head /tmp/kvarn-site
+side base /tmp/kvarn-base-site "${KVARN_BA_BASE_DTYPES:-auto,kvarn_k4v2_g128}"
+side head /tmp/kvarn-site auto,kvarn_k4v2_g128
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 from kvarn.results import ResultsStore

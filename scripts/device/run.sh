@@ -67,10 +67,12 @@ if [ "${KVARN_BG:-0}" = 1 ]; then
   rm -rf "$BG"; mkdir -p "$BG/out"
   # set up here, before the background run starts: two lanes started in one call must not install at once
   KVARN_BG=0 KVARN_SETUP_ONLY=1 bash "$0" || exit 3
-  # bash reads a script as it runs: the background run executes a copy, untouched when a later call syncs the tree
-  cp -r "$(dirname "$0")" "$BG/scripts"
-  KVARN_BG=0 KVARN_BG_DIR="$BG" KVARN_SCRIPTS_DIR="$BG/scripts" OUT="$BG/out" \
-    setsid nohup bash "$BG/scripts/run.sh" "$@" > "$BG/console.log" 2>&1 < /dev/null &
+  # every later call syncs the working tree, and bash reads a script as it runs, Python imports lazily and Triton reads
+  # kernel sources when it compiles: the background run executes a snapshot of the tree (its data, not the bundle)
+  mkdir -p "$BG/tree"
+  tar --exclude=./.git --exclude=./.device/m --exclude='./.device/c[0-9]' -cf - . | tar -x -C "$BG/tree"
+  cd "$BG/tree" || exit 3
+  KVARN_BG=0 KVARN_BG_DIR="$BG" OUT="$BG/out" setsid nohup bash scripts/device/run.sh "$@" > "$BG/console.log" 2>&1 < /dev/null &
   echo $! > "$BG/pid"
   sleep 2; echo "started in the background${KVARN_LANE:+ on GPU $KVARN_LANE} (pid $(cat "$BG/pid")): $*; collect with 'bash scripts/device/run.sh wait:SECS'"
   exit 0
@@ -140,10 +142,10 @@ for spec in "$@"; do
   n=$((n + 1)); name=$part; [ -e "$OUT/$name.log" ] && name=$part-$n   # a part run twice keeps both logs
   start=$(date +%s)
   env "${envs[@]}" KVARN_PART=$name KVARN_PART_SECS=$secs timeout -k 10 "$secs" \
-    bash "${KVARN_SCRIPTS_DIR:-scripts/device}/$part.sh" > "$OUT/$name.log" 2>&1
+    bash "scripts/device/$part.sh" > "$OUT/$name.log" 2>&1
   rc=$?
   # leftover engines keep GPU memory: end them before the next part
-  bash "${KVARN_SCRIPTS_DIR:-scripts/device}/free_gpu.sh"
+  bash scripts/device/free_gpu.sh
   summary+=("$name${envs[*]:+ (${envs[*]})} rc=$rc $(( $(date +%s) - start ))s")
   echo "=== $name${envs[*]:+ (${envs[*]})} (rc=$rc) last lines:"; tail -n "${KVARN_TAIL:-25}" "$OUT/$name.log"
 done
