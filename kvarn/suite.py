@@ -5,14 +5,15 @@ crashed engine cannot take the rest of the suite down) that all write into one r
 Groups: bench = one per (model, TP, workload) running every format x repeat, a workload being a burst (with the
 suite's output_len / requests) or an entry of bench.workloads ({burst, output_len, requests}: e.g. a reasoning-style
 burst and a decode-heavy one side by side; optional per entry: `models`, the names of the suite's models it runs on
-(default: all), and `args`, bench flags of its own, passed after bench.args); eval = one per (model, TP, task)
+(default: all), `formats`, the suite's formats it runs (default: all; e.g. a slow rival only where it fits), and
+`args`, bench flags of its own, passed after bench.args); eval = one per (model, TP, task)
 running every format. A model with `weights: dummy` benchmarks with --dummy-weights (real shapes, random weights)
 and has no eval steps.
 Resuming is the default: each command skips cells whose config hash and repeat are done (`suite run --force`
 hands bench --force and eval --no-resume, which redo them).
-`bench.pair_fp16: true` makes one bench step per (workload, candidate format): `--kv-dtype FP16,CANDIDATE
---pair-fp16`, so each candidate runs right after an FP16 cell of the same `kvarn bench` run on the same GPU, and a
-resumed step reruns that FP16 cell rather than pairing with an earlier call's (suites/readme.yaml).
+`bench.pair_fp16: true` hands each bench step `--pair-fp16`: the candidates run after an FP16 cell of the same
+`kvarn bench` run on the same GPU, and a resumed step reruns that FP16 cell with the candidates still to do rather
+than pairing them with an earlier call's (suites/readme.yaml).
 The exact flags each command receives are in BENCH_FLAGS / EVAL_FLAGS; `suite run` checks them against the
 command's `--help` before starting, so a CLI mismatch is one clear line, not a failure an hour in.
 """
@@ -40,7 +41,7 @@ from .shapes import resolve_model
 TOP_KEYS = {"name", "description", "results", "models", "formats", "tp", "bench", "eval", "gate"}
 MODEL_KEYS = {"name", "weights", "tp", "dtype"}
 BENCH_KEYS = {"mode", "bursts", "output_len", "requests", "repeats", "timeout_min", "args", "workloads", "pair_fp16"}
-WORKLOAD_KEYS = {"burst", "output_len", "requests", "models", "args"}
+WORKLOAD_KEYS = {"burst", "output_len", "requests", "models", "formats", "args"}
 EVAL_KEYS = {"tasks", "samples", "limit", "timeout_min", "args"}
 TASK_KEYS = {"name", "samples", "limit", "context", "args"}
 GATE_KEYS = {"baseline", "policy"}
@@ -87,8 +88,8 @@ class Suite:
     def bench_cells(self) -> int:
         if not self.bench:
             return 0
-        per = 2 * (len(self.formats) - 1) if self.bench.get("pair_fp16") else len(self.formats)
-        return per * sum(len(m["tp"]) for m in self.models for w in self.bench["workloads"] if runs_on(w, m))
+        return sum(len(m["tp"]) * len(w.get("formats", self.formats))
+                   for m in self.models for w in self.bench["workloads"] if runs_on(w, m))
 
     def eval_cells(self) -> int:
         if not self.eval:
@@ -269,6 +270,22 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
                     if bad:
                         raise KvarnError(f"{where}: bench.workloads[{i}].models: {bad[0]!r} is not a model of this "
                                          f"suite; accepted: {choices(names)}")
+                wfmts = w.get("formats")
+                if wfmts is not None:
+                    wfmts = [wfmts] if isinstance(wfmts, str) else wfmts
+                    if not isinstance(wfmts, list) or not wfmts:
+                        raise KvarnError(f"{where}: bench.workloads[{i}].formats must be a non-empty list of this "
+                                         f"suite's formats ({choices(fmts)}), got {wfmts!r}")
+                    bad = [str(x) for x in wfmts if str(x) not in fmts]
+                    if bad:
+                        raise KvarnError(f"{where}: bench.workloads[{i}].formats: {bad[0]!r} is not a format of this "
+                                         f"suite; accepted: {choices(fmts)}")
+                    wfmts = [x for x in fmts if x in wfmts]  # the suite's order: FP16 first where it is first
+                    if bench["pair_fp16"] and (len(wfmts) < 2 or not any(get_format(x).family == "fp16"
+                                                                         for x in wfmts)):
+                        raise KvarnError(f"{where}: bench.workloads[{i}].formats pairs candidates with the FP16 cell "
+                                         f"(bench.pair_fp16): it needs the FP16 format and at least one other, got "
+                                         f"{choices(wfmts)}")
                 wargs = w.get("args", []) or []
                 if not isinstance(wargs, list):
                     raise KvarnError(f"{where}: bench.workloads[{i}].args must be a list of flags, got {wargs!r}")
@@ -279,6 +296,7 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
                     "requests": _pos_int(w.get("requests", bench["requests"]),
                                          f"{where}: bench.workloads[{i}].requests"),
                     **({"models": [str(x) for x in only]} if only is not None else {}),
+                    **({"formats": wfmts} if wfmts is not None else {}),
                     **({"args": [str(a) for a in wargs]} if wargs else {})})
             bench["bursts"] = [w["burst"] for w in bench["workloads"]]
         else:
@@ -357,18 +375,12 @@ def plan(suite: Suite, out: str | Path | None = None, *, resume: bool = True, on
                     if "workloads" in (suite.raw.get("bench") or {}):
                         title += f" ({w['requests']} x {w['burst'] - w['output_len']}+{w['output_len']})"
                     timeout = b["timeout_min"] * 60 if b["timeout_min"] else None
-                    if b.get("pair_fp16"):  # one step per candidate, right after its FP16 cell in the same run
-                        fp16 = next(x for x in suite.formats if get_format(x).family == "fp16")
-                        for cand in (x for x in suite.formats if x != fp16):
-                            pair = argv + [f["kv_dtype"], f"{fp16},{cand}", *common, f["pair_fp16"]]
-                            pair += b["args"] + w.get("args", [])
-                            steps.append(Step("bench", f"{title}: {fp16} then {cand}", pair, 2, 2 * b["repeats"],
-                                              timeout))
-                        continue
-                    argv += [f["kv_dtype"], kvs, *common]
+                    fmts = w.get("formats", suite.formats)
+                    argv += [f["kv_dtype"], ",".join(fmts), *common]
+                    if b.get("pair_fp16"):  # the candidates after an FP16 cell of the same run, also when resumed
+                        argv.append(f["pair_fp16"])
                     argv += b["args"] + w.get("args", [])  # the workload's own flags last: they win
-                    steps.append(Step("bench", title, argv,
-                                      len(suite.formats), len(suite.formats) * b["repeats"], timeout))
+                    steps.append(Step("bench", title, argv, len(fmts), len(fmts) * b["repeats"], timeout))
             if suite.eval and only in (None, "eval") and m["weights"] != "dummy":
                 e = suite.eval
                 for t in e["tasks"]:

@@ -73,9 +73,24 @@ def test_workloads_and_dummy_weights():
                      ([{"burst": 4096, "models": []}], r"models must be a non-empty list"),
                      ([{"burst": 4096, "args": "--max-num-seqs 8"}], r"args must be a list of flags"),
                      ([{"burst": 4096, "reqs": 1}], r"workloads\[0\]: unknown key 'reqs'"),
-                     ([{"burst": 4096, "output_len": 4096}], "leaves no prompt in burst 4096"), ([], "non-empty list")):
+                     ([{"burst": 4096, "output_len": 4096}], "leaves no prompt in burst 4096"), ([], "non-empty list"),
+                     ([{"burst": 4096, "formats": ["fp8", "int3"]}], r"formats: 'int3' is not a format of this suite")):
         with pytest.raises(KvarnError, match=msg):
             validate_suite({**data, "bench": {"workloads": bad}}, "w.yaml")
+
+
+def test_a_workload_runs_its_own_formats_paired_with_fp16_in_one_run():
+    data = {**GOOD, "models": [{"name": "qwen3-8b", "weights": "dummy"}], "eval": None,
+            "formats": ["auto", "fp8", "kvarn_k4v2_g128", "turboquant_4bit_nc"]}
+    wls = [{"burst": 4096, "formats": ["kvarn_k4v2_g128", "auto"]}, {"burst": 2048}]
+    s = validate_suite({**data, "bench": {"pair_fp16": True, "repeats": 1, "workloads": wls}}, "w.yaml")
+    steps = [x.argv for x in plan(s, "o") if x.kind == "bench"]
+    assert [a[a.index("--kv-dtype") + 1] for a in steps] == ["auto,kvarn_k4v2_g128",  # the suite's order: FP16 first
+                                                             "auto,fp8,kvarn_k4v2_g128,turboquant_4bit_nc"]
+    assert all("--pair-fp16" in a for a in steps) and s.bench_cells() == 2 + 4
+    with pytest.raises(KvarnError, match=r"workloads\[0\].formats pairs candidates with the FP16 cell.*got fp8"):
+        validate_suite({**data, "bench": {"pair_fp16": True, "workloads": [{"burst": 4096, "formats": ["fp8"]}]}},
+                       "w.yaml")
 
 
 @pytest.mark.parametrize("patch,msg", [

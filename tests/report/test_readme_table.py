@@ -12,20 +12,18 @@ from tests.helpers import run_cli
 CANDIDATES = ("fp8", "kvarn_k4v2_g128", "turboquant_k3v4_nc", "turboquant_4bit_nc")
 
 
-def test_suite_plans_each_candidate_right_after_its_fp16_cell():
+def test_suite_plans_each_workload_as_one_paired_run():
     r = run_cli("suite", "run", "readme", "--dry-run", "--out", "/tmp/unused", env={"COLUMNS": "250"})
     assert r.returncode == 0, r.stderr
-    cmds = [x for x in r.stdout.splitlines() if x.startswith("kvarn bench")]
-    assert len(cmds) == 3 * len(CANDIDATES)  # showcase, decode-heavy, 1K burst x each candidate
-    for c in cmds:
-        argv = c.split()
+    cmds = [x.split() for x in r.stdout.splitlines() if x.startswith("kvarn bench")]
+    assert len(cmds) == 2  # the showcase and the 1K burst, each one `kvarn bench` run
+    for argv in cmds:
         assert "--pair-fp16" in argv and argv[argv.index("--model") + 1] == "qwen3-8b" and "--dummy-weights" in argv
-        fp16, cand = argv[argv.index("--kv-dtype") + 1].split(",")
-        assert fp16 == "auto" and cand in CANDIDATES
-    show = [c for c in cmds if "--output-len 2048" in c]
-    assert len(show) == len(CANDIDATES) and all("--burst 16384" in c and "--requests 96" in c for c in show)
-    assert sum("--burst 1024 " in c for c in cmds) == len(CANDIDATES)
-    assert sum("--output-len 15360" in c for c in cmds) == len(CANDIDATES)
+        assert argv[argv.index("--kv-dtype") + 1].split(",")[0] == "auto"  # FP16 first, then the candidates
+    show, short = (next(a for a in cmds if a[a.index("--burst") + 1] == b) for b in ("16384", "1024"))
+    assert show[show.index("--kv-dtype") + 1] == "auto,fp8,kvarn_k4v2_g128"  # TurboQuant at 16K: performance suite
+    assert show[show.index("--requests") + 1] == "96" and show[show.index("--output-len") + 1] == "2048"
+    assert short[short.index("--kv-dtype") + 1].split(",")[1:] == list(CANDIDATES)
 
 
 def test_a_resumed_pair_reruns_its_fp16_cell_in_the_same_run(tmp_path):
