@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from . import settings
 from .errors import KvarnError, choices
 
 
@@ -71,7 +72,7 @@ def get(name: str) -> RealModel:
 
 def cache_root() -> Path:
     """$KVARN_CACHE/models, else $XDG_CACHE_HOME/kvarn/models, else ~/.cache/kvarn/models."""
-    base = os.environ.get("KVARN_CACHE")
+    base = settings.get("KVARN_CACHE")
     if base:
         return Path(base).expanduser() / "models"
     xdg = os.environ.get("XDG_CACHE_HOME")

@@ -45,6 +45,8 @@ SETTINGS = (
             "one log line per Triton compile of the process, with its duration (to match stalls to compiles)"),
     Setting("KVARN_SUITES", "path", "",
             "folder of the suite files (default: the suites/ folder beside the package)"),
+    Setting("KVARN_CACHE", "path", "",
+            "cache folder of the converted real models (default: $XDG_CACHE_HOME/kvarn, else ~/.cache/kvarn)"),
     Setting("KVARN_PROGRESS_S", "float", 5.0,
             "seconds between writes of a bench worker's progress file", minimum=0),
 )

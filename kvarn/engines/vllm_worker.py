@@ -4,7 +4,7 @@
     python -m kvarn.engines.vllm_worker JOB.json                # an eval job: mode generate | score
 
 A cell writes one result to RESULT ({"status", "error", "metrics", "info"}), also when it fails. A job builds one
-`vllm.LLM` from job["llm"], runs the requests in small batches and prints one `KVARN_RESULT {json}` line per request
+`vllm.LLM` from job["llm"], runs the requests in small batches and prints one `@kvarn-result {json}` line per request
 as each batch finishes (the parent stores them as they arrive); a failing job exits non-zero with its traceback.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from .gpus import GpuMemSampler
 from .vllm_log import classify_error
 
-RESULT_TAG = "KVARN_RESULT "
+RESULT_TAG = "@kvarn-result "
 BATCH = 256  # requests per generate() call: results stream back per batch, vLLM schedules within it
 
 # a cell times a burst with bench's own metrics and progress file, so its body lives in kvarn.bench; named here and
