@@ -282,7 +282,8 @@ def frontier(cells: pd.DataFrame, ev: pd.DataFrame, task: str | None, burst: int
                     "output_tok_s": rec.get("output_tok_s", math.nan), "kv_tokens": rec.get("kv_tokens", math.nan),
                     "kv_cache_gib": rec.get("kv_cache_gib", math.nan), "ppl": rec.get("ppl", math.nan),
                     "ppl_delta_pct": rec.get("ppl_delta_pct", math.nan), "burst": b, "mode": rec.get("mode"),
-                    "hf_device": rec.get("hf_device", "")}
+                    "hf_device": rec.get("hf_device", ""), "x_run": rec.get("run_id") or "",
+                    "x_gpu": rec.get("gpu_name") or ""}
     metric = None
     if task and not ev.empty:
         metric = task_metric(ev, task)
@@ -290,6 +291,7 @@ def frontier(cells: pd.DataFrame, ev: pd.DataFrame, task: str | None, burst: int
             k = (rec["model"], int(rec["tp"]), rec["kv_dtype"])
             d = groups.setdefault(k, {})
             y, lo, hi = (rec.get(c, math.nan) for c in ("delta_vs_fp16", "delta_ci_low", "delta_ci_high"))
+            d["y_run"] = rec.get("run_id") or ""
             if metric == "accuracy":  # percentage points
                 d.update(y=y * 100, y_lo=lo * 100, y_hi=hi * 100, value=rec.get("accuracy"))
             else:  # perplexity: plot the negated change so that up is better on every panel
@@ -298,7 +300,8 @@ def frontier(cells: pd.DataFrame, ev: pd.DataFrame, task: str | None, burst: int
         # no eval task: the bench rows' own chunked perplexity (hf engine) is the accuracy axis, up = better
         metric = BENCH_PPL
         for d in groups.values():
-            d.update(y=-_num(d, "ppl_delta_pct"), y_lo=math.nan, y_hi=math.nan, value=_num(d, "ppl"))
+            d.update(y=-_num(d, "ppl_delta_pct"), y_lo=math.nan, y_hi=math.nan, value=_num(d, "ppl"),
+                     y_run=d.get("x_run", ""))
     for (model, tp, kv), d in groups.items():
         if _num(d, "cap") != _num(d, "cap"):  # no bench row: the capacity the format's bytes give this model's shape
             d["cap"], d["cap_source"] = byte_capacity(model, kv, tp), "bytes"
@@ -311,6 +314,8 @@ def frontier(cells: pd.DataFrame, ev: pd.DataFrame, task: str | None, burst: int
     for c in ("x", "y", "y_lo", "y_hi", "cap"):
         if c not in f.columns:
             f[c] = math.nan
+    for c in ("x_run", "x_gpu", "y_run", "hf_device"):
+        f[c] = f[c].fillna("") if c in f.columns else ""
     f["metric"] = metric
     f["family"] = f["kv_dtype"].map(family)
     f["pareto"] = False

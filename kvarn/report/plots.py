@@ -133,6 +133,20 @@ def mode_label(modes) -> str:
     return " + ".join(names)
 
 
+def _source(g: pd.DataFrame, axis: str) -> str:
+    """Where a frontier axis's numbers come from: the run(s) of its rows and, for throughput, the GPU (or the CPU,
+    whose tokens/s say nothing about a GPU)."""
+    runs = sorted({r for r in g.get(f"{axis}_run", pd.Series(dtype=str)).dropna() if r})
+    text = ("run " + ", ".join(runs)) if runs else "run not recorded"
+    if axis == "x":
+        if (g.get("hf_device", pd.Series(dtype=str)).fillna("") == "cpu").any():
+            text += ", CPU (transformers): not a GPU's"
+        else:
+            gpus = sorted({x for x in g.get("x_gpu", pd.Series(dtype=str)).dropna() if x})
+            text += (", " + ", ".join(gpus)) if gpus else ""
+    return text
+
+
 def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle: str = "",
                  allowed_drop_pp: float | None = None) -> Path | None:
     """Accuracy change (y, paired interval as error bars) vs throughput ratio (x); capacity ratio = marker size.
@@ -179,13 +193,13 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
             metric = g["metric"].dropna().iloc[0] if g["metric"].notna().any() else None
             burst = g["burst"].dropna().iloc[0] if "burst" in g and g["burst"].notna().any() else None
             ax.set_title(panel_title(model, tp) + (f"  ·  {burst_label(burst)} burst" if burst else ""))
-            ax.set_xlabel("output tokens/s ÷ fp16 (same burst)" if has_x else
+            ax.set_xlabel(f"output tokens/s ÷ fp16 (same burst; {_source(g, 'x')})" if has_x else
                           "KV capacity ÷ fp16 (the formats' bytes for this model; no bench rows)" if cap_x else
                           "(no bench rows: throughput unavailable)")
             if has_y:
-                ax.set_ylabel(f"{task} accuracy change vs fp16 (pp)" if metric == "accuracy"
-                              else "chunked perplexity change vs fp16 (%, up = better)" if metric == BENCH_PPL
-                              else f"{task} −Δ perplexity vs fp16 (up = better)")
+                ax.set_ylabel((f"{task} accuracy change vs fp16 (pp)" if metric == "accuracy"
+                               else "chunked perplexity change vs fp16 (%, up = better)" if metric == BENCH_PPL
+                               else f"{task} −Δ perplexity vs fp16 (up = better)") + f"\n{_source(g, 'y')}")
             else:
                 ax.set_ylabel("KV capacity ÷ fp16")
             ax.margins(x=0.12, y=0.15)

@@ -122,3 +122,23 @@ def test_errors_and_cli(both, tmp_path):
     assert (tmp_path / "cli" / "index.html").is_file() and (tmp_path / "cli" / "frontier.png").is_file()
     r = run_cli("report", str(tmp_path / "empty"))
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_frontier_axes_name_their_runs_and_the_cpu():
+    """Each frontier axis says which run its numbers come from; CPU (hf engine) throughput says it is no GPU's."""
+    import pandas as pd
+
+    from kvarn.report.data import frontier
+    from kvarn.report.plots import _source
+
+    rows = [bench_row("qwen3-8b", kv, output_tok_s=t, run_id="benchrun01") for kv, t in
+            (("auto", 1000.0), ("kvarn_k4v2_g128", 1800.0))]
+    cells = bench_cells(normalise_bench(pd.DataFrame(rows)))
+    ev = pd.DataFrame([{"model": cells["model"].iloc[0], "tp": 1, "task": "gsm8k", "kv_dtype": kv, "run_id": "evalrun02",
+                        "metric": "accuracy", "accuracy": 0.5, "delta_vs_fp16": d, "delta_ci_low": d - 0.01,
+                        "delta_ci_high": d + 0.01} for kv, d in (("auto", 0.0), ("kvarn_k4v2_g128", -0.002))])
+    f = frontier(cells, ev, "gsm8k")
+    assert set(f["x_run"]) == {"benchrun01"} and set(f["y_run"]) == {"evalrun02"}
+    assert _source(f, "y") == "run evalrun02" and _source(f, "x").startswith("run benchrun01")
+    f["hf_device"] = "cpu"
+    assert _source(f, "x").endswith("CPU (transformers): not a GPU's")
