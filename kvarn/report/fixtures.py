@@ -1,4 +1,4 @@
-"""Illustrative result rows (NOT measurements) for tests, demos and the README image.
+"""Illustrative result rows (NOT measurements) for tests and demos.
 
 `bench_row` / `eval_row` build one schema-complete row; `write_demo_results` writes a realistic matrix
 (models x TP x formats x bursts x repeats, plus eval summaries) through `ResultsStore`, with KV capacity from the
