@@ -43,8 +43,9 @@ def synthetic_steps(num_kv_heads: int, num_heads: int, head_size: int, dtype: to
     a tile each and leave tokens in the tail (store_tiles, raw attention); (2) a mixed step, one decode row
     (decode_attention, eagerly) and one continuation chunk over a stored tile (the record decoder + varlen
     attention); (3) a decode-only step run eagerly (store_decode + decode_attention: batches above
-    the largest captured size, --enforce-eager), and with `defer` (on a GPU) once more with a deferral flag of 0
-    (the DEFER variants, which graph capture compiles only when graphs are on). Returns the plans."""
+    the largest captured size, --enforce-eager), with `defer` (on a GPU) as the backend then runs every decode-only
+    step: with a deferral flag (of 0), so only the DEFER variants compile (a store variant is ~12 s of engine start
+    on an H200, and the backend never launches the other one then). Returns the plans."""
     g, sink = fmt.group, fmt.sink_tokens
     H, Hq, D = num_kv_heads, num_heads, head_size
     on_gpu = torch.device(device).type == "cuda"
@@ -78,7 +79,7 @@ def synthetic_steps(num_kv_heads: int, num_heads: int, head_size: int, dtype: to
         plans.append(plan)
         lens = seq
     slots_dev = torch.from_numpy(slots).to(device)
-    for flag in [False] + ([torch.zeros(1, dtype=torch.int32, device=device)] if defer and on_gpu else []):
+    for flag in [torch.zeros(1, dtype=torch.int32, device=device)] if defer and on_gpu else [False]:
         lens = lens + 1
         seq_dev = torch.from_numpy(lens.astype(np.int32)).to(device)
         plan = plan_step(np.arange(3), lens, 2, slots, bt, g, device, decode_minimal=on_gpu,

@@ -36,8 +36,9 @@ from kvarn.vllm_plugin.warmup import _torch_varlen, warm_up
 compiles, phase = [], ["warm-up"]
 knobs.compilation.listener = lambda *, src=None, **_: compiles.append((phase[0], getattr(src, "name", "?")))
 fmt, dev, dt = get_format(sys.argv[1]), torch.device("cuda"), torch.bfloat16
+defer = sys.argv[2] == "defer"  # the backend's deferred flush: every decode-only step carries a device flag
 H, Hq, D, g = 8, 32, 128, fmt.group
-warm_up(H, Hq, D, dt, fmt, dev)
+warm_up(H, Hq, D, dt, fmt, dev, defer=defer)
 phase[0] = "serving"
 # serving-like steps of other sizes: 17 prompts (17 tiles in one store), then 16 decode rows + 1 continuation chunk,
 # then an eager decode-only step of 17 rows (row, tile and split counts of 1, 16 and 17 all differ from warm-up's)
@@ -65,6 +66,8 @@ seq = lens + 1; sd = torch.from_numpy(seq.astype(np.int32)).to(dev); td = torch.
 plan = step_plan.plan_step(np.arange(R + 1), seq, R, slots, bt, g, dev, decode_minimal=True, tail_slots_dev=td,
                            sink=fmt.sink_tokens)
 step_plan.update_sink_lens(plan, tags, bt, sl_buf)
+if defer:
+    plan.defer = torch.zeros(1, dtype=torch.int32, device=dev)
 q = torch.randn(R, Hq, D, device=dev, dtype=dt)
 ops.decode_step(plan, q, q[:, :H], q[:, :H], torch.empty_like(q), cache, bt, sd, td, tk, tv, fmt, D ** -0.5)
 torch.cuda.synchronize()
@@ -74,9 +77,11 @@ print(json.dumps(compiles))
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_no_kernel_compiles_mid_run_after_warm_up(tmp_path):
+@pytest.mark.parametrize("defer", ["no-defer", "defer"])
+def test_no_kernel_compiles_mid_run_after_warm_up(tmp_path, defer):
     """A fresh process with an empty Triton cache: warm_up compiles; the serving-like steps after it (other row,
-    tile and split counts, a mixed batch, an eager decode-only batch) compile nothing."""
+    tile and split counts, a mixed batch, an eager decode-only batch: with the deferred flush, as the backend runs
+    it, with a deferral flag) compile nothing."""
     import json
     import os
     import subprocess
@@ -84,7 +89,7 @@ def test_no_kernel_compiles_mid_run_after_warm_up(tmp_path):
     from pathlib import Path
 
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
-    r = subprocess.run([sys.executable, "-c", _NO_COMPILE_AFTER_WARM_UP, "kvarn_k4v2_g128"], capture_output=True,
+    r = subprocess.run([sys.executable, "-c", _NO_COMPILE_AFTER_WARM_UP, "kvarn_k4v2_g128", defer], capture_output=True,
                        text=True, env=env, cwd=Path(__file__).resolve().parents[2], timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     compiles = json.loads(r.stdout.strip().splitlines()[-1])
