@@ -84,6 +84,7 @@ class KVFormat:
 
     def check_model_dtype(self, dtype: str | None) -> None:
         """One clear line where an explicit model dtype cannot run this format (None / auto: the engine picks)."""
+        dtype = {"half": "float16", "float": "float32"}.get(dtype, dtype)  # vLLM's other spellings
         if dtype in (None, "auto") or dtype in self.model_dtypes:
             return
         why = f" ({self.model_dtypes_why})" if self.model_dtypes_why else ""

@@ -276,11 +276,17 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
                     if not isinstance(wfmts, list) or not wfmts:
                         raise KvarnError(f"{where}: bench.workloads[{i}].formats must be a non-empty list of this "
                                          f"suite's formats ({choices(fmts)}), got {wfmts!r}")
-                    bad = [str(x) for x in wfmts if str(x) not in fmts]
-                    if bad:
-                        raise KvarnError(f"{where}: bench.workloads[{i}].formats: {bad[0]!r} is not a format of this "
-                                         f"suite; accepted: {choices(fmts)}")
-                    wfmts = [x for x in fmts if x in wfmts]  # the suite's order: FP16 first where it is first
+                    names = set()
+                    for x in wfmts:  # aliases and any casing, as the suite's own list takes them
+                        try:
+                            name = get_format(str(x)).name
+                        except KvarnError:
+                            name = None
+                        if name not in {get_format(f).name for f in fmts}:
+                            raise KvarnError(f"{where}: bench.workloads[{i}].formats: {str(x)!r} is not a format of "
+                                             f"this suite; accepted: {choices(fmts)}")
+                        names.add(name)
+                    wfmts = [x for x in fmts if get_format(x).name in names]  # the suite's order and spelling
                     if bench["pair_fp16"] and (len(wfmts) < 2 or not any(get_format(x).family == "fp16"
                                                                          for x in wfmts)):
                         raise KvarnError(f"{where}: bench.workloads[{i}].formats pairs candidates with the FP16 cell "

@@ -53,6 +53,10 @@ def test_lookup_and_errors():
         get_format("fp9")
     with pytest.raises(KvarnError, match="model dtype 'float16'"):
         get_format("fp8").check_model_dtype("float16")
+    with pytest.raises(KvarnError, match="model dtype 'float16'"):  # vLLM's other spelling
+        get_format("fp8").check_model_dtype("half")
+    get_format("kvarn_k4v2_g128").check_model_dtype("half")
+    get_format("fp8").check_model_dtype("auto")
 
 
 def test_balance_iterations_are_a_format_property(monkeypatch):

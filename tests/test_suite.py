@@ -88,6 +88,10 @@ def test_a_workload_runs_its_own_formats_paired_with_fp16_in_one_run():
     assert [a[a.index("--kv-dtype") + 1] for a in steps] == ["auto,kvarn_k4v2_g128",  # the suite's order: FP16 first
                                                              "auto,fp8,kvarn_k4v2_g128,turboquant_4bit_nc"]
     assert all("--pair-fp16" in a for a in steps) and s.bench_cells() == 2 + 4
+    aliased = validate_suite({**data, "bench": {"pair_fp16": True, "workloads": [{"burst": 4096, "formats": ["FP16",
+                                                                                                     "fp8_e4m3"]}]}},
+                             "w.yaml")
+    assert aliased.bench["workloads"][0]["formats"] == ["auto", "fp8"]  # aliases and casing, as the suite's list
     with pytest.raises(KvarnError, match=r"workloads\[0\].formats pairs candidates with the FP16 cell.*got fp8"):
         validate_suite({**data, "bench": {"pair_fp16": True, "workloads": [{"burst": 4096, "formats": ["fp8"]}]}},
                        "w.yaml")

