@@ -36,6 +36,7 @@ class KVFormat:
     boundary_layers: int = 0  # first and last N decoder layers kept 16-bit (dense models)
     tail_tokens: int = 0  # 16-bit tokens per request per layer for the unfinished tile
     sink_tokens: int = 0  # 16-bit tokens per request per layer kept for good (attention sinks)
+    window_tokens: int = 0  # KVarN: the last W tokens of a tile also kept 16-bit, for the last two tiles (the window)
     balance_iters: int = DEFAULT_BALANCE_ITERS  # KVarN: Sinkhorn-like balancing iterations per tile (best kept)
     description: str = ""
     aliases: tuple[str, ...] = field(default_factory=tuple)
@@ -72,8 +73,14 @@ class KVFormat:
         return float(self.slot_bytes(head_dim))
 
     def fixed_tokens_per_request(self) -> int:
-        """16-bit tokens per request per layer held outside the paged pool (tail + sink)."""
-        return self.tail_tokens + self.sink_tokens
+        """16-bit tokens per request per layer held outside the paged pool (tail + sink + the two window halves)."""
+        return self.tail_tokens + self.sink_tokens + 2 * self.window_tokens
+
+    @property
+    def tail_rows(self) -> int:
+        """Rows of a request's 16-bit tail buffer per layer and KV head (docs/format.md): [0, g) the unfinished tile,
+        [g, g + sink) the sink, then the window halves of even and odd tiles, W rows each."""
+        return (self.group or 0) + self.sink_tokens + (2 * self.window_tokens if self.sink_tokens else 0)
 
     def quantized(self) -> bool:
         return self.family != "fp16"
@@ -108,6 +115,11 @@ def kvarn_record_bytes(head_dim: int, group: int, key_bits: int, value_bits: int
 # 128 (the whole first tile) +0.32% (n = 8 windows: +-0.3-0.6% noise). 16 tokens cost 1/8 of the tail buffer
 # (~0.6 GB at 256 requests on Qwen3-8B), 128 would cost 4.8 GB (capacity 4.54x -> ~4.35x). KVARN_SINK (kvarn.settings,
 # read once per process, so set it for every process) trades capacity for accuracy.
+# The window: a query attends most to its recent tokens, and right after a tile completes they are all quantized. So
+# the last g/4 positions of the tile before the newest position's tile are read 16-bit too (float16 reference, chunk
+# 128: SmolLM2 +0.98% -> +0.59%, Qwen2.5-Coder-0.5B +0.77% -> +0.52%, -1.5B +0.63% -> +0.26%; BENCHMARKS.md). Every
+# token in a tile's last g/4 positions is also written to the window half of its tile's parity, so a chunk that
+# completes the next tile leaves the previous tile's window intact.
 
 
 def _sink_for(g: int) -> int:
@@ -117,6 +129,7 @@ def _sink_for(g: int) -> int:
 
 
 def _kvarn(kb: int, vb: int, g: int, desc: str) -> KVFormat:
+    sink = _sink_for(g)
     return KVFormat(
         name=f"kvarn_k{kb}v{vb}_g{g}",
         family="kvarn",
@@ -125,7 +138,8 @@ def _kvarn(kb: int, vb: int, g: int, desc: str) -> KVFormat:
         group=g,
         block_size=g,
         tail_tokens=g,
-        sink_tokens=_sink_for(g),
+        sink_tokens=sink,
+        window_tokens=g // 4 if sink else 0,  # needs the sink's ownership tag (prefix-cache hits)
         balance_iters=settings.get("KVARN_BALANCE_ITERS"),
         description=desc,
     )

@@ -29,7 +29,8 @@ def test_kvarn_reserves_tail_and_stays_above_target():
     s = resolve_model("qwen3-8b")
     kv = capacity(s, get_format("kvarn_k4v2_g128"), context=16384)
     assert kv.bytes_per_token == 36 * 8 * 108
-    assert kv.fixed_bytes_per_request == (128 + 16) * 8 * 512 * 36  # the unfinished tile + the 16-token sink
+    # the unfinished tile + the 16-token sink + the window's two halves of 32
+    assert kv.fixed_bytes_per_request == (128 + 16 + 2 * 32) * 8 * 512 * 36
     assert kv.reserved_requests == 256
     assert kv.kv_tokens % 128 == 0
     assert 4.4 <= kv.ratio_vs_fp16 < 4.74

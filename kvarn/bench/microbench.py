@@ -249,10 +249,11 @@ def paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev, gen_seed=0):
         bt = torch.randperm(B * n_full, generator=gen, device=dev).view(B, n_full).to(torch.int32)
     else:
         bt = torch.zeros(B, 1, dtype=torch.int32, device=dev)
-    # tail rows + the format's sink rows, as the backend allocates them (the kernels then mask the sink's positions)
+    # tail rows + the format's sink and window rows, as the backend allocates them (the kernels then mask their
+    # positions in the records)
     sink = fmt.sink_tokens
-    tail_k = torch.randn(B, Hk, g + sink, D, generator=gen, device=dev, dtype=dtype)
-    tail_v = torch.randn(B, Hk, g + sink, D, generator=gen, device=dev, dtype=dtype)
+    tail_k = torch.randn(B, Hk, fmt.tail_rows, D, generator=gen, device=dev, dtype=dtype)
+    tail_v = torch.randn(B, Hk, fmt.tail_rows, D, generator=gen, device=dev, dtype=dtype)
     return dict(cache=cache, block_table=bt, tail_k=tail_k, tail_v=tail_v,
                 tail_slots=torch.arange(B, dtype=torch.int32, device=dev),
                 seq_lens=torch.full((B,), ctx, dtype=torch.int32, device=dev),
@@ -260,27 +261,20 @@ def paged_kvarn(fmt, B, ctx, Hk, D, dtype, dev, gen_seed=0):
 
 
 def _reference_out(st, fmt, D, q, scale, rows, causal_q=None):
-    """fp32 oracle over the dequantized cache + tail for the first `rows` requests (bounded cost)."""
-    from ..method.reference import dequantize_tiles, reference_attention
+    """fp32 oracle over the dequantized cache + tail (sink and window included) for the first `rows` requests
+    (bounded cost): kvarn.method.paged's post-store state."""
+    import numpy as np
 
-    g = fmt.group
+    from ..method.paged import post_store_kv
+    from ..method.reference import reference_attention
+
     outs = []
     for b in range(rows):
         s = int(st["seq_lens"][b])
-        nf, nt = s // g, s % g
-        Hk = st["cache"].shape[1]
-        ks, vs = [], []
-        if nf:
-            kd, vd = dequantize_tiles(st["cache"][st["block_table"][b, :nf].long()], fmt, D)
-            ks.append(kd.permute(1, 0, 2, 3).reshape(Hk, nf * g, D))
-            vs.append(vd.permute(1, 0, 2, 3).reshape(Hk, nf * g, D))
-        ks.append(st["tail_k"][int(st["tail_slots"][b]), :, :nt].float())
-        vs.append(st["tail_v"][int(st["tail_slots"][b]), :, :nt].float())
-        K, V = torch.cat(ks, 1), torch.cat(vs, 1)
-        n = int(st["sink_lens"][b]) if nf else 0  # the sink's positions: its 16-bit rows past the tile
-        if n:
-            K[:, :n] = st["tail_k"][int(st["tail_slots"][b]), :, g:g + n].float()
-            V[:, :n] = st["tail_v"][int(st["tail_slots"][b]), :, g:g + n].float()
+        k, v, _ = post_store_kv(np.array([b]), np.array([s]), np.array([int(st["tail_slots"][b])]), st["cache"],
+                                st["block_table"], st["tail_k"], st["tail_v"], fmt, torch.float32,
+                                sink_lens=st["sink_lens"][b:b + 1])
+        K, V = k.transpose(0, 1), v.transpose(0, 1)  # [Hk, s, D]
         if causal_q is None:
             outs.append(reference_attention(q[b].float()[:, None], K, V, scale)[:, 0])
         else:
@@ -477,7 +471,7 @@ def _dense_prefill_runner(st, fmt, q, qsl, scale, fa, fa_ver):
 
     plan = types.SimpleNamespace(cont_rows=np.arange(st["seq_lens"].shape[0]), seq_lens=st["seq_lens"].cpu().numpy(),
                                  qsl=qsl.cpu().numpy().astype(np.int64), tail_slots_np=st["tail_slots"].cpu().numpy(),
-                                 sink_lens=st["sink_lens"])
+                                 sink_lens=st["sink_lens"], win_lens=None)
     dec = "Triton decoder" if st["cache"].is_cuda else "reference decoder"
     varlen, what = None, f"{dec} + torch varlen"
     if fa is not None:
@@ -526,7 +520,7 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
     allb_ms = step_ms(lambda: store_tiles(kb, vb, cb, idb, fmt), L, dev, max(1, iters // 5), warmup=1)
     # the same tile of every layer in one launch (flush_layers: L caches and tails reached through an address
     # table), as a deferred flush runs it once per step: GPU time (graph) and call time (eager, host included)
-    tails_k = [torch.randn(2, H, g + fmt.sink_tokens, D, device=dev, dtype=dtype) for _ in range(L)]
+    tails_k = [torch.randn(2, H, fmt.tail_rows, D, device=dev, dtype=dtype) for _ in range(L)]
     tails_v = [torch.randn_like(t) for t in tails_k]
     caches = [torch.zeros(2, H, fmt.record_bytes(D), dtype=torch.uint8, device=dev) for _ in range(L)]
     one_slot = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -537,7 +531,7 @@ def bench_store(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device="a
     q = torch.randn(batch, q_heads, D, device=dev, dtype=dtype)
     dec = time_ms(lambda: decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"],
                                            st["tail_v"], st["tail_slots"], fmt, 1 / math.sqrt(D),
-                                           sink_lens=st["sink_lens"]), dev, iters)
+                                           sink_lens=st["sink_lens"], win_lens=None), dev, iters)
     attn_ms = dec * L
     nbytes = H * (2 * g * D * 2 + fmt.record_bytes(D))
     copy = copy_bandwidth_gbps(dev)

@@ -4,14 +4,16 @@ context, the GQA group's query heads sharing every unpacked tile.
 Public API (the vLLM backend calls exactly this):
 
     decode_attention(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, scale,
-                     num_splits=None, out=None, *, sink_lens=None, defer=False) -> out
+                     num_splits=None, out=None, *, sink_lens=None, win_lens=None, defer=False) -> out
         q           [B, Hq, D] fp16/bf16
         cache       uint8 [num_blocks, Hk, record_bytes(D)]
         block_table int32 [B, max_blocks]: record row of each full tile of request b
         seq_lens    int32 [B]: tokens visible to the query; seq_len // g full tiles come from records, the last
-                    seq_len % g tokens from tail_k / tail_v [S, Hk, g + sink, D] at row tail_slots[b] (int32 [B]),
-                    position pos % g; positions below sink (0 <= sink < g) from rows g + pos instead (the
-                    attention sink, 16-bit for good). seq_len 0 rows (CUDA-graph padding) produce zeros.
+                    seq_len % g tokens from tail_k / tail_v [S, Hk, g + sink + 2W, D] at row tail_slots[b] (int32
+                    [B]), position pos % g; positions below sink (0 <= sink < g) from rows g + pos instead (the
+                    attention sink, 16-bit for good), and with a sink the last W = fmt.window_tokens positions of
+                    the tile before the newest position's from its window half (rows g + sink + (tile % 2) W ..).
+                    seq_len 0 rows (CUDA-graph padding) produce zeros.
         scale       softmax scale (python float)
         num_splits  context splits per (request, KV head), merged with log-sum-exp; None: from the shapes and the
                     SM count (host values only, never device data)
@@ -19,6 +21,8 @@ Public API (the vLLM backend calls exactly this):
         sink_lens   optional int32 [B]: sink rows row b may read (<= sink; 0 where they hold another request's
                     tokens); None: all of them, from a tensor made per call (a CUDA graph captured that way keeps
                     "all": pass a persistent buffer, as the backend does)
+        win_lens    optional int32 [B]: > 0 where row b's window half holds its tile (step_plan.update_window_lens);
+                    None: everywhere, as sink_lens
         defer       True: a tile that fills at this step (seq_len % g == 0) is still in the tail (its record is
                     written later, by store.flush_layers): (seq_len - 1) // g tiles from records, the rest (up to g
                     rows) from the tail. False (default): seq_len // g from records. An int32 [1] tensor: the same,
@@ -55,7 +59,7 @@ import triton.language as tl
 
 from ..errors import KvarnError
 from ..formats import KVFormat
-from .device import LOG2E, partial_stats, pdl_sync, records_end, sink_start, split16, split_tiles
+from .device import LOG2E, partial_stats, pdl_sync, records_end, sink_start, split16, split_tiles, window_start
 from .records import as_format, check_cache, check_tail, defer_flag, f16_view, layout
 from .runtime import compiled, pdl_supported, programs_per_sm, serving_jit, sm_count
 from .tail import merge_kernel, tail_partial
@@ -256,7 +260,7 @@ def scale_queries_kernel(x_ptr, y_ptr, R, scale, stride_xn, stride_xh, HQ: tl.co
 
 @serving_jit(ints=["num_splits", "stride_btb"])
 def records_kernel(
-    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, defer_ptr, po_r_ptr, plse_ptr,
+    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, win_lens_ptr, defer_ptr, po_r_ptr, plse_ptr,
     num_splits, stride_btb, stride_cb16, stride_ch16, HQ,
     # the tail programs' arguments (tail.tail_partial)
     q_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, po_t_ptr, qk_scale,
@@ -266,7 +270,7 @@ def records_kernel(
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     KSPLIT: tl.constexpr, STAGES: tl.constexpr, SINK: tl.constexpr, DEFER: tl.constexpr,
     TBM: tl.constexpr, TT: tl.constexpr, TS: tl.constexpr, TENSOR_CORES: tl.constexpr, Q_AS_TAIL: tl.constexpr,
-    COMPILED: tl.constexpr, PDL: tl.constexpr,
+    COMPILED: tl.constexpr, PDL: tl.constexpr, WIN: tl.constexpr = 0, TW: tl.constexpr = 16,
 ):
     """Program (b, p): p < Hk * num_splits attends over split p % num_splits of KV head p // num_splits's record
     tiles; the Hk programs after them attend over the tail of KV head p - Hk * num_splits. Last in the grid, the
@@ -278,27 +282,29 @@ def records_kernel(
     n_records = (HQ // GROUP) * num_splits
     if p >= n_records:
         tail_partial(b, p - n_records, q_ptr, seq_lens_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, sink_lens_ptr,
-                     defer_ptr, po_t_ptr, plse_ptr, qk_scale, num_splits, stride_qn, stride_qh, stride_tks,
+                     win_lens_ptr, defer_ptr, po_t_ptr, plse_ptr, qk_scale, num_splits, stride_qn, stride_qh, stride_tks,
                      stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg, HQ, GROUP, TBM, G, D, TT, TS,
-                     TENSOR_CORES, Q_AS_TAIL, SINK, DEFER)
+                     TENSOR_CORES, Q_AS_TAIL, SINK, DEFER, WIN, TW)
     else:
-        _split_attention(qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, defer_ptr, po_r_ptr, plse_ptr,
-                         b, p // num_splits, p % num_splits, num_splits, stride_btb, stride_cb16, stride_ch16, HQ,
+        _split_attention(qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, win_lens_ptr, defer_ptr, po_r_ptr,
+                         plse_ptr, b, p // num_splits, p % num_splits, num_splits, stride_btb, stride_cb16, stride_ch16, HQ,
                          GROUP, BN, G, D, KB, VB, OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV,
-                         KSPLIT, STAGES, SINK, DEFER, COMPILED)
+                         KSPLIT, STAGES, SINK, DEFER, COMPILED, WIN)
 
 
 @triton.jit
 def _split_attention(
-    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, defer_ptr, po_r_ptr, plse_ptr,
+    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, win_lens_ptr, defer_ptr, po_r_ptr, plse_ptr,
     b, kvh, split, num_splits, stride_btb, stride_cb16, stride_ch16, HQ,
     GROUP: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     KSPLIT: tl.constexpr, STAGES: tl.constexpr, SINK: tl.constexpr, DEFER: tl.constexpr, COMPILED: tl.constexpr,
+    WIN: tl.constexpr = 0,
 ):
     """Request b's GROUP query heads of KV head kvh over the record tiles of one context split: online softmax over
-    the tiles, then the partial o / l and its log2-sum-exp for the merge."""
+    the tiles, then the partial o / l and its log2-sum-exp for the merge. Positions the tail programs read 16-bit
+    (the sink's, the window's) are skipped."""
     PERK: tl.constexpr = 8 // KB  # key byte planes: plane j holds channels j*DP .. of every token
     DP: tl.constexpr = D // PERK
     PERV: tl.constexpr = 8 // VB  # value byte planes: plane j holds tokens j*BT .. of every channel
@@ -326,6 +332,7 @@ def _split_attention(
     # ---- this split's record tiles
     S = tl.load(seq_lens_ptr + b)
     sink_lo = sink_start(sink_lens_ptr, b, SINK)
+    win_lo = window_start(S, win_lens_ptr, b, G, WIN)
     t_begin, t_stop = split_tiles(records_end(S, DEFER, defer_ptr), S, G, split, num_splits)
 
     m_i = tl.full([BN], float("-inf"), dtype=tl.float32)
@@ -367,10 +374,15 @@ def _split_attention(
             s_o = _fold_halves(s_o, COMPILED)
         s_e = (s_e + qz[None, :]) * (rk_e * qnorm)[:, None]
         s_o = (s_o + qz[None, :]) * (rk_o * qnorm)[:, None]
-        if SINK > 0:  # positions below sink_lo are the tail programs' (16-bit sink rows)
+        if SINK > 0:  # positions below sink_lo and in [win_lo, win_lo + WIN) are the tail programs' (16-bit rows)
             pos_e = t * G + 2 * u
-            s_e = tl.where((pos_e >= sink_lo)[:, None], s_e, float("-inf"))
-            s_o = tl.where((pos_e + 1 >= sink_lo)[:, None], s_o, float("-inf"))
+            keep_e = pos_e >= sink_lo
+            keep_o = pos_e + 1 >= sink_lo
+            if WIN > 0:
+                keep_e = keep_e & ((pos_e < win_lo) | (pos_e >= win_lo + WIN))
+                keep_o = keep_o & ((pos_e + 1 < win_lo) | (pos_e + 1 >= win_lo + WIN))
+            s_e = tl.where(keep_e[:, None], s_e, float("-inf"))
+            s_o = tl.where(keep_o[:, None], s_o, float("-inf"))
 
         # ---- online softmax per query column, one rescale per tile
         m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=0))
@@ -435,7 +447,8 @@ def default_num_splits(batch: int, kv_heads: int, max_blocks: int, device: torch
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor, fmt: KVFormat | str,
                      scale: float, num_splits: int | None = None, out: torch.Tensor | None = None, *,
-                     sink_lens: torch.Tensor | None = None, defer=False) -> torch.Tensor:
+                     sink_lens: torch.Tensor | None = None, win_lens: torch.Tensor | None = None,
+                     defer=False) -> torch.Tensor:
     if q.dim() != 3:
         raise KvarnError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     B, Hq, D = q.shape
@@ -443,7 +456,9 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
     check_cache(cache, lay)
     Hk = cache.shape[1]
     group, gp = group_geometry(Hq, Hk)
-    sink = check_tail(tail_k, tail_v, Hk, lay.g, D)
+    fmt = as_format(fmt)
+    sink = check_tail(tail_k, tail_v, Hk, lay.g, D, fmt.window_tokens)
+    win = fmt.window_tokens if sink else 0  # its rows' owner is known from the sink's tag only
     if block_table.dim() != 2 or block_table.shape[0] != B:
         raise KvarnError(f"block_table must be [B={B}, max_blocks], got {tuple(block_table.shape)}")
     if out is None:
@@ -457,6 +472,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
         B, Hk, block_table.shape[1], dev, _PROGRAMS_PER_SM.get((lay, gp), 4))
     if sink_lens is None:  # every row's sink rows hold its own first tokens
         sink_lens = torch.full((B,), sink, dtype=torch.int32, device=dev) if sink else seq_lens
+    if win_lens is None:  # every row's window rows hold its own tile's (as sink_lens above)
+        win_lens = torch.full((B,), win, dtype=torch.int32, device=dev) if win else seq_lens
     flag = defer_flag(defer, dev, "query")
     if flag is True:  # deferred on every call: a per-call flag (the backend passes its persistent one)
         flag = torch.ones(1, dtype=torch.int32, device=dev)
@@ -478,13 +495,14 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
     tt = (64 if D <= 128 else 32) if tensor_cores else 16
     bn = max(MMA_N, gp)
     records = records_kernel[(B, Hk * (splits + 1))](
-        qr, f16_view(cache), block_table, seq_lens, sink_lens, defer_ptr, po_r, plse,
+        qr, f16_view(cache), block_table, seq_lens, sink_lens, win_lens, defer_ptr, po_r, plse,
         splits, block_table.stride(0), cache.stride(0) // 2, cache.stride(1) // 2, Hq,
         q, tail_k, tail_v, tail_slots, po_t, qk, q.stride(0), q.stride(1), *tail_k.stride()[:3], *tail_v.stride()[:3],
         GROUP=group, BN=bn, G=lay.g, D=D, KB=lay.kb, VB=lay.vb, **lay.offsets(),
         KSPLIT=key_split(group), STAGES=RECORD_STAGES, SINK=sink, DEFER=DEFER,
         TBM=max(16, gp), TT=tt, TS=min(tt, max(16, triton.next_power_of_2(max(1, sink)))),
         TENSOR_CORES=tensor_cores, Q_AS_TAIL=q.dtype == tail_k.dtype, COMPILED=comp,
+        WIN=win, TW=min(tt, max(16, triton.next_power_of_2(max(1, win)))),
         num_warps=RECORD_WARPS, num_stages=RECORD_STAGES, **pdl)
     merge_kernel[(triton.cdiv(R, 16),)](po_r, po_t, plse, out, R, splits, out.stride(0), out.stride(1), HQ=Hq, D=D,
                                         BR=16, COMPILED=comp, num_warps=ROT_WARPS, **pdl)

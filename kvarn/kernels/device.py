@@ -118,6 +118,18 @@ def sink_start(sink_lens_ptr, b, SINK: tl.constexpr):
 
 
 @triton.jit
+def window_start(S, win_lens_ptr, b, G: tl.constexpr, WIN: tl.constexpr):
+    """First of the WIN positions of request b read 16-bit from its tail buffer's window rows: the last WIN of the
+    tile before the newest position's tile, where that tile exists and the slot's window half holds it
+    (win_lens[b] > 0: step_plan.update_window_lens). Else -WIN: the window [-WIN, 0) holds no position."""
+    if WIN > 0:
+        wt = (S - 1) // G - 1
+        ok = (S > G) & (tl.load(win_lens_ptr + b) > 0)
+        return tl.where(ok, wt * G + G - WIN, -WIN)
+    return -WIN
+
+
+@triton.jit
 def records_end(S, DEFER: tl.constexpr, defer_ptr):
     """The context length whose full tiles are in the records: S, or, with DEFER and the step's flag defer_ptr[0]
     set (a decode step that leaves the tile it completes in the 16-bit tail, flushed later), S - 1, so a tile that

@@ -73,17 +73,20 @@ def check_cache(cache: torch.Tensor, lay: RecordLayout, name: str = "cache") -> 
         raise KvarnError(f"{name} must start at a 4-byte aligned address (the kernels read fp16 pairs as int32)")
 
 
-def check_tail(tail_k: torch.Tensor, tail_v: torch.Tensor, hk: int, g: int, d: int) -> int:
-    """The 16-bit tail buffers [S, Hk, g + sink, D] (K and V alike), contiguous along D: rows [0, g) hold a
-    request's unfinished tile, rows [g, g + sink) its first `sink` tokens for good (0 <= sink < g; the backend
-    allocates fmt.sink_tokens of them). Returns sink."""
+def check_tail(tail_k: torch.Tensor, tail_v: torch.Tensor, hk: int, g: int, d: int, window: int = 0) -> int:
+    """The 16-bit tail buffers [S, Hk, g + sink + 2 * window, D] (K and V alike), contiguous along D: rows [0, g) hold
+    a request's unfinished tile, rows [g, g + sink) its first `sink` tokens for good (0 < sink < g; the backend
+    allocates fmt.sink_tokens of them), then the window halves (fmt.window_tokens rows each, tiles of even and odd
+    index); [S, Hk, g, D]: neither (the window's owner is known from the sink's tag only). Returns sink."""
+    rows = tail_k.shape[2] if tail_k.dim() == 4 else -1
+    w2 = 2 * window if rows > g else 0
     if (tail_k.dim() != 4 or tuple(tail_k.shape[1:2]) + tuple(tail_k.shape[3:]) != (hk, d)
-            or not g <= tail_k.shape[2] < 2 * g or tail_v.shape != tail_k.shape):
-        raise KvarnError(f"tail_k / tail_v must be [S, {hk}, {g} + sink, {d}] with 0 <= sink < {g}, got "
-                         f"{tuple(tail_k.shape)} and {tuple(tail_v.shape)}")
+            or not (rows == g or g + w2 + (1 if w2 else 0) <= rows < 2 * g + w2) or tail_v.shape != tail_k.shape):
+        raise KvarnError(f"tail_k / tail_v must be [S, {hk}, {g}, {d}] or [S, {hk}, {g} + sink + {2 * window}, {d}] "
+                         f"with 0 < sink < {g}, got {tuple(tail_k.shape)} and {tuple(tail_v.shape)}")
     if tail_k.stride(-1) != 1 or tail_v.stride(-1) != 1:
         raise KvarnError("tail buffers must be contiguous along the head dim")
-    return tail_k.shape[2] - g
+    return rows - g - w2
 
 
 def defer_flag(defer, device, what: str):

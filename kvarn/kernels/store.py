@@ -22,7 +22,8 @@ Public API (the vLLM backend codes against these; signatures are stable):
         The whole KV write of a one-token-per-row (decode) step: k, v [B, H, D]; row b's token goes to the tail at
         position (seq_lens[b] - 1) % g of row tail_slots[b]; a tile it completes is quantized from the tail into
         cache[block_table[b, seq_lens[b] // g - 1]]. seq_lens[b] == 0 marks a padded row (skipped). A tail buffer
-        [S, H, g + sink, D] also keeps positions below sink in rows g + pos (the attention sink, 16-bit for good).
+        [S, H, g + sink + 2W, D] also keeps positions below sink in rows g + pos (the attention sink, 16-bit for good)
+        and a tile's last W = fmt.window_tokens positions in rows g + sink + (tile % 2) W + pos - (g - W).
 
     flush_layers(tails_k, tails_v, caches, slots, block_ids, fmt, iters=None) -> None
         The tiles of several layers in one launch: for every layer l and pending tile i, tail rows [0, g) of slot
@@ -435,7 +436,7 @@ def _flush_table(tab: LayerTable, slots, block_ids, fmt, iters=None) -> None:
     H, D = tk.shape[1], tk.shape[3]
     lay = layout(fmt, D)
     check_cache(cache, lay)
-    check_tail(tk, tk, H, lay.g, D)
+    check_tail(tk, tk, H, lay.g, D, fmt.window_tokens)
     if cache.shape[1] != H:
         raise KvarnError(f"cache has {cache.shape[1]} kv heads, the tails {H}")
     n = block_ids.shape[0]
@@ -563,9 +564,11 @@ def store_tail_tokens(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, ta
 def _decode_tail_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, slot_ptr, seq_lens_ptr,
                         stride_kn, stride_kh, stride_vn, stride_vh,
                         stride_ts, stride_th, stride_tg, stride_us, stride_uh, stride_ug,
-                        H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr = 0):
+                        H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr = 0,
+                        WIN: tl.constexpr = 0):
     # row b's one new token sits at position seq_lens[b] - 1 of its sequence; rows with seq_len 0 are padding.
-    # SINK > 0: a token below SINK also goes to the sink row G + position (16-bit for good)
+    # SINK > 0: a token below SINK also goes to the sink row G + position (16-bit for good); WIN > 0: a token in its
+    # tile's last WIN positions also goes to the window half of its tile's parity
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
@@ -584,6 +587,11 @@ def _decode_tail_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, slot_ptr, seq_lens_ptr,
             if s - 1 < SINK:
                 tl.store(tkb + (G + s - 1) * stride_tg + di, kv)
                 tl.store(tvb + (G + s - 1) * stride_ug + di, vv)
+        if WIN > 0:
+            if pos >= G - WIN:
+                w = G + SINK + (((s - 1) // G) % 2) * WIN + pos - (G - WIN)
+                tl.store(tkb + w * stride_tg + di, kv)
+                tl.store(tvb + w * stride_ug + di, vv)
 
 
 def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
@@ -603,7 +611,7 @@ def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ta
     B, H, D = k.shape
     lay = layout(fmt, D)
     check_cache(cache, lay)
-    sink = check_tail(tail_k, tail_v, H, lay.g, D)
+    sink = check_tail(tail_k, tail_v, H, lay.g, D, fmt.window_tokens)
     if seq_lens.shape[0] < B or tail_slots.shape[0] < B or block_table.dim() != 2 or block_table.shape[0] < B:
         raise KvarnError(f"seq_lens, tail_slots and block_table need {B} rows, got {tuple(seq_lens.shape)}, "
                          f"{tuple(tail_slots.shape)}, {tuple(block_table.shape)}")
@@ -615,7 +623,7 @@ def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ta
         k, v, tail_k, tail_v, tail_slots, seq_lens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_v.stride(0), tail_v.stride(1), tail_v.stride(2),
-        H=H, G=lay.g, D=D, SINK=sink, num_warps=1,
+        H=H, G=lay.g, D=D, SINK=sink, WIN=fmt.window_tokens if sink else 0, num_warps=1,
     )
     flag = defer_flag(defer, cache.device, "cache")
     if flag is True:  # always deferred: no flush launch at all

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .device import hadamard_pm1, pdl_sync, records_end, sink_start, x_times_h
+from .device import hadamard_pm1, pdl_sync, records_end, sink_start, window_start, x_times_h
 from .runtime import serving_jit
 
 
@@ -59,16 +59,18 @@ def _tail_run(qa, qb, tk_base, tv_base, stride_tkg, stride_tvg, n, pos0, L, m_i,
 
 
 @triton.jit
-def tail_partial(b, kvh, q_ptr, seq_lens_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, sink_lens_ptr, defer_ptr,
+def tail_partial(b, kvh, q_ptr, seq_lens_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, sink_lens_ptr, win_lens_ptr,
+                 defer_ptr,
                  po_t_ptr, plse_ptr, qk_scale, num_splits,
                  stride_qn, stride_qh, stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg, HQ,
                  GROUP: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, D: tl.constexpr, TT: tl.constexpr,
                  TS: tl.constexpr, TENSOR_CORES: tl.constexpr, Q_AS_TAIL: tl.constexpr, SINK: tl.constexpr,
-                 DEFER: tl.constexpr):
+                 DEFER: tl.constexpr, WIN: tl.constexpr = 0, TW: tl.constexpr = 16):
     """Decode attention of request b's GROUP query heads of KV head kvh (BM >= 16 rows, padded) over its 16-bit
     rows: the unfinished tile (tail rows [0, S - n_full * G)) and, once the first tile is in the records, the sink
-    rows [G, G + sink_lens[b]) holding positions 0 .. sink_lens[b] - 1 (which the record programs then skip).
-    Writes po_t and the last plse column. TS: rows per step over the sink's (<= SINK) rows."""
+    rows [G, G + sink_lens[b]) holding positions 0 .. sink_lens[b] - 1 and the window rows of the tile before the
+    newest position's (kvarn.kernels.device.window_start), which the record programs then skip.
+    Writes po_t and the last plse column. TS / TW: rows per step over the sink's (<= SINK) / the window's rows."""
     S = tl.load(seq_lens_ptr + b)
     m = tl.arange(0, BM)
     row_ok = m < GROUP
@@ -82,7 +84,9 @@ def tail_partial(b, kvh, q_ptr, seq_lens_ptr, tail_k_ptr, tail_v_ptr, tail_slots
     n_full = records_end(S, DEFER, defer_ptr) // G
     n_tail = S - n_full * G  # up to G rows with DEFER (the tile completed this step, not flushed yet)
     n_sink = tl.where(n_full > 0, sink_start(sink_lens_ptr, b, SINK), 0)
-    if (n_tail > 0) | (n_sink > 0):
+    win_lo = window_start(S, win_lens_ptr, b, G, WIN)
+    n_win = tl.where(win_lo >= 0, WIN, 0)
+    if (n_tail > 0) | (n_sink > 0) | (n_win > 0):
         q_raw = tl.load(q_ptr + b.to(tl.int64) * stride_qn + head[:, None] * stride_qh + di[None, :],
                         mask=row_ok[:, None], other=0.0)
         slot = tl.load(tail_slots_ptr + b).to(tl.int64)
@@ -100,6 +104,11 @@ def tail_partial(b, kvh, q_ptr, seq_lens_ptr, tail_k_ptr, tail_v_ptr, tail_slots
             m_i, l_i, acc = _tail_run(qa, qb, tk_base + G * stride_tkg, tv_base + G * stride_tvg, stride_tkg,
                                       stride_tvg, n_sink, 0, L, m_i, l_i, acc, qk_scale, D, TS, TENSOR_CORES,
                                       Q_AS_TAIL)
+        if WIN > 0:  # the window half of the tile's parity: rows G + SINK + (tile % 2) * WIN ..
+            w_row = G + SINK + ((tl.maximum(win_lo, 0) // G) % 2) * WIN
+            m_i, l_i, acc = _tail_run(qa, qb, tk_base + w_row * stride_tkg, tv_base + w_row * stride_tvg,
+                                      stride_tkg, stride_tvg, n_win, win_lo, L, m_i, l_i, acc, qk_scale, D, TW,
+                                      TENSOR_CORES, Q_AS_TAIL)
         m_i, l_i, acc = _tail_run(qa, qb, tk_base, tv_base, stride_tkg, stride_tvg, n_tail, n_full * G, L,
                                   m_i, l_i, acc, qk_scale, D, TT, TENSOR_CORES, Q_AS_TAIL)
     has = l_i > 0.0

@@ -2,8 +2,10 @@
 
 The backend runs these where its kernels cannot (CPU tests, no Triton) and the GPU tests compare the kernels with
 them. The cache is the backend's: records [num_blocks, Hk, record_bytes] addressed by a block table, plus per
-request a 16-bit tail buffer row [Hk, g + sink, D] holding the unfinished tile (rows [0, g)) and the first `sink`
-positions for good (rows g + pos).
+request a 16-bit tail buffer row [Hk, g + sink + 2W, D] holding the unfinished tile (rows [0, g)), the first `sink`
+positions for good (rows g + pos) and the window: the last W = fmt.window_tokens positions of each tile, in the half
+of its tile's parity (rows g + sink + (tile % 2) W + pos % g - (g - W)), read for the tile before the newest
+position's.
 """
 from __future__ import annotations
 
@@ -48,13 +50,14 @@ def _dequantize_into(cache, bids, dst0, k, v, fmt: KVFormat) -> None:
 
 
 def post_store_kv(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cache, block_table, tail_k, tail_v,
-                  fmt: KVFormat, dtype, sink_lens=None, dequantize: Callable | None = None):
+                  fmt: KVFormat, dtype, sink_lens=None, dequantize: Callable | None = None, win_lens=None):
     """The K/V the attention of batch rows `rows` sees after this step's store (seq_lens / slots: their lengths and
     tail slots, host), back to back: (k, v [sum seq_len, Hk, D] in `dtype`, cu_k int64 host). Full tiles come from
     the records, dequantized to the original basis by `dequantize(cache, block_ids, dst_rows, k, v, fmt)` (the
     kernel, kvarn.kernels.dequantize_to_rows) or, when None, by the reference decoder; the last seq_len % g tokens
     from the tail rows; rows whose first tile is quantized take their first `sink` positions (sink_lens[i] of them,
-    a device tensor, where given) from the sink rows."""
+    a device tensor, where given) from the sink rows, and the window of the tile before their newest position's from
+    its window rows (where win_lens[i] > 0, a device tensor, where given)."""
     g = fmt.group
     s = np.asarray(seq_lens, dtype=np.int64)
     slots = np.asarray(slots, dtype=np.int64)
@@ -76,7 +79,8 @@ def post_store_kv(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cac
         sl, ps = torch.from_numpy(slots[tseg]).to(dev), torch.from_numpy(tpos).to(dev)
         k[dst] = tail_k[sl, :, ps].to(dtype)
         v[dst] = tail_v[sl, :, ps].to(dtype)
-    sink = tail_k.shape[2] - g  # rows with a quantized first tile read its first positions from the sink rows
+    W = fmt.window_tokens if tail_k.shape[2] > g else 0  # [.., g, D] tails: no sink, no window
+    sink = tail_k.shape[2] - g - 2 * W  # rows with a quantized first tile read its first positions from the sink rows
     if sink:
         sseg, spos = ragged_ranges(np.zeros(len(rows), dtype=np.int64), np.where(n_full > 0, sink, 0))
         if len(sseg):
@@ -87,6 +91,19 @@ def post_store_kv(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cac
                 own = sink_lens.to(dev)[torch.from_numpy(sseg).to(dev)]
                 use = (torch.from_numpy(spos).to(dev) < own)[:, None, None]
                 tk, tv = torch.where(use, tk, k[dst]), torch.where(use, tv, v[dst])
+            k[dst] = tk
+            v[dst] = tv
+    if W and sink:  # the window's owner is known from the sink's tag
+        wt = (s - 1) // g - 1
+        wseg, wj = ragged_ranges(np.zeros(len(rows), dtype=np.int64), np.where(s > g, W, 0))
+        if len(wseg):
+            dst = torch.from_numpy(cu_k[wseg] + wt[wseg] * g + g - W + wj).to(dev)
+            sl = torch.from_numpy(slots[wseg]).to(dev)
+            ps = torch.from_numpy(g + sink + (wt[wseg] % 2) * W + wj).to(dev)
+            tk, tv = tail_k[sl, :, ps].to(dtype), tail_v[sl, :, ps].to(dtype)
+            if win_lens is not None:
+                own = win_lens.to(dev)[torch.from_numpy(wseg).to(dev)] > 0
+                tk, tv = torch.where(own[:, None, None], tk, k[dst]), torch.where(own[:, None, None], tv, v[dst])
             k[dst] = tk
             v[dst] = tv
     return k, v, cu_k
@@ -113,7 +130,7 @@ def raw_attention_torch(q, k, v, cu, scale):
 
 
 def cached_attention_torch(q, cache, block_table, qsl, seq_lens, tail_k, tail_v, tail_slots, fmt, scale,
-                           sink_lens=None):
+                           sink_lens=None, win_lens=None):
     """Each row's q tokens (the last q_len positions) attend causally over the post-store state (post_store_kv).
     q [Nq, Hq, D]; qsl / seq_lens / tail_slots host sequences. Returns float32 [Nq, Hq, D]."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -123,6 +140,7 @@ def cached_attention_torch(q, cache, block_table, qsl, seq_lens, tail_k, tail_v,
             continue
         k, v, _ = post_store_kv(np.array([b]), np.array([s]), np.array([int(tail_slots[b])]), cache, block_table,
                                 tail_k, tail_v, fmt, torch.float32,
-                                sink_lens=None if sink_lens is None else torch.tensor([int(sink_lens[b])]))
+                                sink_lens=None if sink_lens is None else torch.tensor([int(sink_lens[b])]),
+                                win_lens=None if win_lens is None else torch.tensor([int(win_lens[b])]))
         out[a:e] = varlen_attention_torch(q[a:e], k, v, [0, e - a], [0, s], scale)
     return out

@@ -114,7 +114,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self.slots = int(vllm_config.scheduler_config.max_num_seqs)
         dtype = vllm_config.model_config.dtype
         TAILS.allocate(layer_names, self.slots, kv_cache_spec.num_kv_heads, self.fmt.group, kv_cache_spec.head_size,
-                       dtype, device, sink=self.fmt.sink_tokens)
+                       dtype, device, sink=self.fmt.sink_tokens, window=self.fmt.window_tokens)
         # rows of a (padded) batch can exceed max_num_seqs: graph capture sizes go up to max_num_batched_tokens
         sched = vllm_config.scheduler_config
         cap = max(self.slots, int(getattr(sched, "max_num_batched_tokens", 0) or 0),
@@ -124,6 +124,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         # per-row count of sink rows a step may read (step_plan.update_sink_lens; persistent: graph replays read it)
         self._sink_tags = TAILS.sink_tags(layer_names, self.slots, device)
         self._sink_lens = torch.zeros(cap, dtype=torch.int32, device=device)
+        # the window: per slot and half, the block of the tile whose last tokens it holds (update_window_lens)
+        self._win_tags = TAILS.window_tags(layer_names, self.slots, device)
+        self._win_lens = torch.zeros(cap, dtype=torch.int32, device=device)
         self._decode_kernels = torch.device(device).type == "cuda" and ops.decode_kernels_available()
         # the deferred flush (KVARN_DEFER_FLUSH=1) needs the decode kernels and exact host seq_lens (no drafts)
         self._layer_names = list(layer_names)
@@ -158,10 +161,14 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self._tail_slots[:R].copy_(torch.from_numpy(rows), non_blocking=True)
         plan = step_plan.plan_step(cm.query_start_loc_cpu, np.asarray(seq_cpu), R, rows, cm.block_table_tensor,
                                    self.fmt.group, self.device, decode_minimal=self._decode_kernels,
-                                   tail_slots_dev=self._tail_slots[:R], sink=self.fmt.sink_tokens)
+                                   tail_slots_dev=self._tail_slots[:R], sink=self.fmt.sink_tokens,
+                                   window=self.fmt.window_tokens)
         if R > self._sink_lens.shape[0]:  # as _tail_slots above
             self._sink_lens = torch.zeros(R + 1, dtype=torch.int32, device=self.device)
         step_plan.update_sink_lens(plan, self._sink_tags, cm.block_table_tensor, self._sink_lens)
+        if R > self._win_lens.shape[0]:
+            self._win_lens = torch.zeros(R + 1, dtype=torch.int32, device=self.device)
+        step_plan.update_window_lens(plan, self._win_tags, cm.block_table_tensor, self._win_lens)
         if self._defer and plan.decode_only:
             # not in a step that schedules a new or resumed request: its prefix hit may read a block another row
             # completes in this very step (vLLM caches blocks as it schedules them). The flag is device data, so

@@ -33,11 +33,12 @@ def _record_decoder(use_kernels: bool) -> Callable | None:
 
 
 def materialize_dense(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cache, block_table, tail_k, tail_v,
-                      fmt: KVFormat, dtype, use_kernels: bool | None = None, sink_lens=None):
+                      fmt: KVFormat, dtype, use_kernels: bool | None = None, sink_lens=None, win_lens=None):
     """kvarn.method.paged.post_store_kv with the records decoded by the kernel (use_kernels None: where the cache is
     on CUDA; True: also in the interpreter; False: the reference decoder)."""
     decoder = _record_decoder(cache.is_cuda if use_kernels is None else use_kernels)
-    return post_store_kv(rows, seq_lens, slots, cache, block_table, tail_k, tail_v, fmt, dtype, sink_lens, decoder)
+    return post_store_kv(rows, seq_lens, slots, cache, block_table, tail_k, tail_v, fmt, dtype, sink_lens, decoder,
+                         win_lens)
 
 
 def _groups(lens: np.ndarray, budget: int):
@@ -70,7 +71,8 @@ def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: K
     for a, e in _groups(s, key_budget):
         k, v, cu_k = materialize_dense(rows[a:e], s[a:e], plan.tail_slots_np[rows[a:e]], cache, block_table,
                                        tail_k, tail_v, fmt, qc.dtype, use_kernels,
-                                       None if plan.sink_lens is None else plan.sink_lens[rows[a:e]])
+                                       None if plan.sink_lens is None else plan.sink_lens[rows[a:e]],
+                                       None if plan.win_lens is None else plan.win_lens[rows[a:e]])
         if own_k is not None:  # row i's last qlen[i] positions are its own chunk: raw
             seg, pos = ragged_ranges(np.zeros(e - a, dtype=np.int64), qlen[a:e])
             dst = torch.from_numpy(cu_k[seg + 1] - qlen[a:e][seg] + pos).to(k.device)

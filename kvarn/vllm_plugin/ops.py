@@ -42,11 +42,12 @@ def _host(x: torch.Tensor | None):
 def store(plan: StepPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, tail_k: torch.Tensor,
           tail_v: torch.Tensor, fmt: KVFormat, iters: int | None = None, use_kernels: bool | None = None) -> None:
     """k, v [N, Hk, D] new tokens (N >= plan.num_tokens); cache uint8 [num_blocks, Hk, R]; tails
-    [S+1, Hk, g + sink, D]. Complete tiles are assembled (tail + new) and quantized first, then the unfinished
-    tiles' tokens go to the tail and the sink's to its rows."""
+    [S+1, Hk, g + sink + 2W, D]. Complete tiles are assembled (tail + new) and quantized first, then the unfinished
+    tiles' tokens go to the tail and the sink's and window's to their rows."""
     g = plan.group
-    if tail_k.shape[2] != g + plan.sink:
-        raise ValueError(f"kvarn: tail buffers of {tail_k.shape[2]} rows, the plan wants {g} + sink {plan.sink}")
+    if tail_k.shape[2] != g + plan.sink + 2 * plan.window:
+        raise ValueError(f"kvarn: tail buffers of {tail_k.shape[2]} rows, the plan wants {g} + sink {plan.sink} + "
+                         f"window 2 x {plan.window}")
     if plan.num_tiles:
         T = plan.num_tiles
         H, D = k.shape[1], k.shape[2]
@@ -107,12 +108,12 @@ def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, ta
         fn = _kernel("decode", "decode_attention") if use_kernels else None
         if fn is not None:
             o = fn(qd, cache, block_table[rows], seq_lens_dev[rows], tail_k, tail_v, plan.tail_slots[rows], fmt, scale,
-                   sink_lens=_rows_of(plan.sink_lens, rows))
+                   sink_lens=_rows_of(plan.sink_lens, rows), win_lens=_rows_of(plan.win_lens, rows))
         else:
             r = plan.dec_rows
             o = cached_attention_torch(qd, cache, block_table[rows], np.arange(len(r) + 1), plan.seq_lens[r],
                                        tail_k, tail_v, plan.tail_slots_np[r], fmt, scale,
-                                       _host(_rows_of(plan.sink_lens, rows)))
+                                       _host(_rows_of(plan.sink_lens, rows)), _host(_rows_of(plan.win_lens, rows)))
         out[plan.dec_tok] = o.to(out.dtype)
     # 3. continuation chunks (chunked prefill, prefix-cache hits, spec-decode verify): several new tokens over the
     # post-store cache, through materialized 16-bit K/V (kvarn.vllm_plugin.dense_prefill)
@@ -150,7 +151,8 @@ def decode_step(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, 
     if write_kv and k is not None:
         store_fn(k[:B], v[:B], cache, bt, sl, tail_k, tail_v, ts, fmt, **extra)
     attn_fn(q[:B], cache, bt, sl, tail_k, tail_v, ts, fmt, scale, out=out[:B],
-            sink_lens=None if plan.sink_lens is None else plan.sink_lens[:B], **extra)
+            sink_lens=None if plan.sink_lens is None else plan.sink_lens[:B],
+            win_lens=None if plan.win_lens is None else plan.win_lens[:B], **extra)
 
 
 def default_scale(head_dim: int) -> float:

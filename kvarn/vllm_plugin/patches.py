@@ -345,7 +345,8 @@ def tail_reserve_bytes(vllm_config) -> int:
     total = 0
     for _, layer in layers:
         fmt = get_format(layer.kv_cache_dtype)
-        total += tail_bytes(slots, layer.num_kv_heads, fmt.group, layer.head_size, itemsize, fmt.sink_tokens)
+        total += tail_bytes(slots, layer.num_kv_heads, fmt.group, layer.head_size, itemsize, fmt.sink_tokens,
+                            fmt.window_tokens)
     return total
 
 

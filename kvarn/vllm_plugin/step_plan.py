@@ -4,8 +4,8 @@ tokens of the batch it says:
 
 * which tiles complete in this step (batch row, tile index -> block id from the block table) and, for each of their
   g positions, where the 16-bit token comes from: this step's new K/V, or the request's tail row (earlier steps);
-* which new tokens go to the tail (those of the unfinished last tile) at which tail row / position, and which to
-  the sink rows;
+* which new tokens go to the tail (those of the unfinished last tile) at which tail row / position, and which also
+  to the sink rows and to the window rows (a tile's last W positions, in the half of its tile's parity);
 * how attention splits: rows with no prior context (first prefill chunk) attend to the raw new Q/K/V (exact, as
   FlashAttention would); decode rows (one new token) and continuation rows (several: chunked prefill, a
   prefix-cache hit, spec-decode verify) attend to the post-store cache state.
@@ -66,14 +66,20 @@ class StepPlan:
     # tile completed this step stays in the tail; 0: stored at once), read by the kernels at run time so that one
     # captured decode graph serves both; False: not deferred (the kernels' default variants)
     defer: bool | torch.Tensor = False
-    # the attention sink (the first `sink` positions, 16-bit for good in tail rows g + pos): new tokens below it
+    # the attention sink (the first `sink` positions, 16-bit for good in tail rows g + pos) and the window (a tile's
+    # last `window` positions, also in rows g + sink + (tile % 2) * window + pos % g - (g - window)): the new tokens
+    # that go to those rows too, and the rows
     sink: int = 0
+    window: int = 0
     sink_tok: torch.Tensor | None = None  # int64 [n4]
     sink_slot: torch.Tensor | None = None  # int64 [n4]
-    sink_pos: torch.Tensor | None = None  # int64 [n4]
+    sink_pos: torch.Tensor | None = None  # int64 [n4]: the tail row
     # int32 [R] device: sink rows each batch row may read (sink, or 0 where its slot's rows hold another request's
     # tokens: a prefix-cache hit); None = all `sink` (set by the metadata builder through update_sink_lens)
     sink_lens: torch.Tensor | None = None
+    # int32 [R] device: `window` where the row's slot holds the window of its tile before the newest position's
+    # (that tile's block is the one the slot's window tag names), else 0; None = all (update_window_lens)
+    win_lens: torch.Tensor | None = None
 
     @property
     def pure_prefill(self) -> bool:
@@ -88,7 +94,7 @@ def to_device(a, dtype, device) -> torch.Tensor | None:
 
 def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, block_table: torch.Tensor,
                group: int, device, decode_minimal: bool = False,
-               tail_slots_dev: torch.Tensor | None = None, sink: int = 0) -> StepPlan:
+               tail_slots_dev: torch.Tensor | None = None, sink: int = 0, window: int = 0) -> StepPlan:
     """qsl_cpu [>= R + 1], seq_lens_cpu [>= R] (host), tail_slots_np int32 [R], block_table [R, max_blocks].
 
     Vectorized over rows (numpy on the host arrays, no Python loop per row; non-blocking host->device copies, no
@@ -96,8 +102,8 @@ def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, b
     decode_minimal: a decode_only step gets only its host fields (the decode kernels read everything else on the
     device): no host->device copies on the steps a full CUDA graph replays.
     tail_slots_dev: tail_slots_np already on the device (the builder's persistent buffer): used as the plan's
-    `tail_slots` instead of another copy. sink: the format's 16-bit sink tokens (0 <= sink < group; the tail
-    buffers then have group + sink rows)."""
+    `tail_slots` instead of another copy. sink / window: the format's 16-bit sink and window tokens (0 <= sink <
+    group; the tail buffers then have group + sink + 2 * window rows)."""
     g = group
     R = int(num_reqs)
     qsl = np.asarray(qsl_cpu[: R + 1], dtype=np.int64)
@@ -120,7 +126,7 @@ def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, b
             raw_rows=np.zeros(0, dtype=np.int64),
             raw_tok=None, raw_cu=None, raw_max=0, dec_rows=act, dec_rows_t=None, dec_tok=None,
             cont_rows=np.zeros(0, dtype=np.int64), cont_rows_t=None, cont_tok=None, cont_qsl=None, cont_max_q=0,
-            decode_only=True, minimal=True, sink=sink)
+            decode_only=True, minimal=True, sink=sink, window=window)
     c, s, q0, slot = ctx[act], seq[act], qsl[:-1][act], slots_r[act]
 
     # tiles [c // g, s // g) of each active row complete in this step, in row order then tile order
@@ -157,12 +163,23 @@ def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, b
         tail_slot = slot[u_seg]
         tail_pos = pos % g
 
-    # sink: new tokens at positions [c, min(s, sink)) -> tail rows g + pos
+    # sink: new tokens at positions [c, min(s, sink)) -> tail rows g + pos; window: new tokens in their tile's last
+    # `window` positions -> rows g + sink + (tile % 2) * window + pos % g - (g - window)
     sink_tok = sink_slot = sink_pos = None
     if sink:
         k_seg, k_pos = ragged_ranges(c, np.maximum(np.minimum(s, sink) - c, 0))
-        if len(k_seg):
-            sink_tok, sink_slot, sink_pos = q0[k_seg] + (k_pos - c[k_seg]), slot[k_seg], g + k_pos
+        parts = [(q0[k_seg] + (k_pos - c[k_seg]), slot[k_seg], g + k_pos)]
+        if window:
+            w_seg, w_pos = ragged_ranges(c, s - c)
+            # only the last two tiles' (a window is read for the tile before the newest position's; one row of
+            # a half written once per step, so no scatter has two writers)
+            keep = (w_pos % g >= g - window) & (w_pos // g >= (s[w_seg] - 1) // g - 1)
+            w_seg, w_pos = w_seg[keep], w_pos[keep]
+            parts.append((q0[w_seg] + (w_pos - c[w_seg]), slot[w_seg],
+                          g + sink + (w_pos // g) % 2 * window + w_pos % g - (g - window)))
+        sink_tok, sink_slot, sink_pos = (np.concatenate(x) for x in zip(*parts))
+        if not len(sink_tok):
+            sink_tok = sink_slot = sink_pos = None
     raw_rows = np.nonzero(active & (ctx == 0))[0]
     dec_rows = np.nonzero(active & (ctx > 0) & (qlen == 1))[0]
     cont_rows = np.nonzero(active & (ctx > 0) & (qlen > 1))[0]
@@ -193,6 +210,7 @@ def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, b
         dec_rows=dec_rows, dec_rows_t=to_device(dec_rows, np.int64, device), dec_tok=to_device(dec_tok, np.int64, device),
         cont_rows=cont_rows, cont_rows_t=to_device(cont_rows, np.int64, device), cont_tok=to_device(cont_tok, np.int64, device),
         cont_qsl=to_device(cont_cu, np.int32, device), cont_max_q=cont_max, decode_only=decode_only, sink=sink,
+        window=window,
         sink_tok=to_device(sink_tok, np.int64, device), sink_slot=to_device(sink_slot, np.int64, device),
         sink_pos=to_device(sink_pos, np.int64, device),
     )
@@ -226,3 +244,41 @@ def update_sink_lens(plan: StepPlan, tags: torch.Tensor, block_table: torch.Tens
     own = tags[slots_r[:R].long()] == block_table[:R, 0].to(tags.dtype)
     out[:R] = own.to(out.dtype) * plan.sink
     plan.sink_lens = out[:R]
+
+
+def update_window_lens(plan: StepPlan, tags: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor) -> None:
+    """The window bookkeeping of one step (after update_sink_lens; the builder runs it once, before the layers;
+    device ops, no sync). tags int32 [S + 1, 2]: per tail slot and window half, the block id of the tile whose last
+    `window` tokens the half holds. Rows that write window tokens of a tile this step (its last two tiles: the plan
+    and the decode store write those) tag that half with the tile's block, and no other slot keeps that block id
+    (vLLM recycles block ids: a stale tag would hand a later prefix hit another request's tokens). Then
+    win_lens[b] = window where the half of row b's tile before its newest position's is tagged with that tile's
+    block: the request wrote it, or a request with the same cached block (the same tokens) did, in that slot.
+    out: int32 [>= R] (a persistent buffer: CUDA graphs); plan.win_lens becomes out[:R]."""
+    R, g, W = plan.num_reqs, plan.group, plan.window
+    if not W or not plan.sink or R == 0:
+        return
+    dev = block_table.device
+    s, c = plan.seq_lens[:R], plan.ctx_lens[:R]
+    newest = (s - 1) // g
+    rows, tiles = [], []
+    for t in (newest - 1, newest):  # the tiles whose window tokens a row writes this step
+        lo, hi = np.maximum(c, t * g + g - W), np.minimum(s, t * g + g)
+        w = np.nonzero((s > 0) & (t >= 0) & (hi > lo))[0]
+        rows.append(w)
+        tiles.append(t[w])
+    rows, tiles = np.concatenate(rows), np.concatenate(tiles)
+    if len(rows):
+        r_t = torch.from_numpy(rows).to(dev, non_blocking=True)
+        new = block_table[r_t, torch.from_numpy(tiles).to(dev, non_blocking=True)].to(tags.dtype)
+        tags.masked_fill_(torch.isin(tags, new), -1)
+        slot = torch.from_numpy(plan.tail_slots_np[rows].astype(np.int64)).to(dev, non_blocking=True)
+        tags[slot, torch.from_numpy(tiles % 2).to(dev, non_blocking=True)] = new
+    wt = np.maximum(newest - 1, 0)
+    slots_r = (plan.tail_slots if plan.tail_slots is not None
+               else torch.from_numpy(plan.tail_slots_np[:R]).to(dev, non_blocking=True))
+    wt_t = torch.from_numpy(wt).to(dev, non_blocking=True)
+    mine = tags[slots_r[:R].long(), wt_t % 2] == block_table[torch.arange(R, device=dev), wt_t].to(tags.dtype)
+    ok = torch.from_numpy(s > g).to(dev, non_blocking=True) & mine
+    out[:R] = ok.to(out.dtype) * W
+    plan.win_lens = out[:R]

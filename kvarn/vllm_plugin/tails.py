@@ -1,7 +1,8 @@
 """The 16-bit tail buffer of the vLLM backend: which tail slot each batch row uses, and the per-layer buffers.
 
-A request's unfinished tile (fewer than g tokens) lives 16-bit in `tail_k / tail_v [S + 1, Hk, g + sink, D]` of
-every KVarN layer, row `slot`, rows [g, g + sink) its first `sink` tokens for good (the attention sink). Row S is a
+A request's unfinished tile (fewer than g tokens) lives 16-bit in `tail_k / tail_v [S + 1, Hk, g + sink + 2W, D]` of
+every KVarN layer, row `slot`, rows [g, g + sink) its first `sink` tokens for good (the attention sink), then the
+window halves (a tile's last W positions, by tile parity). Row S is a
 scratch row that dummy / padded batch rows point at, so they never touch a live request's tail. Slots come from one of two sources, set per step by the model-runner hooks (patches.py):
 
 * Model Runner V2: the request's persistent index in `RequestState` (`input_batch.idx_mapping_np`): stable for the
@@ -112,11 +113,12 @@ class TailBuffers:
         self.slots = 0  # S (without the scratch row)
 
     def allocate(self, layer_names, slots: int, num_kv_heads: int, group: int, head_dim: int,
-                 dtype: torch.dtype, device, sink: int = 0) -> None:
+                 dtype: torch.dtype, device, sink: int = 0, window: int = 0) -> None:
         for name in layer_names:
             if name in self._bufs:
                 continue
-            shape = (slots + 1, num_kv_heads, group + sink, head_dim)  # rows [group, group + sink): the sink
+            # rows [group, group + sink): the sink; then the two window halves
+            shape = (slots + 1, num_kv_heads, group + sink + 2 * window, head_dim)
             self._bufs[name] = (torch.zeros(shape, dtype=dtype, device=device),
                                 torch.zeros(shape, dtype=dtype, device=device))
         self.slots = max(self.slots, slots)
@@ -128,6 +130,15 @@ class TailBuffers:
         t = self._tags.get(key)
         if t is None or t.shape[0] < slots + 1:
             t = self._tags[key] = torch.full((slots + 1,), -1, dtype=torch.int32, device=device)
+        return t
+
+    def window_tags(self, layer_names, slots: int, device) -> torch.Tensor:
+        """The window tags (step_plan.update_window_lens) of the slots these layers' buffers hold: one int32
+        [S + 1, 2] per layer set, shared by every metadata builder of those layers."""
+        key = ("window", *sorted(layer_names))
+        t = self._tags.get(key)
+        if t is None or t.shape[0] < slots + 1:
+            t = self._tags[key] = torch.full((slots + 1, 2), -1, dtype=torch.int32, device=device)
         return t
 
     def get(self, layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,6 +262,7 @@ class PendingFlush:
 TAILS = TailBuffers()
 
 
-def tail_bytes(slots: int, num_kv_heads: int, group: int, head_dim: int, itemsize: int, sink: int = 0) -> int:
-    """Bytes of one layer's K and V tails (unfinished tile + sink), scratch row included."""
-    return 2 * (slots + 1) * num_kv_heads * (group + sink) * head_dim * itemsize
+def tail_bytes(slots: int, num_kv_heads: int, group: int, head_dim: int, itemsize: int, sink: int = 0,
+               window: int = 0) -> int:
+    """Bytes of one layer's K and V tails (unfinished tile + sink + window halves), scratch row included."""
+    return 2 * (slots + 1) * num_kv_heads * (group + sink + 2 * window) * head_dim * itemsize

@@ -19,7 +19,7 @@ from ..formats import KVFormat
 from ..method.paged import raw_attention_torch, varlen_attention_torch
 from . import ops
 from .common import backend_env
-from .step_plan import plan_step, update_sink_lens
+from .step_plan import plan_step, update_sink_lens, update_window_lens
 
 _LOG = logging.getLogger("vllm.kvarn")
 _DONE: set = set()
@@ -56,20 +56,23 @@ def synthetic_steps(num_kv_heads: int, num_heads: int, head_size: int, dtype: to
 
     nb = 4  # blocks per request
     cache = torch.zeros(2 * nb + 1, H, fmt.record_bytes(D), dtype=torch.uint8, device=device)
-    tail_k = torch.zeros(3, H, g + sink, D, dtype=dtype, device=device)  # slots 0, 1 and the padding row
+    tail_k = torch.zeros(3, H, fmt.tail_rows, D, dtype=dtype, device=device)  # slots 0, 1 and the padding row
     tail_v = torch.zeros_like(tail_k)
     bt = (1 + torch.arange(2 * nb, dtype=torch.int32, device=device)).view(2, nb)
     slots = np.array([0, 1], dtype=np.int32)
     tags = torch.full((3,), -1, dtype=torch.int32, device=device)
     sink_lens = torch.zeros(3, dtype=torch.int32, device=device)
+    win_tags = torch.full((3, 2), -1, dtype=torch.int32, device=device)
+    win_lens = torch.zeros(3, dtype=torch.int32, device=device)
     scale = D ** -0.5
     varlen = _torch_varlen(scale)
     plans, lens = [], np.zeros(2, dtype=np.int64)
     for qlen in ([g + 3, g + 2], [1, 5]):
         qsl = np.concatenate([[0], np.cumsum(qlen)])
         seq = lens + np.asarray(qlen)
-        plan = plan_step(qsl, seq, 2, slots, bt, g, device, sink=sink)
+        plan = plan_step(qsl, seq, 2, slots, bt, g, device, sink=sink, window=fmt.window_tokens)
         update_sink_lens(plan, tags, bt, sink_lens)
+        update_window_lens(plan, win_tags, bt, win_lens)
         n = int(qsl[-1])
         q, k, v = rnd(n, Hq, D), rnd(n, H, D), rnd(n, H, D)
         ops.store(plan, k, v, cache, tail_k, tail_v, fmt)
@@ -83,9 +86,10 @@ def synthetic_steps(num_kv_heads: int, num_heads: int, head_size: int, dtype: to
         lens = lens + 1
         seq_dev = torch.from_numpy(lens.astype(np.int32)).to(device)
         plan = plan_step(np.arange(3), lens, 2, slots, bt, g, device, decode_minimal=on_gpu,
-                              tail_slots_dev=slots_dev, sink=sink)
+                              tail_slots_dev=slots_dev, sink=sink, window=fmt.window_tokens)
         plan.defer = flag  # a device flag of 0: the DEFER kernels, flushing at once as without deferral
         update_sink_lens(plan, tags, bt, sink_lens)
+        update_window_lens(plan, win_tags, bt, win_lens)
         q, k, v = rnd(2, Hq, D), rnd(2, H, D), rnd(2, H, D)
         ops.decode_step(plan, q, k, v, torch.empty_like(q), cache, bt, seq_dev, slots_dev, tail_k, tail_v, fmt,
                         scale, raw_varlen=varlen)
@@ -113,7 +117,7 @@ def warm_up(num_kv_heads: int, num_heads: int, head_size: int, dtype: torch.dtyp
         if flush_key in todo:  # its first flush would otherwise compile mid-run
             from ..kernels.store import compile_flush_layers
 
-            compile_flush_layers(num_kv_heads, head_size, fmt.group + fmt.sink_tokens, dtype, fmt, device)
+            compile_flush_layers(num_kv_heads, head_size, fmt.tail_rows, dtype, fmt, device)
         torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - a warm-up must not stop the engine: kernels compile at first use
         _LOG.warning("kvarn: kernel warm-up failed (%s: %s); kernels will compile at first use, mid-run",

@@ -40,8 +40,9 @@ def test_embedded_default_runs_on_cpu_with_hf(tmp_path, tiny_default, capsys):
     assert bool(r.dummy_weights) and r.model_dtype == "float32"
     assert r.completed == 2 and r.total_output_tokens == 64 and r.output_tok_s > 0 and r.tpot_ms_p50 > 0
     # quantized caches hold fewer bytes than FP16 for the same tokens: capacity ratio > 1 vs the auto row (KVarN's
-    # 544 tokens: four packed 128-token tiles + 32 in the 16-bit tail + the 16-token 16-bit sink)
-    assert df.loc["kvarn_k4v2_g128", "kv_ratio_vs_fp16"] > 3.0 and df.loc["fp8", "kv_ratio_vs_fp16"] > 1.5
+    # 544 tokens: four packed 128-token tiles + 32 in the 16-bit tail + the 16-token sink + the 64-token window:
+    # 544 x 256 / (512 x 57 + 112 x 256) = 2.41 at SmolLM2's head dim 64)
+    assert df.loc["kvarn_k4v2_g128", "kv_ratio_vs_fp16"] > 2.35 and df.loc["fp8", "kv_ratio_vs_fp16"] > 1.5
     assert df.ppl.isna().all()  # random weights: no accuracy axis
     assert r.kv_ratio_vs_fp16 == 1.0
     assert all((res / "logs" / f"{h}-r0.log").is_file() for h in df.config_hash)
@@ -65,8 +66,9 @@ def test_embedded_default_with_the_real_smollm2(tmp_path, monkeypatch, capsys):
     df = ResultsStore(res).read("bench").set_index("kv_dtype")
     assert set(df.status) == {"ok"} and len(df) == 3, df[["status", "error"]]
     assert set(df.model) == {"HuggingFaceTB/SmolLM2-135M-Instruct"} and not df.dummy_weights.any()
-    assert (df.total_output_tokens == 64).all() and df.loc["kvarn_k4v2_g128", "kv_ratio_vs_fp16"] > 3.0
-    assert df.loc["auto", "ppl_delta_pct"] == 0.0 and 0.0 < df.loc["kvarn_k4v2_g128", "ppl_delta_pct"] < 2.0
+    assert (df.total_output_tokens == 64).all() and df.loc["kvarn_k4v2_g128", "kv_ratio_vs_fp16"] > 2.35
+    # 512 tokens of chunked perplexity: KVarN's change is real (not 0) and small, of either sign at this length
+    assert df.loc["auto", "ppl_delta_pct"] == 0.0 and 0.0 < abs(df.loc["kvarn_k4v2_g128", "ppl_delta_pct"]) < 2.0
 
 
 def test_a_model_that_overflows_fails_its_cells_naming_the_layer(tmp_path, capsys):

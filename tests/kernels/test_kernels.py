@@ -22,7 +22,8 @@ def paged_setup(fmt, D, Hk, seq_lens, dtype=torch.float16, device="cpu", gen=Non
     """A random paged cache holding the full tiles of every request (reference-quantized), a 16-bit tail
     holding each request's partial tile, a shuffled block table and shuffled tail slots. sink > 0: the tails
     get `sink` more rows, the request's first positions 16-bit (a high-norm first token, as attention sinks
-    have), which the attention must read instead of what the first tile's record holds there."""
+    have), which the attention must read instead of what the first tile's record holds there; the format's window
+    rows (read with a sink, for the tile before the newest position's) are random too, louder than the records."""
     g = fmt.group
     B = len(seq_lens)
     n_full = [s // g for s in seq_lens]
@@ -39,11 +40,13 @@ def paged_setup(fmt, D, Hk, seq_lens, dtype=torch.float16, device="cpu", gen=Non
         bt[b, :n_full[b]] = perm[used:used + n_full[b]].to(torch.int32)
         used += n_full[b]
     S = B + 2
-    tail_k = torch.randn(S, Hk, g + sink, D, generator=gen) * 2
-    tail_v = torch.randn(S, Hk, g + sink, D, generator=gen)
+    rows = g + sink + (2 * fmt.window_tokens if sink else 0)
+    tail_k = torch.randn(S, Hk, rows, D, generator=gen) * 2
+    tail_v = torch.randn(S, Hk, rows, D, generator=gen)
     if sink:
         tail_k[:, :, g] *= 6.0
         tail_v[:, :, g] *= 4.0
+        tail_v[:, :, g + sink:] *= 3.0
     tail_k, tail_v = tail_k.to(dtype), tail_v.to(dtype)
     slots = torch.randperm(S, generator=gen)[:B].to(torch.int32)
     return dict(cache=cache, block_table=bt.to(device), tail_k=tail_k.to(device), tail_v=tail_v.to(device),
@@ -70,10 +73,20 @@ def request_kv(setup, fmt, D, b, sink_len=None, defer=False):
     vs.append(setup["tail_v"][slot, :, :nt].float())
     k, v = torch.cat(ks, 1), torch.cat(vs, 1)
     # the sink: once the first tile is quantized its first positions come from the 16-bit sink rows
-    n = (setup["tail_k"].shape[2] - g if sink_len is None else sink_len) if nf else 0
+    rows = setup["tail_k"].shape[2]
+    W = fmt.window_tokens if rows > g else 0  # rows [0, g) alone: a plain tail
+    sink = rows - g - 2 * W
+    n = (sink if sink_len is None else min(sink_len, sink)) if nf else 0
     if n:
         k[:, :n] = setup["tail_k"][slot, :, g:g + n].float()
         v[:, :n] = setup["tail_v"][slot, :, g:g + n].float()
+    # the window: with a sink, rows that own their slot read the last W positions of the tile before the newest
+    # position's from its window half
+    if W and sink and s > g and (sink_len is None or sink_len > 0):
+        wt = (s - 1) // g - 1
+        r = g + sink + (wt % 2) * W
+        k[:, wt * g + g - W:wt * g + g] = setup["tail_k"][slot, :, r:r + W].float()
+        v[:, wt * g + g - W:wt * g + g] = setup["tail_v"][slot, :, r:r + W].float()
     return k, v
 
 

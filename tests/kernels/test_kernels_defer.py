@@ -51,8 +51,8 @@ def test_store_decode_defer_then_flush_layers_equals_the_immediate_store():
     seq = [g, 5, 0, 2 * g, g + 1]
     B, S = len(seq), len(seq) + 1
     gen = torch.Generator().manual_seed(9)
-    tail_k = (torch.randn(S, H, g + SINK, D, generator=gen) * 2).to(torch.float16)
-    tail_v = torch.randn(S, H, g + SINK, D, generator=gen).to(torch.float16)
+    tail_k = (torch.randn(S, H, fmt.tail_rows, D, generator=gen) * 2).to(torch.float16)
+    tail_v = torch.randn(S, H, fmt.tail_rows, D, generator=gen).to(torch.float16)
     k = torch.randn(B, H, D, generator=gen).to(torch.float16)
     v = torch.randn(B, H, D, generator=gen).to(torch.float16)
     slots = torch.tensor([3, 0, 5, 1, 4], dtype=torch.int32)
@@ -96,8 +96,8 @@ def test_defer_flag_tensor_decides_at_run_time():
 
     H, D = 2, 64
     seq = torch.tensor([g, 2 * g, 5], dtype=torch.int32)
-    tk = torch.randn(4, H, g + SINK, D, generator=gen).to(torch.float16)
-    tv = torch.randn(4, H, g + SINK, D, generator=gen).to(torch.float16)
+    tk = torch.randn(4, H, fmt.tail_rows, D, generator=gen).to(torch.float16)
+    tv = torch.randn(4, H, fmt.tail_rows, D, generator=gen).to(torch.float16)
     k = torch.randn(3, H, D, generator=gen).to(torch.float16)
     v = torch.randn(3, H, D, generator=gen).to(torch.float16)
     slots = torch.tensor([0, 2, 1], dtype=torch.int32)

@@ -76,7 +76,7 @@ def _prefill(fmt, D, Hq, Hk, dtype, lens, qlens, poison=None):
             st["tail_v"][sl, :, s % fmt.group:] = poison
     plan = types.SimpleNamespace(cont_rows=np.arange(len(lens)), seq_lens=np.array(lens),
                                  qsl=qsl.numpy().astype(np.int64), tail_slots_np=st["tail_slots"].numpy(),
-                                 sink_lens=None)
+                                 sink_lens=None, win_lens=None)
     out = dense_prefill(plan, q.float(), st["cache"], st["block_table"], st["tail_k"], st["tail_v"], fmt, scale,
                         use_kernels=True)
     return out, torch.cat(ref)

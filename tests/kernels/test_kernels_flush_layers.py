@@ -18,8 +18,8 @@ def test_flush_layers_equals_store_tiles_per_layer(dtype):
     g, D, H, L, S, nb = fmt.group, 64, 2, 3, 5, 9
     sink = fmt.sink_tokens
     gen = torch.Generator().manual_seed(7)
-    tails_k = [(torch.randn(S, H, g + sink, D, generator=gen) * 2).to(dtype) for _ in range(L)]
-    tails_v = [torch.randn(S, H, g + sink, D, generator=gen).to(dtype) for _ in range(L)]
+    tails_k = [(torch.randn(S, H, fmt.tail_rows, D, generator=gen) * 2).to(dtype) for _ in range(L)]
+    tails_v = [torch.randn(S, H, fmt.tail_rows, D, generator=gen).to(dtype) for _ in range(L)]
     tails_k[1][3, 0, 5, :4] = 40.0  # an outlier channel in one layer's tile
     caches = [torch.full((nb, H, fmt.record_bytes(D)), 0xAB, dtype=torch.uint8) for _ in range(L)]
     slots = torch.tensor([3, 0, 4], dtype=torch.int32)
@@ -37,7 +37,7 @@ def test_flush_layers_equals_store_tiles_per_layer(dtype):
 def test_flush_layers_rejects_mismatched_layers_and_bad_ids():
     fmt = get_format("kvarn_k4v2_g64")
     g, D, H = fmt.group, 64, 2
-    tk = [torch.zeros(2, H, g + fmt.sink_tokens, D, dtype=torch.float16) for _ in range(2)]
+    tk = [torch.zeros(2, H, fmt.tail_rows, D, dtype=torch.float16) for _ in range(2)]
     caches = [torch.zeros(4, H, fmt.record_bytes(D), dtype=torch.uint8), torch.zeros(5, H, fmt.record_bytes(D),
                                                                                      dtype=torch.uint8)]
     ids = torch.zeros(1, dtype=torch.int32)
@@ -58,9 +58,9 @@ def test_compile_flush_layers_launches_once_on_scratch_and_keeps_no_table():
     fmt = get_format("kvarn_k4v2_g64")
     g, D, H = fmt.group, 64, 2
     before = dict(S._TABLES)
-    S.compile_flush_layers(H, D, g + fmt.sink_tokens, torch.bfloat16, fmt, "cpu")
+    S.compile_flush_layers(H, D, fmt.tail_rows, torch.bfloat16, fmt, "cpu")
     assert S._TABLES == before
-    tk = [torch.randn(2, H, g + fmt.sink_tokens, D).to(torch.bfloat16)]
+    tk = [torch.randn(2, H, fmt.tail_rows, D).to(torch.bfloat16)]
     tv = [torch.randn_like(tk[0])]
     cache = [torch.zeros(3, H, fmt.record_bytes(D), dtype=torch.uint8)]
     one = torch.ones(1, dtype=torch.int32)

@@ -51,7 +51,8 @@ def test_decode_sink_d128_g128_bf16():
 
 def test_store_decode_keeps_the_sink():
     """One request decoded token by token through its first tile and past it: the sink rows hold the raw first
-    tokens, the tail the next tile's, and the first tile's record is the plain store of that tile."""
+    tokens, the first window half the first tile's last W, the tail the next tile's, and the first tile's record is
+    the plain store of that tile."""
     fmt = get_format("kvarn_k4v2_g64")
     g, H, D = fmt.group, 2, 64
     gen = torch.Generator().manual_seed(5)
@@ -59,13 +60,18 @@ def test_store_decode_keeps_the_sink():
     k = torch.randn(n, H, D, generator=gen) * 2
     v = torch.randn(n, H, D, generator=gen)
     cache = torch.zeros(4, H, fmt.record_bytes(D), dtype=torch.uint8)
-    tk = torch.zeros(2, H, g + SINK, D)
+    W = fmt.window_tokens
+    tk = torch.zeros(2, H, fmt.tail_rows, D)
     tv = torch.zeros_like(tk)
     bt = torch.tensor([[2, 3]], dtype=torch.int32)
     slots = torch.tensor([1], dtype=torch.int32)
     for p in range(n):
         store_decode(k[p:p + 1], v[p:p + 1], cache, bt, torch.tensor([p + 1], dtype=torch.int32), tk, tv, slots, fmt)
-    assert torch.equal(tk[1, :, g:], k[:SINK].transpose(0, 1)) and torch.equal(tv[1, :, g:], v[:SINK].transpose(0, 1))
+    assert torch.equal(tk[1, :, g:g + SINK], k[:SINK].transpose(0, 1))
+    assert torch.equal(tv[1, :, g:g + SINK], v[:SINK].transpose(0, 1))
+    w0 = g + SINK  # tile 0's window half; tile 1 has not reached its last W positions: its half is untouched
+    assert torch.equal(tk[1, :, w0:w0 + W], k[g - W:g].transpose(0, 1)) and not tk[1, :, w0 + W:].any()
+    assert torch.equal(tv[1, :, w0:w0 + W], v[g - W:g].transpose(0, 1))
     assert torch.equal(tk[1, :, :n - g], k[g:].transpose(0, 1))  # the next tile's tail
     assert not tk[0].any() and not tv[0].any()  # another slot's rows untouched
     want = torch.zeros(1, H, fmt.record_bytes(D), dtype=torch.uint8)
@@ -87,11 +93,14 @@ def test_decode_sink_lens_zero_reads_the_records():
     big = torch.tensor([0, 1000, 5], dtype=torch.int32)  # out of range: read as the whole sink, never past its rows
     ref = torch.stack([reference_attention(q[b].float()[:, None], *request_kv(st, fmt, 64, b, int(sl[b])), 0.125)[:, 0]
                        for b in range(3)])
+    wl = (sl > 0).to(torch.int32) * fmt.window_tokens  # the reference reads the window where the sink is the row's
     out = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                           st["tail_slots"], fmt, 0.125, num_splits=2, out=torch.empty(q.shape), sink_lens=sl)
+                           st["tail_slots"], fmt, 0.125, num_splits=2, out=torch.empty(q.shape), sink_lens=sl,
+                           win_lens=wl)
     assert rel_err(out, ref) < 1e-3
     out = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                           st["tail_slots"], fmt, 0.125, num_splits=2, out=torch.empty(q.shape), sink_lens=big)
+                           st["tail_slots"], fmt, 0.125, num_splits=2, out=torch.empty(q.shape), sink_lens=big,
+                           win_lens=wl)
     assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-3
 
 
@@ -99,6 +108,6 @@ def test_tail_buffer_shape_names_the_sink_rule():
     fmt = get_format("kvarn_k4v2_g64")
     st = paged_setup(fmt, 64, 2, [10], torch.float16)
     q = torch.randn(1, 4, 64, dtype=torch.float16)
-    bad = torch.zeros(3, 2, 2 * 64, 64, dtype=torch.float16)  # a sink as large as the tile
-    with pytest.raises(KvarnError, match="0 <= sink < 64"):
+    bad = torch.zeros(3, 2, 2 * 64 + 2 * fmt.window_tokens, 64, dtype=torch.float16)  # a sink as large as the tile
+    with pytest.raises(KvarnError, match="0 < sink < 64"):
         decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], bad, bad, st["tail_slots"], fmt, 0.125)

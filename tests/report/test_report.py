@@ -45,7 +45,7 @@ def test_full_report(both, tmp_path):
     # the one OOM run is listed under Failed runs, and kept out of medians
     assert "CUDA out of memory" in text and "1 bench run(s) failed" in text
     summary = (tmp_path / "r" / "summary.md").read_text()
-    assert "| qwen3-8b | 1 | kvarn_k4v2_g128 | 16k |" in summary and "4.52×" in summary
+    assert "| qwen3-8b | 1 | kvarn_k4v2_g128 | 16k |" in summary and "4.42×" in summary
     meta = json.loads((tmp_path / "r" / "report.json").read_text())
     assert meta["counts"]["invalid_bench_runs"] == 1 and set(meta["models"]) == {m for m, _ in MODELS}
 

@@ -431,7 +431,7 @@ def test_kv_budget_reserves_the_tail_buffers(fake_vllm):
               "d": L("kvarn_k4v2_g128", share="a")}
     vc = _vllm_config(layers, max_num_seqs=8)
     W = fake_vllm.vllm_v1_worker_gpu_worker.Worker
-    per_layer = 2 * 9 * 3 * (128 + 16) * 64 * 2  # K+V, (8 + scratch) slots, tile + sink rows, fp16
+    per_layer = 2 * 9 * 3 * (128 + 16 + 2 * 32) * 64 * 2  # K+V, (8 + scratch) slots, tile + sink + window rows, fp16
     w = W(vc, 10**9)
     assert w.determine_available_memory() == 10**9 - 2 * per_layer
     assert w.available_kv_cache_memory_bytes == 10**9 - 2 * per_layer
@@ -536,7 +536,7 @@ def test_builder_and_impl_run_a_step_on_cpu(fake_vllm):
     fmt, spec, vc = _g64_backend(be)
     b = be.KvarnMetadataBuilder(spec, ["l0"], vc, torch.device("cpu"))
     b2 = be.KvarnMetadataBuilder(spec, ["l0"], vc, torch.device("cpu"))  # a second builder shares the buffers
-    assert b2.slots == 4 and TAILS.get("l0")[0].shape == (5, 2, 64 + 16, 64)
+    assert b2.slots == 4 and TAILS.get("l0")[0].shape == (5, 2, 64 + 16 + 2 * 16, 64)  # tile, sink, window halves
     STEP.set_rows(np.array([2], dtype=np.int32), "mrv2")
     cm = types.SimpleNamespace(num_reqs=1, num_actual_tokens=70, query_start_loc_cpu=torch.tensor([0, 70]),
                                seq_lens=torch.tensor([70], dtype=torch.int32), seq_lens_cpu_upper_bound=torch.tensor([70]),

@@ -33,11 +33,15 @@ class Engine:
     def __init__(self, num_blocks=64, slots=4, seed=0, sink=0):
         self.cache = torch.zeros(num_blocks, HK, FMT.record_bytes(D), dtype=torch.uint8)
         self.tails = TailBuffers()
-        self.tails.allocate(["l0"], slots, HK, G, D, torch.float32, "cpu", sink=sink)
+        self.window = FMT.window_tokens if sink else 0  # the window's owner is known from the sink's tag
+        self.tails.allocate(["l0"], slots, HK, G, D, torch.float32, "cpu", sink=sink, window=self.window)
         self.tk, self.tv = self.tails.get("l0")
         self.sink = sink
         self.tags = torch.full((slots + 1,), -1, dtype=torch.int32)  # the builder's sink ownership tags
         self.sink_buf = torch.zeros(32, dtype=torch.int32)
+        self.win_tags = torch.full((slots + 1, 2), -1, dtype=torch.int32)  # the builder's window tags
+        self.win_buf = torch.zeros(32, dtype=torch.int32)
+        self.win_model: dict[tuple[int, int], int] = {}  # (slot, half) -> block: the test's own model of them
         self.table = SlotTable(slots)
         self.tails.register_cache("l0", self.cache)  # as the backend's forward does (the deferred flush reads it)
         self.pending = PendingFlush(32, "cpu")
@@ -73,8 +77,16 @@ class Engine:
         v = torch.cat([v, torch.zeros(pad, HK, D)])
         # a fast step gets the minimal plan the builder makes when the decode kernels are there (host fields only)
         plan = step_plan.plan_step(np.array(qsl), np.array(seq), R, np.array(rows, dtype=np.int32), bt, G, "cpu",
-                                   decode_minimal=fast, sink=self.sink)
+                                   decode_minimal=fast, sink=self.sink, window=self.window)
         step_plan.update_sink_lens(plan, self.tags, bt, self.sink_buf)
+        step_plan.update_window_lens(plan, self.win_tags, bt, self.win_buf)
+        for (r, n), slot in zip(sched, rows):  # a row that writes a tile's last W tokens: that half holds the tile
+            c, s = r.done, r.done + n
+            for t in ((s - 1) // G - 1, (s - 1) // G):
+                if self.window and t >= 0 and min(s, t * G + G) > max(c, t * G + G - self.window):
+                    blk = r.blocks[t]
+                    self.win_model = {k: b for k, b in self.win_model.items() if b != blk}
+                    self.win_model[(slot, t % 2)] = blk
         if defer and fast:
             plan.defer = self.pending.set_flag(1)  # the device flag, as the builder passes it
             self.pending.note(np.array(seq), np.array(rows, dtype=np.int32), bt, G)
@@ -123,6 +135,17 @@ class Engine:
                 s = self.table.slot(r.rid)
                 assert torch.equal(self.tk[s, :, G:G + n], r.k[:n].transpose(0, 1))
                 assert torch.equal(self.tv[s, :, G:G + n], r.v[:n].transpose(0, 1))
+            W = self.window
+            if W and self.window_ok(r, r.done):  # the window half of the tile before the newest position's
+                wt, s = (r.done - 1) // G - 1, self.table.slot(r.rid)
+                row, pos = G + self.sink + (wt % 2) * W, wt * G + G - W
+                assert torch.equal(self.tk[s, :, row:row + W], r.k[pos:pos + W].transpose(0, 1))
+                assert torch.equal(self.tv[s, :, row:row + W], r.v[pos:pos + W].transpose(0, 1))
+
+    def window_ok(self, r, s):
+        """Whether the request's slot holds the window of its tile before the newest position's (the test's model)."""
+        wt = (s - 1) // G - 1
+        return s > G and self.win_model.get((self.table.slot(r.rid), wt % 2)) == r.blocks[wt]
 
     def check_out(self, sched, starts, out, qsl, atol=2e-5, deferred=False):
         for i, ((r, n), c) in enumerate(zip(sched, starts)):
@@ -139,6 +162,10 @@ class Engine:
                 k, v = torch.cat(kk), torch.cat(vv)
                 if full and self.sink and r.own_sink:  # the sink's positions raw
                     k[:self.sink], v[:self.sink] = r.k[:self.sink], r.v[:self.sink]
+                W = self.window
+                if W and self.window_ok(r, s):  # the window: the tile before the newest position's, last W raw
+                    a = ((s - 1) // G - 1) * G + G - W
+                    k[a:a + W], v[a:a + W] = r.k[a:a + W], r.v[a:a + W]
                 if n > 1:  # a continuation chunk reads its own tokens raw
                     k, v = torch.cat([k[:c], r.k[c:s]]), torch.cat([v[:c], r.v[c:s]])
             want = reference_attention(r.q[c:s].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), SCALE,
@@ -370,6 +397,35 @@ def test_sink_tags_follow_recycled_blocks():
     # two claims in one step, a mismatched row beside them
     assert step([0, 1, 2], [2, 3, 0], [7, 8, 5], [0, 3, 200], [5, 2, 1]) == [16, 16, 0]
     assert tags.tolist() == [-1, 5, 7, 8]
+
+
+def test_window_tags_name_the_tile_each_half_holds():
+    """A slot's window half is read only for the tile whose block it was written with: not after a prefix hit on
+    blocks another slot wrote, and not once vLLM recycles the block id for another request's tile."""
+    W = FMT.window_tokens
+    tags = torch.full((4, 2), -1, dtype=torch.int32)
+    buf = torch.zeros(8, dtype=torch.int32)
+
+    def step(slots, blocks, ctx, qlen):
+        R = len(slots)
+        qsl = np.concatenate([[0], np.cumsum(qlen)])
+        seq = np.asarray(ctx) + np.asarray(qlen)
+        bt = torch.tensor(blocks, dtype=torch.int32)
+        plan = step_plan.plan_step(qsl, seq, R, np.asarray(slots, dtype=np.int32), bt, G, "cpu", sink=16, window=W)
+        step_plan.update_window_lens(plan, tags, bt, buf)
+        return plan.win_lens.tolist()
+
+    assert step([0], [[5, 6, 7]], [0], [G + 3]) == [W]  # A (slot 0) writes tile 0 (block 5) and reads its window
+    assert tags.tolist() == [[5, -1], [-1, -1], [-1, -1], [-1, -1]]
+    assert step([0], [[5, 6, 7]], [G + 3], [G]) == [W] and tags[0].tolist() == [5, 6]  # tile 1's window: block 6
+    # B hits A's first two blocks from slot 1: its halves hold nothing of them
+    assert step([1], [[5, 6, 9]], [2 * G], [1]) == [0]
+    # C hits them from A's slot (A done): the same blocks, the same tokens: the window stands
+    assert step([0], [[5, 6, 8]], [2 * G], [1]) == [W]
+    # block 6 recycled as D's second tile in slot 2: slot 0 no longer names it
+    assert step([2], [[3, 6, 4]], [G], [G + 1]) == [W] and tags[:3].tolist() == [[5, -1], [-1, -1], [-1, 6]]
+    assert step([0], [[5, 6, 8]], [2 * G + 1], [1]) == [0]
+    assert step([3], [[1, 2, 3]], [0], [G]) == [0]  # one tile: no tile before the newest
 
 
 def test_pending_flush_bookkeeping():
