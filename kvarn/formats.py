@@ -139,7 +139,8 @@ def _kvarn(kb: int, vb: int, g: int, desc: str) -> KVFormat:
         block_size=g,
         tail_tokens=g,
         sink_tokens=sink,
-        window_tokens=g // 4 if sink else 0,  # needs the sink's ownership tag (prefix-cache hits)
+        # with a sink that stays clear of it (the kernels would read a position twice)
+        window_tokens=g // 4 if 0 < sink <= g - g // 4 else 0,
         balance_iters=settings.get("KVARN_BALANCE_ITERS"),
         description=desc,
     )

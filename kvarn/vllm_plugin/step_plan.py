@@ -216,6 +216,12 @@ def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, b
     )
 
 
+def _untag(tags: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Clear every tag naming one of `blocks` (an elementwise match: torch.isin may sort, which syncs on CUDA)."""
+    hit = (tags.reshape(-1, 1) == blocks.reshape(1, -1)).any(1).view(tags.shape)
+    tags.masked_fill_(hit, -1)
+
+
 def update_sink_lens(plan: StepPlan, tags: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor) -> None:
     """The sink bookkeeping of one step (the metadata builder runs it once, before the layers; device ops, no sync).
     tags int32 [S + 1]: per tail slot, the block id of the first tile of the request whose first tokens its sink
@@ -237,7 +243,7 @@ def update_sink_lens(plan: StepPlan, tags: torch.Tensor, block_table: torch.Tens
         new = block_table[rows, 0].to(tags.dtype)
         # a block id is recycled by vLLM: a slot still tagged with a block now written as another request's first
         # tile would hand a later prefix hit on it the old request's tokens, so those tags are cleared first
-        tags.masked_fill_(torch.isin(tags, new), -1)
+        _untag(tags, new)
         tags[slots] = new
     slots_r = (plan.tail_slots if plan.tail_slots is not None
                else torch.from_numpy(plan.tail_slots_np[:R]).to(dev, non_blocking=True))
@@ -268,10 +274,15 @@ def update_window_lens(plan: StepPlan, tags: torch.Tensor, block_table: torch.Te
         rows.append(w)
         tiles.append(t[w])
     rows, tiles = np.concatenate(rows), np.concatenate(tiles)
+    # every block a row writes this step holds that row's tokens from now on: no other slot may name it
+    live = np.nonzero(s > c)[0]
+    w_seg, w_tile = ragged_ranges(c[live] // g, (s[live] - 1) // g - c[live] // g + 1)
+    if len(w_seg):
+        _untag(tags, block_table[torch.from_numpy(live[w_seg]).to(dev, non_blocking=True),
+                                 torch.from_numpy(w_tile).to(dev, non_blocking=True)].to(tags.dtype))
     if len(rows):
         r_t = torch.from_numpy(rows).to(dev, non_blocking=True)
         new = block_table[r_t, torch.from_numpy(tiles).to(dev, non_blocking=True)].to(tags.dtype)
-        tags.masked_fill_(torch.isin(tags, new), -1)
         slot = torch.from_numpy(plan.tail_slots_np[rows].astype(np.int64)).to(dev, non_blocking=True)
         tags[slot, torch.from_numpy(tiles % 2).to(dev, non_blocking=True)] = new
     wt = np.maximum(newest - 1, 0)

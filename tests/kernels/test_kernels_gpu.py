@@ -309,19 +309,22 @@ def test_gpu_store_decode_with_sink():
     from kvarn.kernels import store_decode, store_tiles
 
     fmt = get_format("kvarn_k4v2_g128")
-    # store_decode keeps the first 16 tokens in the sink rows and stores the first tile as store_tiles does
+    # store_decode keeps the first 16 tokens in the sink rows, the first tile's last 32 in its window half, and
+    # stores the first tile as store_tiles does
     n, H = 130, 2
     k = torch.randn(n, H, 128, device=DEV).bfloat16()
     v = torch.randn(n, H, 128, device=DEV).bfloat16()
     cache = torch.zeros(3, H, fmt.record_bytes(128), dtype=torch.uint8, device=DEV)
-    tk = torch.zeros(2, H, 128 + 16, 128, device=DEV, dtype=torch.bfloat16)
+    tk = torch.zeros(2, H, fmt.tail_rows, 128, device=DEV, dtype=torch.bfloat16)
     tv = torch.zeros_like(tk)
     bt = torch.tensor([[1, 2]], dtype=torch.int32, device=DEV)
     slots = torch.tensor([1], dtype=torch.int32, device=DEV)
     for p in range(n):
         store_decode(k[p:p + 1], v[p:p + 1], cache, bt, torch.tensor([p + 1], dtype=torch.int32, device=DEV),
                      tk, tv, slots, fmt)
-    assert torch.equal(tk[1, :, 128:], k[:16].transpose(0, 1)) and torch.equal(tv[1, :, 128:], v[:16].transpose(0, 1))
+    assert torch.equal(tk[1, :, 128:144], k[:16].transpose(0, 1))
+    assert torch.equal(tv[1, :, 128:144], v[:16].transpose(0, 1))
+    assert torch.equal(tk[1, :, 144:176], k[96:128].transpose(0, 1)) and not tk[1, :, 176:].any()
     want = torch.zeros(1, H, fmt.record_bytes(128), dtype=torch.uint8, device=DEV)
     store_tiles(k[:128].transpose(0, 1)[None].contiguous(), v[:128].transpose(0, 1)[None].contiguous(), want,
                 torch.tensor([0], dtype=torch.int32, device=DEV), fmt)
@@ -372,8 +375,8 @@ def test_gpu_flush_layers_equals_store_tiles_per_layer():
     fmt = get_format("kvarn_k4v2_g128")
     g, D, H, L, S, nb = fmt.group, 128, 8, 6, 9, 20
     gen = torch.Generator(device=DEV).manual_seed(3)
-    tk = [(torch.randn(S, H, g + fmt.sink_tokens, D, device=DEV, generator=gen) * 2).bfloat16() for _ in range(L)]
-    tv = [torch.randn(S, H, g + fmt.sink_tokens, D, device=DEV, generator=gen).bfloat16() for _ in range(L)]
+    tk = [(torch.randn(S, H, fmt.tail_rows, D, device=DEV, generator=gen) * 2).bfloat16() for _ in range(L)]
+    tv = [torch.randn(S, H, fmt.tail_rows, D, device=DEV, generator=gen).bfloat16() for _ in range(L)]
     caches = [torch.zeros(nb, H, fmt.record_bytes(D), dtype=torch.uint8, device=DEV) for _ in range(L)]
     slots = torch.tensor([4, 1, 8], dtype=torch.int32, device=DEV)
     blocks = torch.tensor([3, -1, 17], dtype=torch.int32, device=DEV)

@@ -500,3 +500,27 @@ def test_kernel_path_matches_torch_path_in_the_interpreter():
                                    msg=lambda m: f"{step}: {m}")
     assert (kern["cache"] == ref["cache"]).float().mean() > 0.995  # codes may differ by one on rounding boundaries
     torch.testing.assert_close(kern["tk"].float(), ref["tk"].half().float())
+
+
+def test_window_tags_follow_every_block_a_chunk_writes():
+    """A long chunk rewrites blocks beyond its last two tiles: a recycled block id among them leaves every other
+    slot's window tag too, so a later prefix hit in the first owner's slot does not read the first owner's tokens."""
+    W = FMT.window_tokens
+    tags = torch.full((4, 2), -1, dtype=torch.int32)
+    buf = torch.zeros(8, dtype=torch.int32)
+
+    def step(slots, blocks, ctx, qlen):
+        qsl = np.concatenate([[0], np.cumsum(qlen)])
+        seq = np.asarray(ctx) + np.asarray(qlen)
+        bt = torch.tensor(blocks, dtype=torch.int32)
+        plan = step_plan.plan_step(qsl, seq, len(slots), np.asarray(slots, dtype=np.int32), bt, G, "cpu", sink=16,
+                                   window=W)
+        step_plan.update_window_lens(plan, tags, bt, buf)
+        return plan.win_lens.tolist()
+
+    assert step([0], [[10, 11, 12, 0, 0]], [0], [2 * G + 5]) == [W] and tags[0].tolist() == [-1, 11]
+    # A is done; block 11 is recycled as B's tile 1 of 5 in slot 1 (not one of B's last two tiles)
+    assert step([1], [[20, 11, 21, 22, 23]], [0], [4 * G + 1]) == [W]
+    assert tags[0].tolist() == [-1, -1]  # slot 0 no longer names block 11
+    # C hits B's first two blocks from A's old slot: it must not read A's rows as B's tile 1
+    assert step([0], [[20, 11, 30, 0, 0]], [2 * G], [4]) == [0]

@@ -44,18 +44,21 @@ phase[0] = "serving"
 # then an eager decode-only step of 17 rows (row, tile and split counts of 1, 16 and 17 all differ from warm-up's)
 R, nb = 17, 5
 cache = torch.zeros(R * nb + 1, H, fmt.record_bytes(D), dtype=torch.uint8, device=dev)
-tk = torch.zeros(R + 1, H, g + fmt.sink_tokens, D, dtype=dt, device=dev)
+tk = torch.zeros(R + 1, H, fmt.tail_rows, D, dtype=dt, device=dev)
 tv = torch.zeros_like(tk)
 bt = (1 + torch.arange(R * nb, dtype=torch.int32, device=dev)).view(R, nb)
 slots = np.arange(R, dtype=np.int32)
 tags = torch.full((R + 1,), -1, dtype=torch.int32, device=dev)
 sl_buf = torch.zeros(R + 1, dtype=torch.int32, device=dev)
+wtags = torch.full((R + 1, 2), -1, dtype=torch.int32, device=dev)
+wl_buf = torch.zeros(R + 1, dtype=torch.int32, device=dev)
 fa = _torch_varlen(D ** -0.5)  # the warm-up's own FlashAttention stand-in (torch)
 lens = np.zeros(R, dtype=np.int64)
 for qlen in (np.full(R, g + 9), np.array([1] * (R - 1) + [300])):
     qsl = np.concatenate([[0], np.cumsum(qlen)]); seq = lens + qlen
-    plan = step_plan.plan_step(qsl, seq, R, slots, bt, g, dev, sink=fmt.sink_tokens)
+    plan = step_plan.plan_step(qsl, seq, R, slots, bt, g, dev, sink=fmt.sink_tokens, window=fmt.window_tokens)
     step_plan.update_sink_lens(plan, tags, bt, sl_buf)
+    step_plan.update_window_lens(plan, wtags, bt, wl_buf)
     n = int(qsl[-1]); q = torch.randn(n, Hq, D, device=dev, dtype=dt)
     k, v = torch.randn(n, H, D, device=dev, dtype=dt), torch.randn(n, H, D, device=dev, dtype=dt)
     ops.store(plan, k, v, cache, tk, tv, fmt)
@@ -64,8 +67,9 @@ for qlen in (np.full(R, g + 9), np.array([1] * (R - 1) + [300])):
     lens = seq
 seq = lens + 1; sd = torch.from_numpy(seq.astype(np.int32)).to(dev); td = torch.from_numpy(slots).to(dev)
 plan = step_plan.plan_step(np.arange(R + 1), seq, R, slots, bt, g, dev, decode_minimal=True, tail_slots_dev=td,
-                           sink=fmt.sink_tokens)
+                           sink=fmt.sink_tokens, window=fmt.window_tokens)
 step_plan.update_sink_lens(plan, tags, bt, sl_buf)
+step_plan.update_window_lens(plan, wtags, bt, wl_buf)
 if defer:
     plan.defer = torch.zeros(1, dtype=torch.int32, device=dev)
 q = torch.randn(R, Hq, D, device=dev, dtype=dt)
