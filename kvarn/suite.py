@@ -134,6 +134,33 @@ def _check_keys(obj, allowed: set, where: str) -> None:
         raise KvarnError(f"{where}: unknown key {bad[0]!r}; accepted: {choices(sorted(allowed))}")
 
 
+def _subset(value, where: str, singular: str, accepted: list[str], canon=str) -> list[str]:
+    """A workload's own list of the suite's models or formats: one name or a non-empty list, each one of `accepted`
+    once `canon` maps both sides (formats: aliases and any casing). Returned in the suite's order and spelling."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items:
+        raise KvarnError(f"{where} must be a non-empty list of this suite's {singular}s ({choices(accepted)}), "
+                         f"got {value!r}")
+    known = {canon(a): a for a in accepted}
+    picked = set()
+    for x in items:
+        try:
+            name = canon(str(x))
+        except KvarnError:
+            name = None
+        if name not in known:
+            raise KvarnError(f"{where}: {str(x)!r} is not a {singular} of this suite; accepted: {choices(accepted)}")
+        picked.add(name)
+    return [a for a in accepted if canon(a) in picked]
+
+
+def _check_pairable(fmts: list[str], subject: str) -> None:
+    """bench.pair_fp16 runs the candidates after an FP16 cell: exactly one FP16 format and at least one other."""
+    if sum(get_format(x).family == "fp16" for x in fmts) != 1 or len(fmts) < 2:
+        raise KvarnError(f"{subject} pairs candidates with the FP16 cell (bench.pair_fp16): it needs exactly one FP16 "
+                         f"format (auto) and at least one other, got {choices(fmts)}")
+
+
 def _int_list(v, where: str, minimum: int = 1) -> list[int]:
     vals = v if isinstance(v, list) else [v]
     if not vals:
@@ -244,10 +271,7 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
         if not isinstance(bench["pair_fp16"], bool):
             raise KvarnError(f"{where}: bench.pair_fp16 must be true or false, got {bench['pair_fp16']!r}")
         if bench["pair_fp16"]:
-            fp16 = [x for x in fmts if get_format(x).family == "fp16"]
-            if len(fp16) != 1 or len(fmts) < 2:
-                raise KvarnError(f"{where}: bench.pair_fp16 pairs each candidate with the FP16 cell: formats need "
-                                 f"exactly one FP16 format (auto) and at least one other, got {choices(fmts)}")
+            _check_pairable(fmts, f"{where}: formats")
         if b.get("workloads") is not None:  # explicit (burst, output_len, requests) triples instead of bursts
             raw = b["workloads"]
             if not isinstance(raw, list) or not raw:
@@ -262,36 +286,13 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
                 _check_keys(w, WORKLOAD_KEYS, f"{where}: bench.workloads[{i}]")
                 only = w.get("models")
                 if only is not None:
-                    only = [only] if isinstance(only, str) else only
-                    if not isinstance(only, list) or not only:
-                        raise KvarnError(f"{where}: bench.workloads[{i}].models must be a non-empty list of this "
-                                         f"suite's model names ({choices(names)}), got {only!r}")
-                    bad = [str(x) for x in only if str(x) not in names]
-                    if bad:
-                        raise KvarnError(f"{where}: bench.workloads[{i}].models: {bad[0]!r} is not a model of this "
-                                         f"suite; accepted: {choices(names)}")
+                    only = _subset(only, f"{where}: bench.workloads[{i}].models", "model", names)
                 wfmts = w.get("formats")
                 if wfmts is not None:
-                    wfmts = [wfmts] if isinstance(wfmts, str) else wfmts
-                    if not isinstance(wfmts, list) or not wfmts:
-                        raise KvarnError(f"{where}: bench.workloads[{i}].formats must be a non-empty list of this "
-                                         f"suite's formats ({choices(fmts)}), got {wfmts!r}")
-                    names = set()
-                    for x in wfmts:  # aliases and any casing, as the suite's own list takes them
-                        try:
-                            name = get_format(str(x)).name
-                        except KvarnError:
-                            name = None
-                        if name not in {get_format(f).name for f in fmts}:
-                            raise KvarnError(f"{where}: bench.workloads[{i}].formats: {str(x)!r} is not a format of "
-                                             f"this suite; accepted: {choices(fmts)}")
-                        names.add(name)
-                    wfmts = [x for x in fmts if get_format(x).name in names]  # the suite's order and spelling
-                    if bench["pair_fp16"] and (len(wfmts) < 2 or not any(get_format(x).family == "fp16"
-                                                                         for x in wfmts)):
-                        raise KvarnError(f"{where}: bench.workloads[{i}].formats pairs candidates with the FP16 cell "
-                                         f"(bench.pair_fp16): it needs the FP16 format and at least one other, got "
-                                         f"{choices(wfmts)}")
+                    wfmts = _subset(wfmts, f"{where}: bench.workloads[{i}].formats", "format", fmts,
+                                    lambda x: get_format(x).name)
+                    if bench["pair_fp16"]:
+                        _check_pairable(wfmts, f"{where}: bench.workloads[{i}].formats")
                 wargs = w.get("args", []) or []
                 if not isinstance(wargs, list):
                     raise KvarnError(f"{where}: bench.workloads[{i}].args must be a list of flags, got {wargs!r}")
@@ -301,7 +302,7 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
                                            f"{where}: bench.workloads[{i}].output_len"),
                     "requests": _pos_int(w.get("requests", bench["requests"]),
                                          f"{where}: bench.workloads[{i}].requests"),
-                    **({"models": [str(x) for x in only]} if only is not None else {}),
+                    **({"models": only} if only is not None else {}),
                     **({"formats": wfmts} if wfmts is not None else {}),
                     **({"args": [str(a) for a in wargs]} if wargs else {})})
             bench["bursts"] = [w["burst"] for w in bench["workloads"]]

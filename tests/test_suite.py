@@ -92,6 +92,10 @@ def test_a_workload_runs_its_own_formats_paired_with_fp16_in_one_run():
                                                                                                      "fp8_e4m3"]}]}},
                              "w.yaml")
     assert aliased.bench["workloads"][0]["formats"] == ["auto", "fp8"]  # aliases and casing, as the suite's list
+    # a workload's formats leave the next workload's models check alone
+    both = validate_suite({**data, "bench": {"workloads": [{"burst": 4096, "formats": ["auto", "fp8"]},
+                                                           {"burst": 2048, "models": ["qwen3-8b"]}]}}, "w.yaml")
+    assert both.bench["workloads"][1]["models"] == ["qwen3-8b"]
     with pytest.raises(KvarnError, match=r"workloads\[0\].formats pairs candidates with the FP16 cell.*got fp8"):
         validate_suite({**data, "bench": {"pair_fp16": True, "workloads": [{"burst": 4096, "formats": ["fp8"]}]}},
                        "w.yaml")
