@@ -458,7 +458,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
     group, gp = group_geometry(Hq, Hk)
     fmt = as_format(fmt)
     sink = check_tail(tail_k, tail_v, Hk, lay.g, D, fmt.window_tokens)
-    win = fmt.window_tokens if sink else 0  # its rows' owner is known from the sink's tag only
+    win = fmt.window_tokens if sink else 0  # tails without sink rows have no window rows either
     if block_table.dim() != 2 or block_table.shape[0] != B:
         raise KvarnError(f"block_table must be [B={B}, max_blocks], got {tuple(block_table.shape)}")
     if out is None:

@@ -77,7 +77,7 @@ def check_tail(tail_k: torch.Tensor, tail_v: torch.Tensor, hk: int, g: int, d: i
     """The 16-bit tail buffers [S, Hk, g + sink + 2 * window, D] (K and V alike), contiguous along D: rows [0, g) hold
     a request's unfinished tile, rows [g, g + sink) its first `sink` tokens for good (0 < sink < g; the backend
     allocates fmt.sink_tokens of them), then the window halves (fmt.window_tokens rows each, tiles of even and odd
-    index); [S, Hk, g, D]: neither (the window's owner is known from the sink's tag only). Returns sink."""
+    index); [S, Hk, g, D]: neither (the window is kept only with a sink). Returns sink."""
     rows = tail_k.shape[2] if tail_k.dim() == 4 else -1
     w2 = 2 * window if rows > g else 0
     if (tail_k.dim() != 4 or tuple(tail_k.shape[1:2]) + tuple(tail_k.shape[3:]) != (hk, d)

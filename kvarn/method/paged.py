@@ -81,31 +81,28 @@ def post_store_kv(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cac
         v[dst] = tail_v[sl, :, ps].to(dtype)
     W = fmt.window_tokens if tail_k.shape[2] > g else 0  # [.., g, D] tails: no sink, no window
     sink = tail_k.shape[2] - g - 2 * W  # rows with a quantized first tile read its first positions from the sink rows
-    if sink:
+
+    def from_tail_rows(seg, dst, row, lens, j):
+        # positions dst of rows seg read tail rows `row` of their slots, where j < lens[seg] (a device tensor, so
+        # no sync; None: everywhere)
+        dst, sl, ps = (torch.from_numpy(x).to(dev) for x in (dst, slots[seg], row))
+        tk, tv = tail_k[sl, :, ps].to(dtype), tail_v[sl, :, ps].to(dtype)
+        if lens is not None:
+            use = (torch.from_numpy(j).to(dev) < lens.to(dev)[torch.from_numpy(seg).to(dev)])[:, None, None]
+            tk, tv = torch.where(use, tk, k[dst]), torch.where(use, tv, v[dst])
+        k[dst] = tk
+        v[dst] = tv
+
+    if sink:  # sink_lens[i] of row i's sink rows are its own
         sseg, spos = ragged_ranges(np.zeros(len(rows), dtype=np.int64), np.where(n_full > 0, sink, 0))
         if len(sseg):
-            dst = torch.from_numpy(cu_k[sseg] + spos).to(dev)
-            sl, ps = torch.from_numpy(slots[sseg]).to(dev), torch.from_numpy(g + spos).to(dev)
-            tk, tv = tail_k[sl, :, ps].to(dtype), tail_v[sl, :, ps].to(dtype)
-            if sink_lens is not None:  # sink_lens[i] of row i's sink rows are its own (device: no sync)
-                own = sink_lens.to(dev)[torch.from_numpy(sseg).to(dev)]
-                use = (torch.from_numpy(spos).to(dev) < own)[:, None, None]
-                tk, tv = torch.where(use, tk, k[dst]), torch.where(use, tv, v[dst])
-            k[dst] = tk
-            v[dst] = tv
-    if W and sink:  # the window's owner is known from the sink's tag
+            from_tail_rows(sseg, cu_k[sseg] + spos, g + spos, sink_lens, spos)
+    if W and sink:  # the window half of the tile before the newest position's, where win_lens[i] > 0 (its own)
         wt = (s - 1) // g - 1
         wseg, wj = ragged_ranges(np.zeros(len(rows), dtype=np.int64), np.where(s > g, W, 0))
         if len(wseg):
-            dst = torch.from_numpy(cu_k[wseg] + wt[wseg] * g + g - W + wj).to(dev)
-            sl = torch.from_numpy(slots[wseg]).to(dev)
-            ps = torch.from_numpy(g + sink + (wt[wseg] % 2) * W + wj).to(dev)
-            tk, tv = tail_k[sl, :, ps].to(dtype), tail_v[sl, :, ps].to(dtype)
-            if win_lens is not None:
-                own = win_lens.to(dev)[torch.from_numpy(wseg).to(dev)] > 0
-                tk, tv = torch.where(own[:, None, None], tk, k[dst]), torch.where(own[:, None, None], tv, v[dst])
-            k[dst] = tk
-            v[dst] = tv
+            from_tail_rows(wseg, cu_k[wseg] + wt[wseg] * g + g - W + wj, g + sink + (wt[wseg] % 2) * W + wj,
+                           None if win_lens is None else (win_lens > 0).to(torch.int64) * W, wj)
     return k, v, cu_k
 
 

@@ -33,7 +33,7 @@ class Engine:
     def __init__(self, num_blocks=64, slots=4, seed=0, sink=0):
         self.cache = torch.zeros(num_blocks, HK, FMT.record_bytes(D), dtype=torch.uint8)
         self.tails = TailBuffers()
-        self.window = FMT.window_tokens if sink else 0  # the window's owner is known from the sink's tag
+        self.window = FMT.window_tokens if sink else 0  # the window is kept only with a sink
         self.tails.allocate(["l0"], slots, HK, G, D, torch.float32, "cpu", sink=sink, window=self.window)
         self.tk, self.tv = self.tails.get("l0")
         self.sink = sink
