@@ -5,11 +5,12 @@
 #   KVARN_BG=1 bash scripts/device/run.sh gpusuite:1500      # the whole selection: longer than one 10-minute call,
 #   bash scripts/device/run.sh wait:540                      # so it runs in the background; `wait` (again) collects it
 #   bash scripts/device/run.sh gpusuite:590@KVARN_GPUSUITE_FILES=tests/vllm_plugin/test_vllm_gpu.py   # a part of it in one call
-# Each test file runs in its own pytest process: a CUDA error that poisons its process (an illegal memory access)
-# fails that file's later tests, which count as failed, but cannot fail the other files'. A file not started for
-# lack of time, cut by it or dead before writing its results is counted apart ("files not run"), never as passed,
-# and makes the exit status non-zero.
+# Each test file's tests run in their own pytest processes (shards, all at once): a CUDA error that poisons its
+# process (an illegal memory access) fails that shard's later tests, which count as failed, but cannot fail the other
+# shards'. A shard cut by the time limit or dead before writing its results is counted apart ("files not run"), never
+# as passed, and makes the exit status non-zero.
 #   KVARN_GPUSUITE_FILES  test files to run (default: every file with a test the gpu marker selects)
+#   KVARN_GPUSUITE_SHARDS pytest processes per file (default 4)
 #   KVARN_SMOKE_CASES     vllm_smoke.sh cases (default: the FP16 baseline and the shipped KVarN preset with CUDA graphs)
 #   KVARN_SMOKE_BUDGET    seconds for the smoke (default 300), kept out of the part's time limit before the tests
 set -uo pipefail
@@ -54,9 +55,10 @@ bg() {  # LOG CMD...
   "$@" > "$log" 2>&1 & CHILD=$!
   wait "$CHILD"; local rc=$?; CHILD=""; return $rc
 }
+declare -A JOB_PID=()
 stopped() {
   [ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null
-  [ -n "${current:-}" ] && not_run+=("$current (stopped)")
+  for j in "${!JOB_PID[@]}"; do kill -TERM "${JOB_PID[$j]}" 2>/dev/null && not_run+=("$j (stopped)"); done
   [ "$smoke" = "not run" ] || [ "$smoke" = running ] && smoke="cut by the time limit"
   echo "=== the part was stopped"; summary; exit 124
 }
@@ -71,23 +73,41 @@ else
                          | grep '::' | cut -d: -f1; find tests -name 'test_*.py' -exec grep -l -E 'mark\.gpu' {} +; } | sort -u)
 fi
 echo "gpu test files: ${files[*]:-none}"
+# The time goes to Triton compiles (CPU) far more than to the GPU: each file's tests are dealt round-robin into up to
+# KVARN_GPUSUITE_SHARDS pytest processes (default 4), and every process runs at once
+SHARDS="${KVARN_GPUSUITE_SHARDS:-4}"
+mkdir -p "$OUT/gpusuite/ids"
+jobs_=()
 for f in "${files[@]}"; do
-  left=$(( TESTS_END - $(date +%s) ))
-  if [ "$left" -lt 20 ]; then not_run+=("$f"); echo "--- $f: not run (time)"; continue; fi
   name=$(basename "$f" .py)
-  echo "--- $f (at most ${left} s)"
-  current=$f
-  bg "$OUT/gpusuite/$name.log" timeout -k 5 "$left" python3 -m pytest -m gpu "$f" -p no:cacheprovider -q -rfE \
-    --tb=short --junitxml="$OUT/gpusuite/$name.xml"
-  rc=$?; current=""
-  tail -n 4 "$OUT/gpusuite/$name.log"
-  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then  # cut: the finished tests are lost with the unwritten XML
-    rm -f "$OUT/gpusuite/$name.xml"; not_run+=("$f (cut after ${left} s)")
-  elif [ ! -s "$OUT/gpusuite/$name.xml" ]; then  # the process died (e.g. a CUDA abort) before writing its results
-    not_run+=("$f (no result: exit $rc, see gpusuite/$name.log)")
+  python3 -m pytest -m gpu --collect-only -q -p no:cacheprovider "$f" 2>/dev/null | grep '::' > "$OUT/gpusuite/ids/$name"
+  n=$(wc -l < "$OUT/gpusuite/ids/$name")
+  if [ "$n" -eq 0 ]; then  # nothing collected (a collection error): the file runs whole, and its error is counted
+    echo "$f" > "$OUT/gpusuite/ids/$name.0"; jobs_+=("$name.0"); continue
   fi
-  bash "$DIR/free_gpu.sh" > /dev/null 2>&1
+  k=$(( n < SHARDS ? n : SHARDS ))
+  for ((i = 0; i < k; i++)); do
+    awk -v k="$k" -v i="$i" 'NR % k == i' "$OUT/gpusuite/ids/$name" > "$OUT/gpusuite/ids/$name.$i"; jobs_+=("$name.$i")
+  done
 done
+left=$(( TESTS_END - $(date +%s) ))
+for j in "${jobs_[@]}"; do
+  mapfile -t ids < "$OUT/gpusuite/ids/$j"
+  echo "--- $j: ${#ids[@]} test(s) (at most ${left} s)"
+  timeout -k 5 "$left" python3 -m pytest -m gpu "${ids[@]}" -p no:cacheprovider -q -rfE --tb=short \
+    --junitxml="$OUT/gpusuite/$j.xml" > "$OUT/gpusuite/$j.log" 2>&1 &
+  JOB_PID[$j]=$!
+done
+for j in "${jobs_[@]}"; do
+  wait "${JOB_PID[$j]}"; rc=$?; unset "JOB_PID[$j]"
+  echo "--- $j: exit $rc"; tail -n 4 "$OUT/gpusuite/$j.log"
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then  # cut: the finished tests are lost with the unwritten XML
+    rm -f "$OUT/gpusuite/$j.xml"; not_run+=("$j (cut after ${left} s)")
+  elif [ ! -s "$OUT/gpusuite/$j.xml" ]; then  # the process died (e.g. a CUDA abort) before writing its results
+    not_run+=("$j (no result: exit $rc, see gpusuite/$j.log)")
+  fi
+done
+bash "$DIR/free_gpu.sh" > /dev/null 2>&1
 [ ${#not_run[@]} -gt 0 ] && printf 'not run: %s\n' "${not_run[@]}"
 
 echo "--- vLLM smoke: $KVARN_SMOKE_CASES"
