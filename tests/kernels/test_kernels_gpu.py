@@ -211,7 +211,7 @@ def test_gpu_dense_prefill_matches_reference(dtype):
     ref = prefill_reference(q, torch.from_numpy(qsl_h), st, fmt, D, scale)
     rows = np.arange(len(seq))
     plan = types.SimpleNamespace(cont_rows=rows, seq_lens=np.array(seq), qsl=qsl_h,
-                                 tail_slots_np=st["tail_slots"].cpu().numpy(), sink_lens=None)
+                                 tail_slots_np=st["tail_slots"].cpu().numpy(), sink_lens=None, win_lens=None)
     varlen = None
     try:
         from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
@@ -293,6 +293,8 @@ def test_gpu_decode_sink_matches_reference(dtype):
     q = (torch.randn(len(lens), 32, 128, generator=gen) * 2).to(dtype).to(DEV)
     sl = torch.full((len(lens),), 16, dtype=torch.int32, device=DEV)
     sl[-1] = 0
+    # request_kv's rows read the window where they own their slot's sink (win_lens > 0), as the builder's tags give
+    wl = (sl > 0).int() * fmt.window_tokens
     cpu = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
     from kvarn.method.reference import reference_attention
     from tests.kernels.test_kernels import request_kv
@@ -301,7 +303,8 @@ def test_gpu_decode_sink_matches_reference(dtype):
                        reference_attention(q[b].float().cpu()[:, None], *request_kv(cpu, fmt, 128, b, int(sl[b])),
                                            128 ** -0.5)[:, 0] for b, s in enumerate(lens)])
     out = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                           st["tail_slots"], fmt, 128 ** -0.5, out=torch.empty(q.shape, device=DEV), sink_lens=sl)
+                           st["tail_slots"], fmt, 128 ** -0.5, out=torch.empty(q.shape, device=DEV), sink_lens=sl,
+                           win_lens=wl)
     assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-3
 
 
@@ -332,8 +335,8 @@ def test_gpu_store_decode_with_sink():
 
 
 def test_gpu_decode_sink_lens_cuda_graph_replay():
-    """A captured decode step reads the persistent sink_lens buffer at replay: the builder's per-step values (a
-    prefix hit's 0) change the output as the reference says, without a new capture."""
+    """A captured decode step reads the persistent sink_lens and win_lens buffers at replay: the builder's per-step
+    values (a prefix hit's 0) change the output as the reference says, without a new capture."""
     from kvarn.kernels import decode_attention
     from kvarn.method.reference import reference_attention
     from tests.kernels.test_kernels import request_kv
@@ -345,10 +348,11 @@ def test_gpu_decode_sink_lens_cuda_graph_replay():
     q = torch.randn(3, Hq, D, device=DEV, dtype=torch.bfloat16)
     out = torch.empty(q.shape, device=DEV)
     sl = torch.full((3,), 16, dtype=torch.int32, device=DEV)
+    wl = torch.full((3,), fmt.window_tokens, dtype=torch.int32, device=DEV)  # persistent too, as the builder's
 
     def step():
         decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                         st["tail_slots"], fmt, 1 / math.sqrt(D), num_splits=4, out=out, sink_lens=sl)
+                         st["tail_slots"], fmt, 1 / math.sqrt(D), num_splits=4, out=out, sink_lens=sl, win_lens=wl)
 
     step()
     torch.cuda.synchronize()
@@ -358,6 +362,7 @@ def test_gpu_decode_sink_lens_cuda_graph_replay():
     cpu = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
     for vals in ([16, 16, 16], [0, 16, 0], [16, 0, 5]):
         sl.copy_(torch.tensor(vals, dtype=torch.int32, device=DEV))
+        wl.copy_((sl > 0).int() * fmt.window_tokens)
         g.replay()
         torch.cuda.synchronize()
         ref = torch.stack([reference_attention(q[b].float().cpu()[:, None], *request_kv(cpu, fmt, D, b, vals[b]),
