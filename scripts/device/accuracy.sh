@@ -48,18 +48,17 @@ if want models; then
   tail -n 1 "$RES"/install-*.log
 fi
 
+# chunked perplexity: 128-token prefill chunks, so every chunk reads the earlier ones from the quantized cache. It
+# runs beside the generation steps below, in two rounds (KVARN_ACC_PPL picks the windows; KVARN_PPL_MEM each one's
+# memory share, default 0.2). Engine starts dominate (TurboQuant's warm-up compiles its kernels for ~2 min per head
+# dim): the first round compiles each head dim once (64: SmolLM2 and the 0.5B, 128: the 1.5B), the second finds
+# them compiled
+PPLS=" ${KVARN_ACC_PPL:-smol q15_2k q05_2k q05_8k q15_8k} "; PPLS=${PPLS//[+,]/ }; PM=${KVARN_PPL_MEM:-0.2}
+pp() { case "$PPLS" in *" ${1#ppl_} "*) ppl "$@" & ;; esac; }
 if want ppl; then
-  # chunked perplexity: 128-token prefill chunks, so every chunk reads the earlier ones from the quantized cache.
-  # Engine starts dominate (TurboQuant's warm-up compiles its kernels for ~2 min per head dim): the first round
-  # compiles each head dim once (64: SmolLM2, 128: the 1.5B), the second finds them compiled; steps of a round
-  # share the GPU's memory
-  ppl ppl_smol 330 smollm2-135m 4096 2 0.42 --weights "$SMOL" &
-  ppl ppl_q15_2k 330 qwen2.5-coder-1.5b 2048 8 0.42 &
-  wait
-  ppl ppl_q05_2k 300 qwen2.5-coder-0.5b 2048 8 0.28 &
-  ppl ppl_q05_8k 300 qwen2.5-coder-0.5b 8192 4 0.28 &
-  ppl ppl_q15_8k 300 qwen2.5-coder-1.5b 8192 4 0.28 &
-  wait
+  ( pp ppl_smol 330 smollm2-135m 4096 2 "$PM" --weights "$SMOL"; pp ppl_q15_2k 330 qwen2.5-coder-1.5b 2048 8 "$PM"
+    pp ppl_q05_2k 330 qwen2.5-coder-0.5b 2048 8 "$PM"; wait
+    pp ppl_q05_8k 300 qwen2.5-coder-0.5b 8192 4 "$PM"; pp ppl_q15_8k 300 qwen2.5-coder-1.5b 8192 4 "$PM"; wait ) &
 fi
 # GSM8K, NIAH and MATH-500 side by side, each engine set with its share of the memory (KVARN_{GSM8K,NIAH,MATH}_MEM,
 # default 0.3). math500 is lm-eval's completion protocol (an instruct model scores ~2% with every format under it),
