@@ -7,7 +7,7 @@
 #   bash scripts/device/run.sh gpusuite:590@KVARN_GPUSUITE_FILES=tests/vllm_plugin/test_vllm_gpu.py   # a part of it in one call
 # Each test file's tests run in their own pytest processes (shards, all at once): a CUDA error that poisons its
 # process (an illegal memory access) fails that shard's later tests, which count as failed, but cannot fail the other
-# shards'. A shard cut by the time limit or dead before writing its results is counted apart ("files not run"), never
+# shards'. A shard cut by the time limit or dead before writing its results is counted apart ("shards not run"), never
 # as passed, and makes the exit status non-zero.
 #   KVARN_GPUSUITE_FILES  test files to run (default: every file with a test the gpu marker selects)
 #   KVARN_GPUSUITE_SHARDS pytest processes per file (default 4)
@@ -42,7 +42,7 @@ for f in sorted(glob.glob(f"{root}/*.xml")):
         failed += fl
         errors += er
         skipped += sk
-extra = [f"{what}: {n}" for n, what in ((errors, "errors"), (skipped, "skipped"), (not_run, "files not run")) if n]
+extra = [f"{what}: {n}" for n, what in ((errors, "errors"), (skipped, "skipped"), (not_run, "shards not run")) if n]
 print(f"gpu tests: {passed} passed, {failed + errors} failed; vllm smoke: {smoke}"
       + (f" ({', '.join(extra)})" if extra else ""))
 sys.exit(0 if passed and not (failed or errors or not_run) and smoke == "ok" else 1)
@@ -64,35 +64,42 @@ stopped() {
 }
 trap stopped TERM INT
 
+IDS="$OUT/gpusuite/ids"; mkdir -p "$IDS"
+collect() {  # PATH: the node ids the gpu marker selects there
+  python3 -m pytest -m gpu --collect-only -q -p no:cacheprovider "$1" 2>/dev/null | grep '::'
+}
 if [ -n "${KVARN_GPUSUITE_FILES:-}" ]; then
   read -r -a files <<< "$KVARN_GPUSUITE_FILES"
+  # one collection per named file: a path pytest cannot find fails its own file only
+  for f in "${files[@]}"; do collect "$f" > "$IDS/$(basename "$f" .py)"; done
 else
   # what the marker selects, and every file that names the marker: one whose collection fails still runs (and
   # counts as failed) instead of dropping out of the selection
-  mapfile -t files < <({ python3 -m pytest -m gpu --collect-only -q -p no:cacheprovider tests 2>/dev/null \
-                         | grep '::' | cut -d: -f1; find tests -name 'test_*.py' -exec grep -l -E 'mark\.gpu' {} +; } | sort -u)
+  collect tests > "$IDS/all"
+  mapfile -t files < <({ cut -d: -f1 "$IDS/all"; find tests -name 'test_*.py' -exec grep -l -E 'mark\.gpu' {} +; } \
+                       | sort -u)
+  # one collection serves every file: its node ids, in collection order, go to the file they name
+  for f in "${files[@]}"; do awk -F'::' -v f="$f" '$1 == f' "$IDS/all" > "$IDS/$(basename "$f" .py)"; done
 fi
 echo "gpu test files: ${files[*]:-none}"
 # The time goes to Triton compiles (CPU) far more than to the GPU: each file's tests are dealt round-robin into up to
 # KVARN_GPUSUITE_SHARDS pytest processes (default 4), and every process runs at once
 SHARDS="${KVARN_GPUSUITE_SHARDS:-4}"
-mkdir -p "$OUT/gpusuite/ids"
 jobs_=()
 for f in "${files[@]}"; do
   name=$(basename "$f" .py)
-  python3 -m pytest -m gpu --collect-only -q -p no:cacheprovider "$f" 2>/dev/null | grep '::' > "$OUT/gpusuite/ids/$name"
-  n=$(wc -l < "$OUT/gpusuite/ids/$name")
+  n=$(wc -l < "$IDS/$name")
   if [ "$n" -eq 0 ]; then  # nothing collected (a collection error): the file runs whole, and its error is counted
-    echo "$f" > "$OUT/gpusuite/ids/$name.0"; jobs_+=("$name.0"); continue
+    echo "$f" > "$IDS/$name.0"; jobs_+=("$name.0"); continue
   fi
   k=$(( n < SHARDS ? n : SHARDS ))
   for ((i = 0; i < k; i++)); do
-    awk -v k="$k" -v i="$i" 'NR % k == i' "$OUT/gpusuite/ids/$name" > "$OUT/gpusuite/ids/$name.$i"; jobs_+=("$name.$i")
+    awk -v k="$k" -v i="$i" 'NR % k == i' "$IDS/$name" > "$IDS/$name.$i"; jobs_+=("$name.$i")
   done
 done
 left=$(( TESTS_END - $(date +%s) ))
 for j in "${jobs_[@]}"; do
-  mapfile -t ids < "$OUT/gpusuite/ids/$j"
+  mapfile -t ids < "$IDS/$j"
   echo "--- $j: ${#ids[@]} test(s) (at most ${left} s)"
   timeout -k 5 "$left" python3 -m pytest -m gpu "${ids[@]}" -p no:cacheprovider -q -rfE --tb=short \
     --junitxml="$OUT/gpusuite/$j.xml" > "$OUT/gpusuite/$j.log" 2>&1 &

@@ -90,6 +90,11 @@ def request_kv(setup, fmt, D, b, sink_len=None, defer=False):
     return k, v
 
 
+def window_lens(sink_lens, fmt):
+    """win_lens as request_kv reads the window: the format's window in a row that owns its sink, else 0."""
+    return (sink_lens > 0).to(torch.int32) * fmt.window_tokens
+
+
 def rel_err(a, b):
     a, b = a.float().cpu(), b.float().cpu()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

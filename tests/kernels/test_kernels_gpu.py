@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvarn.formats import get_format, kvarn_formats  # noqa: F401
-from tests.kernels.test_kernels import decode_reference, paged_setup, prefill_reference, rel_err
+from tests.kernels.test_kernels import decode_reference, paged_setup, prefill_reference, rel_err, window_lens
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -294,7 +294,7 @@ def test_gpu_decode_sink_matches_reference(dtype):
     sl = torch.full((len(lens),), 16, dtype=torch.int32, device=DEV)
     sl[-1] = 0
     # request_kv's rows read the window where they own their slot's sink (win_lens > 0), as the builder's tags give
-    wl = (sl > 0).int() * fmt.window_tokens
+    wl = window_lens(sl, fmt)
     cpu = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
     from kvarn.method.reference import reference_attention
     from tests.kernels.test_kernels import request_kv
@@ -362,7 +362,7 @@ def test_gpu_decode_sink_lens_cuda_graph_replay():
     cpu = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
     for vals in ([16, 16, 16], [0, 16, 0], [16, 0, 5]):
         sl.copy_(torch.tensor(vals, dtype=torch.int32, device=DEV))
-        wl.copy_((sl > 0).int() * fmt.window_tokens)
+        wl.copy_(window_lens(sl, fmt))
         g.replay()
         torch.cuda.synchronize()
         ref = torch.stack([reference_attention(q[b].float().cpu()[:, None], *request_kv(cpu, fmt, D, b, vals[b]),

@@ -12,7 +12,7 @@ from kvarn.errors import KvarnError
 from kvarn.formats import get_format
 from kvarn.kernels import decode_attention, store_decode, store_tiles
 from kvarn.method.reference import reference_attention
-from tests.kernels.test_kernels import decode_reference, paged_setup, rel_err, request_kv
+from tests.kernels.test_kernels import decode_reference, paged_setup, rel_err, request_kv, window_lens
 
 SINK = 16
 # padded row, inside the sink, exactly the sink, past it in the first tile, one tile, tiles + tail
@@ -93,7 +93,7 @@ def test_decode_sink_lens_zero_reads_the_records():
     big = torch.tensor([0, 1000, 5], dtype=torch.int32)  # out of range: read as the whole sink, never past its rows
     ref = torch.stack([reference_attention(q[b].float()[:, None], *request_kv(st, fmt, 64, b, int(sl[b])), 0.125)[:, 0]
                        for b in range(3)])
-    wl = (sl > 0).to(torch.int32) * fmt.window_tokens  # the reference reads the window where the sink is the row's
+    wl = window_lens(sl, fmt)  # the reference reads the window where the sink is the row's
     out = decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
                            st["tail_slots"], fmt, 0.125, num_splits=2, out=torch.empty(q.shape), sink_lens=sl,
                            win_lens=wl)
