@@ -5,7 +5,8 @@
 
 A cell writes one result to RESULT ({"status", "error", "metrics", "info"}), also when it fails. A job builds one
 `vllm.LLM` from job["llm"], runs the requests in small batches and prints one `@kvarn-result {json}` line per request
-as each batch finishes (the parent stores them as they arrive); a failing job exits non-zero with its traceback.
+as each batch finishes (the parent stores them as they arrive); a failing job exits non-zero with its traceback, a
+finished one exits 0 without waiting on vLLM's shutdown.
 """
 from __future__ import annotations
 
@@ -74,7 +75,11 @@ def run_job(job: dict) -> int:
 
     llm = LLM(**job["llm"])
     JOB_MODES[job["mode"]](llm, job)
-    return 0
+    sys.stdout.flush()
+    # every result is out: vLLM's engine shutdown can still abort the interpreter ("terminate called without an
+    # active exception", exit -6), which would turn a finished job into a failed row; leave now, as a cell does
+    # (the parent ends the engine core left behind)
+    os._exit(0)
 
 
 def run_cell(spec: dict, result_path: str) -> int:

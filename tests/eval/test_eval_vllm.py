@@ -39,6 +39,9 @@ FAKE = textwrap.dedent('''
                 sys.exit(1)
             if kw["kv_cache_dtype"] == "kvarn_k4v4_g128":
                 time.sleep(60)
+            if kw["kv_cache_dtype"] == "kvarn_k4v2_g64":  # as vLLM's engine shutdown can: abort at exit
+                import atexit
+                atexit.register(os.abort)
             self.q = kw["kv_cache_dtype"] != "auto"
             self.max_len = kw.get("max_model_len") or 10 ** 9
 
@@ -110,6 +113,13 @@ def test_vllm_timeout_is_a_row(tmp_path, fake_vllm):
                       out=str(tmp_path / "res"))
     rows = R.run_eval(o, engine_obj=_engine(tmp_path, timeout_s=4))
     assert [r["status"] for r in rows] == ["ok", "timeout"]
+
+
+def test_vllm_abort_at_shutdown_after_every_result_is_ok(tmp_path, fake_vllm):
+    o = R.EvalOptions(task="ppl", engine="hf", context="64", limit=2, kv_dtypes="kvarn_k4v2_g64",
+                      out=str(tmp_path / "res"))
+    rows = R.run_eval(o, engine_obj=_engine(tmp_path))
+    assert [(r["status"], r["n"]) for r in rows] == [("ok", 2), ("ok", 2)]
 
 
 def test_vllm_crash_row_names_the_exception(tmp_path, fake_vllm):
