@@ -11,7 +11,8 @@
 # as passed, and makes the exit status non-zero.
 #   KVARN_GPUSUITE_FILES  test files to run (default: every file with a test the gpu marker selects)
 #   KVARN_GPUSUITE_SHARDS pytest processes per file (default 4)
-#   KVARN_SMOKE_CASES     vllm_smoke.sh cases (default: the FP16 baseline and the shipped KVarN preset with CUDA graphs)
+#   KVARN_SMOKE_CASES     vllm_smoke.sh cases (default: SmolLM2 FP16 and the shipped KVarN preset, eager, and that preset
+#                         with CUDA graphs)
 #   KVARN_SMOKE_BUDGET    seconds for the smoke (default 300), kept out of the part's time limit before the tests
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT/gpusuite"
@@ -19,7 +20,7 @@ DIR="$(cd "$(dirname "$0")" && pwd)"
 T0=$(date +%s)
 LIMIT="${KVARN_PART_SECS:-590}"
 export KVARN_SMOKE_BUDGET="${KVARN_SMOKE_BUDGET:-300}"
-export KVARN_SMOKE_CASES="${KVARN_SMOKE_CASES:-smol_fp16_eager_v2,smol_g128_graph_v2}"
+export KVARN_SMOKE_CASES="${KVARN_SMOKE_CASES:-smol_fp16_eager_v2,smol_g128_eager_v2,smol_g128_graph_v2}"
 TESTS_END=$(( T0 + LIMIT - KVARN_SMOKE_BUDGET - 20 ))   # the smoke keeps its share of the part's time
 smoke="not run"
 not_run=()

@@ -6,8 +6,9 @@
 #   0 plugin/CLI checks (no engine), kernels-vs-torch ops check on the GPU
 #   1 SmolLM2 fp16 eager MRv2 (baseline: chunked-prefill perplexity, greedy tokens)
 #   2 SmolLM2 kvarn_k4v2_g128: eager MRv2, eager MRv1, CUDA graphs MRv2 (full-graph decode), CUDA graphs MRv1
-#   3 Qwen3-8B shape, dummy weights, kvarn_k4v2_g128, CUDA graphs: vLLM's KV capacity (>= 4.4x FP16's 791,792) +
-#     a 16 x (4096 + 128) burst
+#   3 Qwen3-8B shape, dummy weights, CUDA graphs: FP16's and kvarn_k4v2_g128's KV capacity as vLLM reports it
+#     (>= 4.4x), and a 16 x (4096 + 128) burst on KVarN
+# A KV ratio is printed only against the FP16 case of the same model and runner / graph mode in the same call.
 #   4 the other presets (g64, k4v4, k2v2), a preemption run, a prefix-cache-hit check
 # Logs: $OUT/<case>.log (full vLLM log), $OUT/<case>.json (results), $OUT/smoke_summary.txt. Last: a table.
 # A/B of a backend knob (token ids compared in full, e.g. the deferred flush under preemption):
@@ -184,15 +185,16 @@ run_case smol_g128_eager_v1  "VLLM_USE_V2_MODEL_RUNNER=0"  '{"case":"smol_g128_e
 run_case smol_g128_graph_v2  ""                            '{"case":"smol_g128_graph_v2","kv":"kvarn_k4v2_g128","block_size":128,"eager":false,'"$S"'}'
 # ---- stage 3: Qwen3-8B shape -----------------------------------------------------------------------------------
 QDIR=/tmp/models/qwen3-8b-dummy; mkdir -p "$QDIR"; cp suites/models/qwen3-8b.json "$QDIR/config.json"
-Q='"model":"'$QDIR'","repo":"'$REPO'","load_format":"dummy","skip_tokenizer_init":true,"util":0.9,"max_model_len":8192,"tasks":["burst"]'
-run_case qwen8b_g128_graph_v2 ""                           '{"case":"qwen8b_g128_graph_v2","kv":"kvarn_k4v2_g128","block_size":128,"eager":false,'"$Q"'}'
+Q='"model":"'$QDIR'","repo":"'$REPO'","load_format":"dummy","skip_tokenizer_init":true,"util":0.9,"max_model_len":8192'
+run_case qwen8b_fp16_graph_v2 ""                           '{"case":"qwen8b_fp16_graph_v2","kv":"auto","eager":false,'"$Q"'}'
+run_case qwen8b_g128_graph_v2 ""                           '{"case":"qwen8b_g128_graph_v2","kv":"kvarn_k4v2_g128","block_size":128,"eager":false,"tasks":["burst"],'"$Q"'}'
 # ---- stage 4: more runners / presets / preemption --------------------------------------------------------------
 run_case smol_g128_graph_v1  "VLLM_USE_V2_MODEL_RUNNER=0"  '{"case":"smol_g128_graph_v1","kv":"kvarn_k4v2_g128","block_size":128,"eager":false,'"$S"'}'
 run_case smol_g64_eager_v2   ""                            '{"case":"smol_g64_eager_v2","kv":"kvarn_k4v2_g64","block_size":64,'"$S"'}'
 run_case smol_k4v4_eager_v2  ""                            '{"case":"smol_k4v4_eager_v2","kv":"kvarn_k4v4_g128","block_size":128,'"$S"'}'
 run_case smol_k2v2_eager_v2  ""                            '{"case":"smol_k2v2_eager_v2","kv":"kvarn_k2v2_g128","block_size":128,'"$S"'}'
 run_case smol_g128_preempt   ""                            '{"case":"smol_g128_preempt","kv":"kvarn_k4v2_g128","block_size":128,"model":"'$SMOL'","repo":"'$REPO'","num_gpu_blocks_override":24,"max_num_seqs":8,"max_model_len":1024,"tasks":["preempt"]}'
-run_case qwen8b_g128_eager_v1 "VLLM_USE_V2_MODEL_RUNNER=0" '{"case":"qwen8b_g128_eager_v1","kv":"kvarn_k4v2_g128","block_size":128,"eager":true,'"$Q"'}'
+run_case qwen8b_g128_eager_v1 "VLLM_USE_V2_MODEL_RUNNER=0" '{"case":"qwen8b_g128_eager_v1","kv":"kvarn_k4v2_g128","block_size":128,"eager":true,"tasks":["burst"],'"$Q"'}'
 
 # ---- the table -------------------------------------------------------------------------------------------------
 python3 - "$OUT" > "$OUT/smoke_summary.txt" <<'PY'
@@ -203,7 +205,9 @@ for f in sorted(glob.glob(os.path.join(out, "*.json"))):
     except Exception: continue
     if "case" in r: rows[r["case"] + (f"@{r['tag']}" if r.get("tag") else "")] = r
 base = rows.get("smol_fp16_eager_v2", {})
-FP16_QWEN = 791792
+def fp16_of(name):  # the FP16 case of the same model and runner / graph mode ("smol_g128_graph_v2" -> "smol_fp16_graph_v2")
+    model, _, mode = name.split("@")[0].split("_", 2)
+    return rows.get(f"{model}_fp16_{mode}", {})
 def agree(a, b):
     if not a or not b: return ""
     firsts = []
@@ -211,13 +215,12 @@ def agree(a, b):
         k = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
         firsts.append(k)
     return f"{sum(f >= 8 for f in firsts)}/{len(firsts)} first8, mean {sum(firsts)/len(firsts):.0f}"
-print(f"{'case':24} {'ok':4} {'start':>6} {'KV tokens':>11} {'vs ref':>7} {'ppl':>8} {'d ppl':>7} {'greedy vs fp16':>22} note")
+print(f"{'case':24} {'ok':4} {'start':>6} {'KV tokens':>11} {'vs fp16':>7} {'ppl':>8} {'d ppl':>7} {'greedy vs fp16':>22} note")
 for name, r in rows.items():
     if r.get("skipped"): print(f"{name:24} SKIP"); continue
     kv = r.get("kv_tokens") or 0
-    ref = ""
-    if name.startswith("qwen"): ref = f"{kv / FP16_QWEN:.2f}x"
-    elif base.get("kv_tokens"): ref = f"{kv / base['kv_tokens']:.2f}x"
+    fp16_kv = fp16_of(name).get("kv_tokens")
+    ref = f"{kv / fp16_kv:.2f}x" if kv and fp16_kv else ""
     ppl = r.get("ppl"); dp = f"{100 * (ppl / base['ppl'] - 1):+.2f}%" if ppl and base.get("ppl") else ""
     note = []
     if "burst_done" in r: note.append(f"burst {r['burst_done']}/16 {r['burst_s']}s {r['burst_tok_s']} tok/s")
