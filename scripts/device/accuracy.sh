@@ -22,6 +22,9 @@ T0=$(date +%s)
 log() { echo "[acc +$(( $(date +%s) - T0 ))s] $*"; }
 want() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 mkdir -p "$RES"
+# an earlier call's results carried back in (its $OUT/acc-results copied to .device/acc-results, named in carry): the
+# evals resume them, scoring only what is missing, also after the machine went back
+[ -d .device/acc-results/parts ] && mkdir -p "$RES/parts" && cp -n .device/acc-results/parts/*.parquet "$RES/parts/"
 : >>"$RES/status.txt"
 ev() {  # name, seconds, kvarn eval args... (each step its own limit: a stuck engine is a timeout row, not a hang;
         # eval's own limit ends well before the step's, so its workers are ended by eval and never outlive the step)
