@@ -6,7 +6,7 @@
 A cell writes one result to RESULT ({"status", "error", "metrics", "info"}), also when it fails. A job builds one
 `vllm.LLM` from job["llm"], runs the requests in small batches and prints one `@kvarn-result {json}` line per request
 as each batch finishes (the parent stores them as they arrive); a failing job exits non-zero with its traceback, a
-finished one exits 0 without waiting on vLLM's shutdown.
+finished one prints `@kvarn-done` and exits 0 without waiting on vLLM's shutdown.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from .gpus import GpuMemSampler
 from .vllm_log import classify_error
 
 RESULT_TAG = "@kvarn-result "
+DONE_TAG = "@kvarn-done"  # a job's last line: every result is out
 BATCH = 256  # requests per generate() call: results stream back per batch, vLLM schedules within it
 
 # a cell times a burst with bench's own metrics and progress file, so its body lives in kvarn.bench; named here and
@@ -75,10 +76,11 @@ def run_job(job: dict) -> int:
 
     llm = LLM(**job["llm"])
     JOB_MODES[job["mode"]](llm, job)
-    sys.stdout.flush()
     # every result is out: vLLM's engine shutdown can still abort the interpreter ("terminate called without an
-    # active exception", exit -6), which would turn a finished job into a failed row; leave now, as a cell does
-    # (the parent ends the engine core left behind)
+    # active exception", exit -6), which would turn a finished job into a failed row. Say so and leave now; the
+    # parent stops reading at this line (the engine core left behind still holds the pipe) and ends that core
+    sys.stdout.write(DONE_TAG + "\n")
+    sys.stdout.flush()
     os._exit(0)
 
 

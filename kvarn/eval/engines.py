@@ -20,7 +20,7 @@ from ..engines import gpus, process
 from ..engines.hf import kv_cache
 from ..engines.vllm_args import format_args
 from ..engines.vllm_log import classify_error, last_error_line
-from ..engines.vllm_worker import RESULT_TAG
+from ..engines.vllm_worker import DONE_TAG, RESULT_TAG
 from ..errors import KvarnError
 from ..formats import KVFormat
 
@@ -380,19 +380,28 @@ class VLLMEngine:
 
             timer = threading.Timer(self.cfg.timeout_s, kill)
             timer.start()
+            done = False
             try:
                 for line in proc.stdout:
                     if line.startswith(RESULT_TAG):
                         yield json.loads(line[len(RESULT_TAG):])
+                    elif line.startswith(DONE_TAG):
+                        done = True  # the worker is leaving; its engine core may keep the pipe open
+                        break
                     else:
                         logf.write(line)
-                proc.wait()
+                try:
+                    proc.wait(timeout=30 if done else None)
+                except subprocess.TimeoutExpired:
+                    pass
             finally:
                 timer.cancel()
                 if proc.poll() is None:  # interrupted (Ctrl-C) or the stream broke: free the GPU before leaving
                     _end_group(proc)
                 proc.wait()
                 _end_group(proc, leftovers_only=True)  # an engine core left behind keeps GPU memory
+        if done:  # every result arrived: how the process then ended does not change them
+            return
         if timed_out.is_set():
             raise EngineError(f"vLLM run for {fmt.name} passed its {self.cfg.timeout_s:.0f} s limit (log: {log})",
                               "timeout")
