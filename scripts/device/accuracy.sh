@@ -22,8 +22,9 @@ T0=$(date +%s)
 log() { echo "[acc +$(( $(date +%s) - T0 ))s] $*"; }
 want() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 mkdir -p "$RES"
-# an earlier call's results carried back in (its $OUT/acc-results copied to .device/acc-results, named in carry): the
-# evals resume them, scoring only what is missing, also after the machine went back
+# an earlier call's results carried back in (its acc-results/, unpacked from that call's logs.tar.xz into
+# .device/acc-results and named in carry): the evals resume them, scoring only what is missing, also after the
+# machine went back. Carry only results of the same kvarn: a sample is matched on its configuration, not the code
 [ -d .device/acc-results/parts ] && mkdir -p "$RES/parts" && cp -n .device/acc-results/parts/*.parquet "$RES/parts/"
 : >>"$RES/status.txt"
 ev() {  # name, seconds, kvarn eval args... (each step its own limit: a stuck engine is a timeout row, not a hang;
@@ -51,17 +52,19 @@ if want models; then
   tail -n 1 "$RES"/install-*.log
 fi
 
-# chunked perplexity: 128-token prefill chunks, so every chunk reads the earlier ones from the quantized cache. It
-# runs beside the generation steps below, in two rounds (KVARN_ACC_PPL picks the windows; KVARN_PPL_MEM each one's
-# memory share, default 0.2). Engine starts dominate (TurboQuant's warm-up compiles its kernels for ~2 min per head
-# dim): the first round compiles each head dim once (64: SmolLM2 and the 0.5B, 128: the 1.5B), the second finds
-# them compiled
+# chunked perplexity: 128-token prefill chunks, so every chunk reads the earlier ones from the quantized cache. Two
+# rounds (KVARN_ACC_PPL picks the windows; KVARN_PPL_MEM each one's memory share, default 0.2); beside the generation
+# step when at most one is selected, else first (all of them at once would ask for more than the GPU's memory).
+# Engine starts dominate (TurboQuant's warm-up compiles its kernels for ~2 min per head dim): the first round
+# compiles each head dim (64: SmolLM2 and the 0.5B, 128: the 1.5B), the second finds them compiled
 PPLS=" ${KVARN_ACC_PPL:-smol q15_2k q05_2k q05_8k q15_8k} "; PPLS=${PPLS//[+,]/ }; PM=${KVARN_PPL_MEM:-0.2}
 pp() { case "$PPLS" in *" ${1#ppl_} "*) ppl "$@" & ;; esac; }
+gens=0; for t in gsm8k niah math500 math500_cot; do want $t && gens=$((gens + 1)); done
 if want ppl; then
   ( pp ppl_smol 330 smollm2-135m 4096 2 "$PM" --weights "$SMOL"; pp ppl_q15_2k 330 qwen2.5-coder-1.5b 2048 8 "$PM"
     pp ppl_q05_2k 330 qwen2.5-coder-0.5b 2048 8 "$PM"; wait
     pp ppl_q05_8k 300 qwen2.5-coder-0.5b 8192 4 "$PM"; pp ppl_q15_8k 300 qwen2.5-coder-1.5b 8192 4 "$PM"; wait ) &
+  [ "$gens" -gt 1 ] && wait
 fi
 # GSM8K, NIAH and MATH-500 side by side, each engine set with its share of the memory (KVARN_{GSM8K,NIAH,MATH}_MEM,
 # default 0.3). math500 is lm-eval's completion protocol (an instruct model scores ~2% with every format under it),

@@ -8,9 +8,9 @@
 #   2 SmolLM2 kvarn_k4v2_g128: eager MRv2, eager MRv1, CUDA graphs MRv2 (full-graph decode), CUDA graphs MRv1
 #   3 Qwen3-8B shape, dummy weights, CUDA graphs: FP16's and kvarn_k4v2_g128's KV capacity as vLLM reports it
 #     (>= 4.4x), and a 16 x (4096 + 128) burst on KVarN
-# A KV ratio is printed only against the FP16 case of the same model and runner / graph mode in the same call.
 #   4 the other presets (g64, k4v4, k2v2), a preemption run, a prefix-cache-hit check
-# Logs: $OUT/<case>.log (full vLLM log), $OUT/<case>.json (results), $OUT/smoke_summary.txt. Last: a table.
+# Logs: $OUT/<case>.log (full vLLM log), $OUT/<case>.json (results), $OUT/smoke_summary.txt. Last: a table, with a
+# KV ratio only against the FP16 case of the same model and runner / graph mode in the same call.
 # A/B of a backend knob (token ids compared in full, e.g. the deferred flush under preemption):
 #   bash scripts/device/run.sh vllm_smoke:150@KVARN_SMOKE_CASES=smol_g128_preempt \
 #     vllm_smoke:150@KVARN_DEFER_FLUSH=0,KVARN_SMOKE_TAG=nodefer,KVARN_SMOKE_CASES=smol_g128_preempt
@@ -206,8 +206,8 @@ for f in sorted(glob.glob(os.path.join(out, "*.json"))):
     if "case" in r: rows[r["case"] + (f"@{r['tag']}" if r.get("tag") else "")] = r
 base = rows.get("smol_fp16_eager_v2", {})
 def fp16_of(name):  # the FP16 case of the same model and runner / graph mode ("smol_g128_graph_v2" -> "smol_fp16_graph_v2")
-    model, _, mode = name.split("@")[0].split("_", 2)
-    return rows.get(f"{model}_fp16_{mode}", {})
+    parts = name.split("@")[0].split("_", 2)
+    return rows.get(f"{parts[0]}_fp16_{parts[2]}", {}) if len(parts) == 3 else {}
 def agree(a, b):
     if not a or not b: return ""
     firsts = []
