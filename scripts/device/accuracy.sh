@@ -20,7 +20,8 @@ TEXT=.device/data/moby_dick.txt   # Moby-Dick from character 20,000 (npm @stdlib
 STEPS="${KVARN_ACC_STEPS:-models ppl gsm8k niah math500_cot}"; STEPS=${STEPS//[+,]/ }   # "+" and "," separate too (run.sh @VAR=)
 T0=$(date +%s)
 log() { echo "[acc +$(( $(date +%s) - T0 ))s] $*"; }
-want() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
+listed() { case " $1 " in *" $2 "*) return 0 ;; esac; return 1; }  # LIST ITEM: ITEM is a word of LIST
+want() { listed "$STEPS" "$1"; }
 mkdir -p "$RES"
 # an earlier call's results carried back in (its acc-results/, unpacked from that call's logs.tar.xz into
 # .device/acc-results and named in carry): the evals resume them, scoring only what is missing, also after the
@@ -57,8 +58,8 @@ fi
 # step when at most one is selected, else first (all of them at once would ask for more than the GPU's memory).
 # Engine starts dominate (TurboQuant's warm-up compiles its kernels for ~2 min per head dim): the first round
 # compiles each head dim (64: SmolLM2 and the 0.5B, 128: the 1.5B), the second finds them compiled
-PPLS=" ${KVARN_ACC_PPL:-smol q15_2k q05_2k q05_8k q15_8k} "; PPLS=${PPLS//[+,]/ }; PM=${KVARN_PPL_MEM:-0.2}
-pp() { case "$PPLS" in *" ${1#ppl_} "*) ppl "$@" & ;; esac; }
+PPLS="${KVARN_ACC_PPL:-smol q15_2k q05_2k q05_8k q15_8k}"; PPLS=${PPLS//[+,]/ }; PM=${KVARN_PPL_MEM:-0.2}
+pp() { if listed "$PPLS" "${1#ppl_}"; then ppl "$@" & fi; }
 gens=0; for t in gsm8k niah math500 math500_cot; do want $t && gens=$((gens + 1)); done
 if want ppl; then
   ( pp ppl_smol 330 smollm2-135m 4096 2 "$PM" --weights "$SMOL"; pp ppl_q15_2k 330 qwen2.5-coder-1.5b 2048 8 "$PM"
