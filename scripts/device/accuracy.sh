@@ -59,7 +59,8 @@ fi
 # Engine starts dominate (TurboQuant's warm-up compiles its kernels for ~2 min per head dim): the first round
 # compiles each head dim (64: SmolLM2 and the 0.5B, 128: the 1.5B), the second finds them compiled
 PPLS="${KVARN_ACC_PPL:-smol q15_2k q05_2k q05_8k q15_8k}"; PPLS=${PPLS//[+,]/ }; PM=${KVARN_PPL_MEM:-0.2}
-pp() { if listed "$PPLS" "${1#ppl_}"; then ppl "$@" & fi; }
+pp() {  # KVARN_PPL_SECS: every window's limit (8192-token windows on a shared GPU need more than 300 s)
+  if listed "$PPLS" "${1#ppl_}"; then local n=$1; shift; ppl "$n" "${KVARN_PPL_SECS:-$1}" "${@:2}" & fi; }
 gens=0; for t in gsm8k niah math500 math500_cot; do want $t && gens=$((gens + 1)); done
 if want ppl; then
   ( pp ppl_smol 330 smollm2-135m 4096 2 "$PM" --weights "$SMOL"; pp ppl_q15_2k 330 qwen2.5-coder-1.5b 2048 8 "$PM"
