@@ -25,7 +25,9 @@ side() {  # name, site dir, bench formats: the kvarn that side imports (vLLM and
     kv 90 python3 -m kvarn_cli.app microbench decode --batch 64 --context 16384 --q-heads 32 --kv-heads 8 \
       --head-dim 128 --kv-dtype kvarn_k4v2_g128 --check --json 2>"$d/mb.err" | tail -n 1 > "$d/mb.json" ;; esac
   case $PARTS in *,bench,*)
-    kv 420 python3 -m kvarn_cli.app bench --engine vllm --model qwen3-8b --dummy-weights \
+    # --timeout is per cell (engine start + burst); the wrapper allows every cell its own
+    local cells; cells=$(echo "$dtypes" | tr ',' '\n' | wc -l)
+    kv $(( 40 + 400 * cells )) python3 -m kvarn_cli.app bench --engine vllm --model qwen3-8b --dummy-weights \
       --kv-dtype "$dtypes" --burst 16k --requests 96 --prompt-len 14336 --output-len 2048 \
       --max-num-seqs 96 --timeout 380 --out "$d/bench" > "$d/bench.log" 2>&1 ;; esac
   bash "$(dirname "$0")/free_gpu.sh"
