@@ -91,3 +91,13 @@ def max_concurrency_at(num_blocks: float | None, block_size: float | None, conte
     if not num_blocks or not block_size or context < 1:
         return float("nan")
     return float(num_blocks) / math.ceil(context / float(block_size))
+
+
+def pool_blocks_from_log(logged_tokens: int, max_model_len: int, block_size: int) -> int:
+    """The pool's block count behind vLLM 0.26's "GPU KV cache size" line, which prints
+    int(num_blocks / cdiv(max_model_len, block_size) * max_model_len): fewer tokens than the pool holds when
+    max_model_len is no whole number of blocks. num_blocks is the one integer in
+    [logged * c / L, (logged + 1) * c / L) (an interval narrower than 1, c = cdiv(L, block) <= L / block + 1)."""
+    per_request = -(-max_model_len // block_size)
+    return -(-logged_tokens * per_request // max_model_len)
+

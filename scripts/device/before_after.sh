@@ -5,7 +5,7 @@
 #   bash scripts/device/run.sh before_after:590      # carrying .device/base (and the bundle's .device/c5, bin, data)
 # Each side: the decode microbench (B=64 x 16K, Qwen3-8B heads), the showcase burst (Qwen3-8B shape, dummy weights,
 # 96 x (14,336 + 2,048): FP16 and kvarn_k4v2_g128 in one `kvarn bench` run), SmolLM2 chunked perplexity (2 x 4096,
-# chunk 128) through vLLM. KVARN_BA_PARTS picks some of mb,bench,ppl (default all); KVARN_BA_BASE_DTYPES the base
+# chunk 128) through vLLM. KVARN_BA_SIDES picks base, head or both (default both); KVARN_BA_PARTS picks some of mb,bench,ppl (default all); KVARN_BA_BASE_DTYPES the base
 # side's bench formats (default FP16 and KVarN, as this tree's; kvarn_k4v2_g128 alone when only KVarN's code changed,
 # vLLM's FP16 then measured once, beside this tree's KVarN). Results under $OUT/<side>/.
 set -uo pipefail
@@ -14,9 +14,12 @@ export PYTHONUNBUFFERED=1 COLUMNS=200 VLLM_USE_FLASHINFER_SAMPLER=0
 BASE=.device/base
 SMOL="${KVARN_SMOL:-/tmp/models/smollm2-135m-instruct}"
 PARTS=",${KVARN_BA_PARTS:-mb,bench,ppl},"
-[ -f "$BASE/pyproject.toml" ] || { echo "no base tree in $BASE (git archive BASE | tar -x -C $BASE, then carry it)"; exit 2; }
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kvarn-base-site --upgrade "$BASE" \
-  > "$OUT/base-install.log" 2>&1 || { tail -5 "$OUT/base-install.log"; exit 3; }
+SIDES=",${KVARN_BA_SIDES:-base,head},"   # head alone: this tree's cells without a base (no before / after pair)
+if [[ $SIDES == *,base,* ]]; then
+  [ -f "$BASE/pyproject.toml" ] || { echo "no base tree in $BASE (git archive BASE | tar -x -C $BASE, then carry it)"; exit 2; }
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kvarn-base-site --upgrade "$BASE" \
+    > "$OUT/base-install.log" 2>&1 || { tail -5 "$OUT/base-install.log"; exit 3; }
+fi
 side() {  # name, site dir, bench formats: the kvarn that side imports (vLLM and torch from the bundle either way)
   local name=$1 site=$2 dtypes=$3 d="$OUT/$1"; mkdir -p "$d"
   # PYTHONSAFEPATH: `python -m` (here and in the engine workers) must not import the kvarn of the working directory
@@ -37,8 +40,8 @@ side() {  # name, site dir, bench formats: the kvarn that side imports (vLLM and
       --out "$d/eval" > "$d/ppl.log" 2>&1 ;; esac
   bash "$(dirname "$0")/free_gpu.sh"
 }
-side base /tmp/kvarn-base-site "${KVARN_BA_BASE_DTYPES:-auto,kvarn_k4v2_g128}"
-side head "${KVARN_SITE:-/tmp/kvarn-site}" auto,kvarn_k4v2_g128
+[[ $SIDES == *,base,* ]] && side base /tmp/kvarn-base-site "${KVARN_BA_BASE_DTYPES:-auto,kvarn_k4v2_g128}"
+[[ $SIDES == *,head,* ]] && side head "${KVARN_SITE:-/tmp/kvarn-site}" auto,kvarn_k4v2_g128
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 from kvarn.results import ResultsStore

@@ -63,7 +63,7 @@ class H(BaseHTTPRequestHandler):
 if os.environ.get("FAKE_SERVE_OOM"):  # the engine dies while sizing its KV cache; the reason is only in the log
     print("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`", flush=True)
     sys.exit(1)
-print("INFO 11-29 12:00:00 [kv_cache_utils.py:2177] GPU KV cache size: 3,597,696 tokens", flush=True)
+print("INFO 11-29 12:00:00 [kv_cache_utils.py:2177] GPU KV cache size: 3,513,375 tokens", flush=True)  # 28,107 blocks at 4,000
 time.sleep(0.3)  # /health answers only after the engine is up, as vllm serve's does
 ThreadingHTTPServer((host, port), H).serve_forever()
 '''
@@ -97,8 +97,9 @@ def test_serve_mode_metrics_capacity_warmup_and_goodput(fake_serve, monkeypatch)
     assert m["ttft_ms_p50"] > 0 and m["tpot_ms_p50"] > 0 and m["itl_ms_p50"] > 0 and m["e2el_ms_p50"] > 0
     assert m["goodput_req_s"] == pytest.approx(m["request_throughput"])  # generous SLOs: every request meets them
     # capacity from the server's own log line, which vLLM 0.26 prints as int(max concurrency x max_model_len) with
-    # max_model_len = the burst (4,000 tokens: not a whole number of 128-token blocks)
-    assert m["kv_tokens"] == 3_597_696 and m["max_concurrency"] == pytest.approx(3_597_696 / 4000)
+    # max_model_len = the burst (4,000 tokens: not a whole number of 128-token blocks, so 28,107 blocks print as
+    # 28,107 / 32 x 4,000 = 3,513,375): the row holds the pool, 28,107 x 128 tokens, and 28,107 / 32 requests
+    assert m["kv_tokens"] == 3_597_696 and m["max_concurrency"] == pytest.approx(28_107 / 32)
     # the untimed warm-up burst ran first: the fake's cumulative counter (one per request served) minus the warm-up's
     # leaves the timed burst's 4
     assert m["peak_running"] == 3 and m["kv_usage_peak"] == 0.25 and m["preemptions"] == 4

@@ -219,3 +219,34 @@ def test_warmup_overflows_one_step_and_preemptions_exclude_it():
     one, _ = warmup_burst({"requests": 1, "prompt_len": 1000, "output_len": 8, "seed": 0}, 1000, 8192)
     assert [len(p) for p in one] == [1000]  # a single prompt keeps the burst's length
     assert preemption_count({}) != preemption_count({})  # nan when vLLM reports none
+
+
+def _vllm_logged_tokens(num_blocks: int, max_model_len: int, block: int) -> int:
+    # vLLM 0.26 kv_cache_utils: int(num_blocks / cdiv(max_model_len, block_size) * max_model_len)
+    return int(num_blocks / -(-max_model_len // block) * max_model_len)
+
+
+def test_pool_blocks_from_logged_tokens_inverts_vllms_rounding():
+    from kvarn.bench.metrics import pool_blocks_from_log
+
+    # an H200 run: Qwen3-8B shape, kvarn_k4v2_g128, 16 x (2,048 + 64), vLLM printed 3,397,338 for 27,346 blocks
+    assert _vllm_logged_tokens(27_346, 2112, 128) == 3_397_338
+    assert pool_blocks_from_log(3_397_338, 2112, 128) == 27_346
+    for blocks in (1, 7, 1000, 27_345, 27_346, 49_487, 250_001):
+        for length, block in ((2112, 128), (16384, 128), (4000, 128), (1000, 16), (2112, 16), (100, 64)):
+            assert pool_blocks_from_log(_vllm_logged_tokens(blocks, length, block), length, block) == blocks
+
+
+def test_offline_capacity_is_the_pool_not_vllms_rounded_figure():
+    from types import SimpleNamespace
+
+    from kvarn.bench.engines.vllm_cell import _capacity
+
+    cc = SimpleNamespace(num_gpu_blocks=27_346, block_size=128,
+                         kv_cache_size_tokens=_vllm_logged_tokens(27_346, 2112, 128))
+    metrics, info = _capacity(cc, 2112)
+    assert metrics["kv_tokens"] == 27_346 * 128 and info == {"kv_block_size": 128}
+    assert metrics["max_concurrency"] == pytest.approx(27_346 / 17)
+    # no block count: vLLM's figure is all there is
+    metrics, _ = _capacity(SimpleNamespace(num_gpu_blocks=None, block_size=None, kv_cache_size_tokens=5000), 2112)
+    assert metrics["kv_tokens"] == 5000

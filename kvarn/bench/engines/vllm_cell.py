@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ...engines.vllm_args import llm_kwargs, model_dir_for, serve_argv
 from ...engines.vllm_log import BURST_MARK, log_file_error
-from ..metrics import RequestRecord, max_concurrency_at, summarize
+from ..metrics import RequestRecord, max_concurrency_at, pool_blocks_from_log, summarize
 from ..progress import ProgressFile
 from ..prompts import random_prompts
 
@@ -36,11 +36,24 @@ def metric_values(metrics) -> dict[str, float]:
 
 
 def _capacity(cc, burst: int) -> dict:
+    # the pool's tokens, num_blocks x block_size: vLLM's kv_cache_size_tokens rounds down to whole requests of
+    # max_model_len (the burst), which undercounts a 128-token-block pool at a burst of no whole number of tiles
     blocks = getattr(cc, "num_gpu_blocks", None)
     block = getattr(cc, "block_size", None)
-    tokens = getattr(cc, "kv_cache_size_tokens", None) or ((blocks or 0) * (block or 0)) or float("nan")
+    tokens = ((blocks or 0) * (block or 0)) or getattr(cc, "kv_cache_size_tokens", None) or float("nan")
     return {"kv_tokens": float(tokens), "kv_blocks": float(blocks or float("nan")),
             "max_concurrency": max_concurrency_at(blocks, block, burst)}, {"kv_block_size": block}
+
+
+def _serve_capacity(logged: int | None, burst: int, block: int | None) -> tuple[float, float]:
+    """(pool tokens, requests of the burst it holds) from the server's log line, where max_model_len = the burst.
+    Without a known block size (vLLM picks FP16's) the logged figure stands."""
+    if logged is None:
+        return float("nan"), float("nan")
+    if not block:
+        return float(logged), logged / burst
+    blocks = pool_blocks_from_log(logged, burst, int(block))
+    return float(blocks * int(block)), max_concurrency_at(blocks, block, burst)
 
 
 def run_offline(spec: dict) -> dict:
@@ -240,9 +253,9 @@ def run_serve(spec: dict) -> dict:
         sys.stdout.flush()
         log_text = Path(spec["log_path"]).read_text(errors="replace") if spec.get("log_path") else ""
         kv = [int(m.replace(",", "")) for m in KV_LOG.findall(log_text)]
-        kv_tokens = float(kv[-1]) if kv else float("nan")
+        kv_tokens, concurrency = _serve_capacity(kv[-1] if kv else None, spec["burst"], kwargs.get("block_size"))
         progress.update(force=True, phase="warm-up", engine_start_s=start_s, kv_tokens=kv_tokens,
-                        max_concurrency=kv_tokens / spec["burst"] if kv else float("nan"))
+                        max_concurrency=concurrency)
         vocab = int(spec.get("vocab_size", 32000))
         prompts = random_prompts(spec["requests"], spec["prompt_len"], vocab, spec["seed"])
         # the same untimed warm-up as offline mode (first-use Triton compiles), counted in engine_start_s
@@ -277,9 +290,7 @@ def run_serve(spec: dict) -> dict:
         if not math.isnan(preempt0):
             server_stats["preemptions"] = server_stats["preemptions"] - preempt0
         metrics.update(server_stats)
-        # vLLM logs int(max concurrency x max_model_len) tokens, and max_model_len = the burst's context
-        metrics.update(engine_start_s=start_s, kv_tokens=kv_tokens,
-                       max_concurrency=kv_tokens / spec["burst"] if kv else float("nan"))
+        metrics.update(engine_start_s=start_s, kv_tokens=kv_tokens, max_concurrency=concurrency)
         errors = [r.error for r in records if not r.success]
         status = "ok" if not errors else "failed"
         err = "" if not errors else f"{len(errors)}/{len(records)} requests failed; first: {errors[0][:300]}"
