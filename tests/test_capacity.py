@@ -11,6 +11,8 @@ from tests.helpers import run_cli
 # vLLM 0.26.0 on one H200, Qwen3-8B shape, gpu_memory_utilization 0.9 (device README, 2026-11-29)
 VLLM_FP16_TOKENS = 791_792
 VLLM_TQ_K3V4_TOKENS = 2_505_920
+# the same, kvarn_k4v2_g128 at max_num_seqs 256 (2026-12-04): vLLM's num_gpu_blocks x 128
+VLLM_KVARN_TOKENS = 27_346 * 128
 
 
 def test_matches_vllm_report_qwen3_8b():
@@ -34,6 +36,7 @@ def test_kvarn_reserves_tail_and_stays_above_target():
     assert kv.reserved_requests == 256
     assert kv.kv_tokens % 128 == 0
     assert 4.4 <= kv.ratio_vs_fp16 < 4.74
+    assert kv.kv_tokens == pytest.approx(VLLM_KVARN_TOKENS, rel=0.002)  # the pool vLLM sized after the reservation
     more = capacity(s, get_format("kvarn_k4v2_g128"), max_num_seqs=1024)
     assert more.kv_tokens < kv.kv_tokens  # a larger tail reservation costs pool tokens
     assert kv.max_concurrency <= 256
