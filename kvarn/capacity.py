@@ -31,7 +31,7 @@ class Capacity:
     reserved_requests: int  # requests the fixed buffers are reserved for
     available_bytes: float  # KV budget of one GPU before reservations
     num_blocks: int
-    kv_tokens: int  # num_blocks x block_size (vLLM's "GPU KV cache size" when max_model_len is whole blocks)
+    kv_tokens: int  # num_blocks x block_size (vLLM's "GPU KV cache size", within a token, at whole-block max_model_len)
     ratio_vs_fp16: float
     max_concurrency: float | None  # requests of --context tokens that fit at once
     context: int | None

@@ -117,13 +117,24 @@ class MetricsSampler(threading.Thread):
         self.last: dict[str, float] = {}
         self._halt = threading.Event()
 
-    def scrape(self) -> dict[str, float]:
+    def _text(self) -> str:
         c = http.client.HTTPConnection(self.host, self.port, timeout=5)
         try:
             c.request("GET", "/metrics")
-            text = c.getresponse().read().decode(errors="replace")
+            return c.getresponse().read().decode(errors="replace")
         finally:
             c.close()
+
+    def pool(self) -> tuple[int, int] | None:
+        """(num_gpu_blocks, block_size) from the server's `vllm:cache_config_info` gauge (its labels are the
+        CacheConfig's fields), or None when the server does not say."""
+        try:
+            return cache_pool(self._text())
+        except (OSError, ValueError, http.client.HTTPException):
+            return None
+
+    def scrape(self) -> dict[str, float]:
+        text = self._text()
         vals: dict[str, float] = {}
         for line in text.splitlines():
             m = self._LINE.match(line.strip())
@@ -155,6 +166,24 @@ class MetricsSampler(threading.Thread):
             "kv_usage_peak": self.peak.get("vllm:kv_cache_usage_perc", float("nan")),
             "preemptions": self.last.get("vllm:num_preemptions_total", self.last.get("vllm:num_preemptions", float("nan"))),
         }
+
+
+_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def cache_pool(metrics_text: str) -> tuple[int, int] | None:
+    """(num_gpu_blocks, block_size) from a /metrics page's `vllm:cache_config_info{...}` line, else None."""
+    for line in metrics_text.splitlines():
+        m = _INFO.match(line.strip())
+        if m:
+            labels = dict(_LABEL.findall(m.group(1)))
+            try:
+                blocks, block = int(labels["num_gpu_blocks"]), int(labels["block_size"])
+            except (KeyError, ValueError):
+                return None
+            return (blocks, block) if blocks > 0 and block > 0 else None
+    return None
 
 
 def run_load(host: str, port: int, model: str, prompts: list[list[int]], output_len: int, *,

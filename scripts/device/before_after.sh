@@ -5,9 +5,10 @@
 #   bash scripts/device/run.sh before_after:590      # carrying .device/base (and the bundle's .device/c5, bin, data)
 # Each side: the decode microbench (B=64 x 16K, Qwen3-8B heads), the showcase burst (Qwen3-8B shape, dummy weights,
 # 96 x (14,336 + 2,048): FP16 and kvarn_k4v2_g128 in one `kvarn bench` run), SmolLM2 chunked perplexity (2 x 4096,
-# chunk 128) through vLLM. KVARN_BA_SIDES picks base, head or both (default both); KVARN_BA_PARTS picks some of mb,bench,ppl (default all); KVARN_BA_BASE_DTYPES the base
-# side's bench formats (default FP16 and KVarN, as this tree's; kvarn_k4v2_g128 alone when only KVarN's code changed,
-# vLLM's FP16 then measured once, beside this tree's KVarN). Results under $OUT/<side>/.
+# chunk 128) through vLLM. KVARN_BA_SIDES picks base, head or base,head (the default); KVARN_BA_PARTS some of
+# mb,bench,ppl (default all); KVARN_BA_BASE_DTYPES the base side's bench formats (default FP16 and KVarN, as this
+# tree's; kvarn_k4v2_g128 alone when only KVarN's code changed, vLLM's FP16 then measured once, beside this tree's
+# KVarN). Results under $OUT/<side>/.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 COLUMNS=200 VLLM_USE_FLASHINFER_SAMPLER=0
@@ -15,6 +16,7 @@ BASE=.device/base
 SMOL="${KVARN_SMOL:-/tmp/models/smollm2-135m-instruct}"
 PARTS=",${KVARN_BA_PARTS:-mb,bench,ppl},"
 SIDES=",${KVARN_BA_SIDES:-base,head},"   # head alone: this tree's cells without a base (no before / after pair)
+[[ $SIDES == *,base,* || $SIDES == *,head,* ]] || { echo "KVARN_BA_SIDES=$KVARN_BA_SIDES: give base, head or base,head"; exit 2; }
 if [[ $SIDES == *,base,* ]]; then
   [ -f "$BASE/pyproject.toml" ] || { echo "no base tree in $BASE (git archive BASE | tar -x -C $BASE, then carry it)"; exit 2; }
   python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kvarn-base-site --upgrade "$BASE" \

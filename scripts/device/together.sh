@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several parts of scripts/device/run.sh at once on one GPU (correctness work that needs no quiet GPU), each with its
 # own time limit and log:
-#   bash scripts/device/run.sh "together:1100@KVARN_TOGETHER=gpusuite:900 accuracy:1050,KVARN_ACC_STEPS=models+niah"
+#   bash scripts/device/run.sh "together:1100@KVARN_TOGETHER=gpusuite:900 accuracy:1050,KVARN_ACC_STEPS=models+niah,KVARN_GPUSUITE_FILES=tests/kernels/test_kernels_gpu.py"
 # Every variable of the part reaches every child. KVARN_SHARED_GPU=1 keeps a child's free_gpu.sh from ending the
 # others' engines; run.sh ends whatever is left once all are done. Never for timings: they would measure each other.
 # Memory: every vLLM engine asks for its share at start and fails when the free memory is short. Beside six-format

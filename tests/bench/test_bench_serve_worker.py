@@ -41,7 +41,9 @@ class H(BaseHTTPRequestHandler):
             return self._send(200, "# HELP x\\n"
                               f'vllm:num_requests_running{{model_name="m"}} {min(n, 3)}\\n'
                               "vllm:num_requests_waiting 0\\nvllm:kv_cache_usage_perc 0.25\\n"
-                              f"vllm:num_preemptions_total {n}\\n")  # one per request served, cumulative
+                              f"vllm:num_preemptions_total {n}\\n"  # one per request served, cumulative
+                              + ("" if os.environ.get("FAKE_SERVE_NO_INFO") else
+                                 'vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="28107"} 1.0\\n'))
         self._send(404, "no")
 
     def do_POST(self):
@@ -100,6 +102,9 @@ def test_serve_mode_metrics_capacity_warmup_and_goodput(fake_serve, monkeypatch)
     # max_model_len = the burst (4,000 tokens: not a whole number of 128-token blocks, so 28,107 blocks print as
     # 28,107 / 32 x 4,000 = 3,513,375): the row holds the pool, 28,107 x 128 tokens, and 28,107 / 32 requests
     assert m["kv_tokens"] == 3_597_696 and m["max_concurrency"] == pytest.approx(28_107 / 32)
+    monkeypatch.setenv("FAKE_SERVE_NO_INFO", "1")  # no cache-config gauge: the log line, inverted, says the same
+    again = VllmEngine().run(cell, timeout_s=120)
+    assert again.status == "ok" and again.metrics["kv_tokens"] == 3_597_696
     # the untimed warm-up burst ran first: the fake's cumulative counter (one per request served) minus the warm-up's
     # leaves the timed burst's 4
     assert m["peak_running"] == 3 and m["kv_usage_peak"] == 0.25 and m["preemptions"] == 4

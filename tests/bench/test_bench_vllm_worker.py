@@ -222,7 +222,7 @@ def test_warmup_overflows_one_step_and_preemptions_exclude_it():
 
 
 def _vllm_logged_tokens(num_blocks: int, max_model_len: int, block: int) -> int:
-    # vLLM 0.26 kv_cache_utils: int(num_blocks / cdiv(max_model_len, block_size) * max_model_len)
+    # a copy of vLLM 0.26's get_kv_cache_capacity (kv_cache_utils): int(num_blocks / cdiv(L, block_size) * L)
     return int(num_blocks / -(-max_model_len // block) * max_model_len)
 
 
@@ -232,7 +232,9 @@ def test_pool_blocks_from_logged_tokens_inverts_vllms_rounding():
     # an H200 run: Qwen3-8B shape, kvarn_k4v2_g128, 16 x (2,048 + 64), vLLM printed 3,397,338 for 27,346 blocks
     assert _vllm_logged_tokens(27_346, 2112, 128) == 3_397_338
     assert pool_blocks_from_log(3_397_338, 2112, 128) == 27_346
-    for blocks in (1, 7, 1000, 27_345, 27_346, 49_487, 250_001):
+    # whole-block lengths where the float product lands just below the integer: 61 blocks at 112 print 975, not 976
+    assert _vllm_logged_tokens(61, 112, 16) == 975 and pool_blocks_from_log(975, 112, 16) == 61
+    for blocks in (1, 7, 61, 1000, 27_345, 27_346, 49_487, 250_001):
         for length, block in ((2112, 128), (16384, 128), (4000, 128), (1000, 16), (2112, 16), (100, 64)):
             assert pool_blocks_from_log(_vllm_logged_tokens(blocks, length, block), length, block) == blocks
 
@@ -250,3 +252,20 @@ def test_offline_capacity_is_the_pool_not_vllms_rounded_figure():
     # no block count: vLLM's figure is all there is
     metrics, _ = _capacity(SimpleNamespace(num_gpu_blocks=None, block_size=None, kv_cache_size_tokens=5000), 2112)
     assert metrics["kv_tokens"] == 5000
+
+
+def test_serve_capacity_sources_in_order():
+    from kvarn.bench.engines.vllm_cell import _serve_capacity
+    from kvarn.bench.serve_client import cache_pool
+
+    page = ('# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
+            'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="49487"} 1.0\n')
+    assert cache_pool(page) == (49_487, 16)
+    assert cache_pool('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0') is None
+    assert cache_pool("vllm:num_requests_running 3") is None
+    # the gauge wins; then the log line inverted with the format's block size; then the line as printed
+    assert _serve_capacity((49_487, 16), 123, 2112, None) == (791_792.0, pytest.approx(49_487 / 132))
+    assert _serve_capacity(None, 3_397_338, 2112, 128)[0] == 3_500_288
+    assert _serve_capacity(None, 5000, 2112, None) == (5000.0, pytest.approx(5000 / 2112))
+    tokens, conc = _serve_capacity(None, None, 2112, 128)
+    assert tokens != tokens and conc != conc  # nothing known: NaN, not 0

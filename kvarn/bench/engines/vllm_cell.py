@@ -45,15 +45,18 @@ def _capacity(cc, burst: int) -> dict:
             "max_concurrency": max_concurrency_at(blocks, block, burst)}, {"kv_block_size": block}
 
 
-def _serve_capacity(logged: int | None, burst: int, block: int | None) -> tuple[float, float]:
-    """(pool tokens, requests of the burst it holds) from the server's log line, where max_model_len = the burst.
-    Without a known block size (vLLM picks FP16's) the logged figure stands."""
+def _serve_capacity(pool: tuple[int, int] | None, logged: int | None, max_model_len: int,
+                    block: int | None) -> tuple[float, float]:
+    """(pool tokens, requests of max_model_len it holds) of a server: from its /metrics cache-config gauge (blocks,
+    block size), else from its "GPU KV cache size" line inverted with the block size the format set, else that
+    line as printed (vLLM chose the block size and did not say)."""
+    if pool is None and logged is not None and block:
+        pool = (pool_blocks_from_log(logged, max_model_len, int(block)), int(block))
+    if pool is not None:
+        return float(pool[0] * pool[1]), max_concurrency_at(pool[0], pool[1], max_model_len)
     if logged is None:
         return float("nan"), float("nan")
-    if not block:
-        return float(logged), logged / burst
-    blocks = pool_blocks_from_log(logged, burst, int(block))
-    return float(blocks * int(block)), max_concurrency_at(blocks, block, burst)
+    return float(logged), logged / max_model_len
 
 
 def run_offline(spec: dict) -> dict:
@@ -253,7 +256,9 @@ def run_serve(spec: dict) -> dict:
         sys.stdout.flush()
         log_text = Path(spec["log_path"]).read_text(errors="replace") if spec.get("log_path") else ""
         kv = [int(m.replace(",", "")) for m in KV_LOG.findall(log_text)]
-        kv_tokens, concurrency = _serve_capacity(kv[-1] if kv else None, spec["burst"], kwargs.get("block_size"))
+        kv_tokens, concurrency = _serve_capacity(MetricsSampler(host, port).pool(), kv[-1] if kv else None,
+                                                 int(kwargs.get("max_model_len") or spec["burst"]),
+                                                 kwargs.get("block_size"))
         progress.update(force=True, phase="warm-up", engine_start_s=start_s, kv_tokens=kv_tokens,
                         max_concurrency=concurrency)
         vocab = int(spec.get("vocab_size", 32000))
