@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Device-side driver (the lent H200). The bundle chunks c0..c4 were staged into /tmp/stage by earlier calls
-# (see ../shared/device/README.md); this call carries .device/c5 and .device/bin (and .device/data for eval data).
+# Device-side driver (the lent H200). scripts/device/prepare.sh (here, before any call) makes what the calls carry; the
+# bundle chunks c0..c4 (and the model pieces) were staged into /tmp/stage (/tmp/pieces) by earlier calls, as its
+# header says; this call carries .device/c5 and .device/bin (and .device/data for eval data).
 #   bash scripts/device/run.sh PART[:SECS] [PART[:SECS] ...]   PART = a script scripts/device/PART.sh, run in order
 #   PART[:SECS]@VAR=value[,VAR=value]                            that part with these variables set (e.g. an A/B:
 #                                                                bench:420 bench:420@KVARN_DEFER_FLUSH=1)
