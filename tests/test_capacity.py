@@ -11,7 +11,7 @@ from tests.helpers import run_cli
 # vLLM 0.26.0 on one H200, Qwen3-8B shape, gpu_memory_utilization 0.9 (device README, 2026-11-29)
 VLLM_FP16_TOKENS = 791_792
 VLLM_TQ_K3V4_TOKENS = 2_505_920
-# the same, kvarn_k4v2_g128 at max_num_seqs 256 (2026-12-04): vLLM's num_gpu_blocks x 128
+# the same machine and model, kvarn_k4v2_g128 at max_num_seqs 256: vLLM's num_gpu_blocks x 128
 VLLM_KVARN_TOKENS = 27_346 * 128
 
 
