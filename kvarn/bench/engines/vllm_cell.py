@@ -256,7 +256,8 @@ def run_serve(spec: dict) -> dict:
         sys.stdout.flush()
         log_text = Path(spec["log_path"]).read_text(errors="replace") if spec.get("log_path") else ""
         kv = [int(m.replace(",", "")) for m in KV_LOG.findall(log_text)]
-        kv_tokens, concurrency = _serve_capacity(MetricsSampler(host, port).pool(), kv[-1] if kv else None,
+        sampler = MetricsSampler(host, port)  # started for the timed burst; before it, one page for the pool
+        kv_tokens, concurrency = _serve_capacity(sampler.pool(), kv[-1] if kv else None,
                                                  int(kwargs.get("max_model_len") or spec["burst"]),
                                                  kwargs.get("block_size"))
         progress.update(force=True, phase="warm-up", engine_start_s=start_s, kv_tokens=kv_tokens,
@@ -269,7 +270,6 @@ def run_serve(spec: dict) -> dict:
         warm, warm_out = warmup_burst(spec, vocab, kwargs.get("max_num_batched_tokens") or 8192)
         run_load(host, port, model_dir, warm, warm_out, seed=spec["seed"])
         start_s += time.perf_counter() - t1
-        sampler = MetricsSampler(host, port)
         sampler.sample()
         preempt0 = preemption_count(sampler.last)  # cumulative counter: the warm-up's preemptions out
         sampler.start()
