@@ -1,8 +1,11 @@
-"""`kvarn profile`: where one decode step of a vLLM engine spends its time, each cost next to its byte floor.
+"""`kvarn profile`: where one decode (or prefill) step of a vLLM engine spends its time, each cost next to its floor.
 
 For each KV dtype, one fresh engine process (dummy weights, a bundled shape, in-process engine core so the profiler
 sees the model's kernels) fills B requests to context C (prefill), runs a few warm-up decode steps, then times N
-decode steps with CUDA events and records them with `torch.profiler` (CPU + CUDA activities). GPU kernel time is
+decode steps with CUDA events and records them with `torch.profiler` (CPU + CUDA activities). With phase "prefill"
+it profiles the fill instead: a warm-up fill of other prompts of the same lengths (one token each, so prefix caching
+cannot serve the profiled ones), then every engine step until all B requests have their first token (the batch's
+time to first token). GPU kernel time is
 aggregated by category (`classify`), host time of the KVarN plugin's per-step plan (and of its per-layer store /
 attention Python) is accumulated by a perf_counter hook around `kvarn.vllm_plugin.ops` functions (same behaviour,
 only timed and labelled with `torch.profiler.record_function`). Floors are bytes that must move / HBM bandwidth:
@@ -11,6 +14,9 @@ only timed and labelled with `torch.profiler.record_function`). Floors are bytes
   slot bytes, the unfinished tile 16-bit, shown on the tail row); the FP16 equivalent is reported beside it;
 * store: bytes written (and the 16-bit tokens read) by the tile flushes / new-token writes of a step;
 * GEMMs: weight bytes read per step (input embedding excluded unless tied to the LM head).
+
+A prefill step is compute-bound: its GEMM floor is 2 x parameters x tokens / peak FLOP/s, its attention floor the
+causal QK and PV FLOPs of the step's tokens over their prefixes; the store floor is bytes as above.
 
     python -m kvarn.bench.profile SPEC.json RESULT.json      (the engine worker; `profile()` starts it)
 """
@@ -29,6 +35,8 @@ from ..errors import KvarnError
 from ..formats import get_format
 
 HBM_BYTES_PER_S = 4.1e12  # H200 copy bandwidth (BENCHMARKS.md measures 4.17 TB/s)
+PEAK_FLOPS = 989e12  # H200 dense 16-bit tensor-core peak (the data sheet's, without sparsity)
+PHASES = ("decode", "prefill")
 STAGGER_SPAN = 128  # prompt lengths are spread over one tile so flushes are amortised as in serving
 WARMUP_STEPS = 3
 
@@ -131,6 +139,28 @@ def weight_read_bytes(shape, dtype: str | None = None) -> float:
 
         total -= shape.vocab_size * shape.hidden_size * DTYPE_BYTES[dtype or shape.dtype]
     return float(total)
+
+
+def prefill_flops(prompt_lens, layers: int, q_heads: int, head_dim: int, params: float) -> dict:
+    """FLOPs of prefilling these prompts from scratch: GEMMs 2 x params per token; attention, causal, QK and PV
+    2 x 2 x q_heads x head_dim per (query, key) pair, n (n + 1) / 2 pairs per prompt of n tokens."""
+    tokens = sum(int(n) for n in prompt_lens)
+    pairs = sum(int(n) * (int(n) + 1) // 2 for n in prompt_lens)
+    return {"gemm": 2.0 * params * tokens, "attention": 4.0 * q_heads * head_dim * pairs * layers,
+            "tokens": tokens}
+
+
+def prefill_store_bytes(kv_dtype: str, prompt_lens, layers: int, kv_heads: int, head_dim: int) -> float:
+    """Bytes the fill's KV writes move: KVarN flushes every full tile and writes the rest to its 16-bit tail;
+    the others write every token once."""
+    fmt = get_format(kv_dtype)
+    if fmt.family != "kvarn":
+        return store_bytes(kv_dtype, sum(int(n) for n in prompt_lens), 0, layers, kv_heads, head_dim)["flush"]
+    g = int(fmt.group)
+    tiles = sum(int(n) // g for n in prompt_lens)
+    rest = sum(int(n) % g for n in prompt_lens)
+    st = store_bytes(kv_dtype, rest, tiles, layers, kv_heads, head_dim)
+    return st["flush"] + st["tail"]
 
 
 def prompt_lengths(batch: int, context: int, stagger: bool) -> list[int]:
@@ -280,7 +310,7 @@ HOOK = PluginHook()
 def run_worker(spec: dict) -> dict:
     import torch
 
-    from ..shapes import resolve_model
+    from ..shapes import DTYPE_BYTES, resolve_model
     from ..engines.vllm_args import llm_kwargs, model_dir_for
     from .prompts import random_prompts
 
@@ -305,42 +335,73 @@ def run_worker(spec: dict) -> dict:
     vocab = int(engine.vllm_config.model_config.get_vocab_size())
     prompts = [p[:n] for p, n in zip(random_prompts(B, C, vocab, 0), lens)]
     params = SamplingParams(ignore_eos=True, max_tokens=out_len, detokenize=False, temperature=1.0, top_p=1.0)
+    phase = spec.get("phase", "decode")
+    warm_fill_s = None
+    if phase == "prefill":  # the first fill of these lengths, on other prompts, outside the window
+        once = SamplingParams(ignore_eos=True, max_tokens=1, detokenize=False, temperature=1.0, top_p=1.0)
+        for i, p in enumerate(random_prompts(B, C, vocab, 1)):
+            engine.add_request(f"warm{i}", {"prompt_token_ids": p[:lens[i]]}, once)
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        warm_fill_s = time.perf_counter() - t0
     for i, p in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": p}, params)
-    got: dict[str, int] = {}
-    t0 = time.perf_counter()
-    fill_steps = 0
-    while len(got) < B:  # prefill: until every request has its first token
+    got: set[str] = set()
+
+    def fill_step() -> None:
         for o in engine.step():
             rid = str(o.request_id)
             rid = rid if rid.isdigit() else rid.rsplit("-", 1)[0]  # external id, or vLLM's suffixed internal one
             if o.outputs and len(o.outputs[0].token_ids):
-                got[rid] = 1
-        fill_steps += 1
-        if fill_steps > 100000 or not engine.has_unfinished_requests():
+                got.add(rid)
+        if len(got) < B and not engine.has_unfinished_requests():
             raise RuntimeError(f"prefill did not finish: {len(got)} of {B} requests produced a token")
-    fill_s = time.perf_counter() - t0
-    for _ in range(warm):
-        engine.step()
-    torch.cuda.synchronize()
+
+    from torch.profiler import ProfilerActivity, profile
+
     trace_dir = Path(spec.get("trace_dir") or spec["workdir"])
     trace_dir.mkdir(parents=True, exist_ok=True)
     trace_path = trace_dir / f"trace-{spec['kv_dtype']}.json"
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(N)]
-    wall = []
-    from torch.profiler import ProfilerActivity, profile
+    ev, wall = [], []
+
+    def timed_step(step) -> None:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
+        a.record()
+        step()
+        b.record()
+        wall.append(time.perf_counter() - t)
+        ev.append((a, b))
 
     HOOK.reset()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        HOOK.active = True
-        for a, b in ev:
-            t = time.perf_counter()
-            a.record()
-            engine.step()
-            b.record()
-            wall.append(time.perf_counter() - t)
+    if phase == "prefill":
         torch.cuda.synchronize()
-        HOOK.active = False
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            HOOK.active = True
+            while len(got) < B:
+                timed_step(fill_step)
+            torch.cuda.synchronize()
+            HOOK.active = False
+        fill_s, fill_steps = time.perf_counter() - t0, len(ev)
+        N = len(ev)
+    else:
+        t0 = time.perf_counter()
+        fill_steps = 0
+        while len(got) < B:  # until every request has its first token
+            fill_step()
+            fill_steps += 1
+        fill_s = time.perf_counter() - t0
+        for _ in range(warm):
+            engine.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            HOOK.active = True
+            for _ in range(N):
+                timed_step(engine.step)
+            torch.cuda.synchronize()
+            HOOK.active = False
     event_ms = [a.elapsed_time(b) for a, b in ev]
     span_ms = ev[0][0].elapsed_time(ev[-1][1])
     prof.export_chrome_trace(str(trace_path))
@@ -350,13 +411,14 @@ def run_worker(spec: dict) -> dict:
     wdtype = kwargs.get("dtype") or shape.dtype
     wdtype = wdtype if wdtype in ("float16", "bfloat16", "float32") else "bfloat16"
     decoded = 1 + warm  # tokens each request holds beyond its prompt when the window starts (approx. with async)
-    ctx = [n + decoded + N / 2.0 for n in lens]  # mean context over the window
+    ctx = list(lens) if phase == "prefill" else [n + decoded + N / 2.0 for n in lens]  # mean context over the window
     return {
         "status": "ok", "error": "", "kv_dtype": spec["kv_dtype"], "model": shape.name, "batch": B, "context": C,
-        "steps": N, "warmup": warm, "stagger": bool(spec.get("stagger", True)), "prompt_lens": lens,
-        "mean_ctx": sum(ctx) / B, "ctx": ctx,
-        "layers": shape.num_layers, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
-        "weight_read_bytes": weight_read_bytes(shape, wdtype),
+        "phase": phase, "steps": N, "warmup": warm, "stagger": bool(spec.get("stagger", True)), "prompt_lens": lens,
+        "mean_ctx": sum(ctx) / B, "ctx": ctx, "warm_fill_s": warm_fill_s,
+        "layers": shape.num_layers, "q_heads": shape.num_q_heads, "kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim, "weight_read_bytes": weight_read_bytes(shape, wdtype),
+        "lm_head_params": float(shape.vocab_size * shape.hidden_size), "weight_bytes_per_param": DTYPE_BYTES[wdtype],
         "engine_start_s": start_s, "fill_s": fill_s, "fill_steps": fill_steps,
         "wall_ms": 1e3 * sum(wall) / N, "event_ms_median": sorted(event_ms)[N // 2], "event_span_ms": span_ms,
         "trace": agg, "trace_path": str(trace_path) if spec.get("trace_dir") else None,
@@ -404,7 +466,7 @@ def check_environment() -> None:
 
 def profile(model: str, kv_dtypes: list[str], batch: int, context: int, steps: int, trace_dir: str | None = None,
             workdir: str | None = None, timeout_s: float = 600, stagger: bool = True, warmup: int = WARMUP_STEPS,
-            gpu_memory_utilization: float = 0.9, log=print) -> list[dict]:
+            gpu_memory_utilization: float = 0.9, phase: str = "decode", log=print) -> list[dict]:
     """One engine subprocess per KV dtype, one after another; returns each worker's result (with rows)."""
     import tempfile
 
@@ -413,6 +475,8 @@ def profile(model: str, kv_dtypes: list[str], batch: int, context: int, steps: i
 
     if batch < 1 or context < 1 or steps < 1:
         raise KvarnError(f"--batch, --context and --steps must be >= 1 (got {batch}, {context}, {steps})")
+    if phase not in PHASES:
+        raise KvarnError(f"--phase {phase!r} is not a phase; accepted: {', '.join(PHASES)}")
     for d in kv_dtypes:
         get_format(d)
     resolve_model(model)
@@ -422,7 +486,8 @@ def profile(model: str, kv_dtypes: list[str], batch: int, context: int, steps: i
     for d in kv_dtypes:
         wd = root / d
         wd.mkdir(parents=True, exist_ok=True)
-        spec = {"model": model, "kv_dtype": d, "batch": batch, "context": context, "steps": steps, "warmup": warmup,
+        spec = {"model": model, "kv_dtype": d, "phase": phase, "batch": batch, "context": context, "steps": steps,
+                "warmup": warmup,
                 "stagger": stagger, "workdir": str(wd), "trace_dir": str(Path(trace_dir).resolve()) if trace_dir
                 else None, "gpu_memory_utilization": gpu_memory_utilization}
         (wd / "spec.json").write_text(json.dumps(spec))
@@ -446,38 +511,64 @@ def profile(model: str, kv_dtypes: list[str], batch: int, context: int, steps: i
     return results
 
 
+def _decode_floors(r: dict) -> tuple[dict, float]:
+    """Per-step floors (ms) of a decode window by category, and of the whole step: bytes / HBM bandwidth."""
+    N = r["steps"]
+    hook = r.get("hook") or {}
+    layers, hk, d = r["layers"], r["kv_heads"], r["head_dim"]
+    kv = kv_read_bytes(r["kv_dtype"], r["ctx"], layers, hk, d)
+    tiles = hook.get("tiles", 0) / N if hook.get("plan_calls") else _expected_tiles(r) / N
+    st = store_bytes(r["kv_dtype"], r["batch"], tiles, layers, hk, d)
+    floors = {"gemm": r["weight_read_bytes"], "kv_store": st["flush"]}
+    if get_format(r["kv_dtype"]).family == "kvarn":
+        floors.update(kvarn_decode=kv["packed"], kvarn_tail=kv["tail"] + st["tail"])
+    else:
+        floors["flash_attention"] = kv["total"]
+    r["floors"] = {"kv_read": kv, "store": st, "tiles_per_step": tiles, "weights": r["weight_read_bytes"],
+                   "bandwidth_bytes_per_s": HBM_BYTES_PER_S}
+    step = floor_ms(r["weight_read_bytes"] + kv["total"] + st["flush"] + st["tail"])
+    return {k: floor_ms(v) for k, v in floors.items()}, step
+
+
+def _prefill_floors(r: dict) -> tuple[dict, float]:
+    """Per-step floors (ms) of a fill: GEMM and attention FLOPs / peak, KV writes / HBM bandwidth."""
+    N, lens = r["steps"], r["prompt_lens"]
+    body = r["weight_read_bytes"] / r["weight_bytes_per_param"] - r["lm_head_params"]
+    fl = prefill_flops(lens, r["layers"], r["q_heads"], r["head_dim"], body)
+    gemm = fl["gemm"] + 2.0 * r["lm_head_params"] * len(lens)  # logits only for each request's last token
+    store = prefill_store_bytes(r["kv_dtype"], lens, r["layers"], r["kv_heads"], r["head_dim"])
+    g = get_format(r["kv_dtype"]).group
+    tiles = sum(int(n) // int(g) for n in lens) if g else 0
+    r["floors"] = {"gemm_flops": gemm, "attention_flops": fl["attention"], "store_bytes": store, "tokens": fl["tokens"],
+                   "tiles_per_step": tiles / N, "peak_flops": PEAK_FLOPS, "bandwidth_bytes_per_s": HBM_BYTES_PER_S}
+    floors = {"gemm": 1e3 * gemm / PEAK_FLOPS / N, "flash_attention": 1e3 * fl["attention"] / PEAK_FLOPS / N,
+              "kv_store": floor_ms(store) / N}
+    return floors, sum(floors.values())
+
+
 def step_rows(r: dict) -> list[dict]:
     """Table rows of one dtype: category, ms per step, share of the GPU busy time, floor ms, ratio to it."""
     N = r["steps"]
     agg, hook = r["trace"], r.get("hook") or {}
     busy = agg["busy_us"] / 1e3 / N
-    layers, hk, d = r["layers"], r["kv_heads"], r["head_dim"]
-    kv = kv_read_bytes(r["kv_dtype"], r["ctx"], layers, hk, d)
-    fmt = get_format(r["kv_dtype"])
-    tiles = hook.get("tiles", 0) / N if hook.get("plan_calls") else _expected_tiles(r) / N
-    st = store_bytes(r["kv_dtype"], r["batch"], tiles, layers, hk, d)
-    floors = {"gemm": r["weight_read_bytes"], "kv_store": st["flush"]}
-    if fmt.family == "kvarn":
-        floors.update(kvarn_decode=kv["packed"], kvarn_tail=kv["tail"] + st["tail"])
-    else:
-        floors["flash_attention"] = kv["total"]
+    phase = r.get("phase", "decode")
+    floors, step_floor = (_prefill_floors if phase == "prefill" else _decode_floors)(r)
     rows = []
     for key, label in CATEGORIES:
         ms = agg["category_us"].get(key, 0.0) / 1e3 / N
         if ms == 0 and key not in floors:
             continue
-        fl = floor_ms(floors[key]) if key in floors else None
+        fl = floors.get(key)
         rows.append({"key": key, "category": label, "ms": ms, "share": ms / busy if busy else 0.0,
                      "floor_ms": fl, "x_floor": (ms / fl) if fl else None})
     idle = max(0.0, (agg["span_us"] - agg["busy_us"]) / 1e3 / N)
-    step_floor = floor_ms(r["weight_read_bytes"] + kv["total"] + st["flush"] + st["tail"])
     rows.append({"key": "gpu_busy", "category": "GPU busy (sum above, overlap removed)", "ms": busy, "share": 1.0,
                  "floor_ms": step_floor, "x_floor": busy / step_floor if step_floor else None})
     rows.append({"key": "gpu_idle", "category": "GPU idle between kernels (host-bound gaps)", "ms": idle,
                  "share": None, "floor_ms": None, "x_floor": None})
-    rows.append({"key": "step", "category": "decode step (CUDA events, median)", "ms": r["event_ms_median"],
+    rows.append({"key": "step", "category": f"{phase} step (CUDA events, median)", "ms": r["event_ms_median"],
                  "share": None, "floor_ms": step_floor, "x_floor": r["event_ms_median"] / step_floor})
-    rows.append({"key": "wall", "category": "decode step (host wall, engine.step)", "ms": r["wall_ms"],
+    rows.append({"key": "wall", "category": f"{phase} step (host wall, engine.step)", "ms": r["wall_ms"],
                  "share": None, "floor_ms": None, "x_floor": None})
     if hook.get("plan_calls"):
         graph = " (none: full CUDA graph)" if not hook["store_host_ms"] and not hook["attn_host_ms"] else ""
@@ -486,8 +577,6 @@ def step_rows(r: dict) -> list[dict]:
                               ("host_attn", "host: KVarN attention calls, all layers" + graph, hook["attn_host_ms"])):
             rows.append({"key": key, "category": label, "ms": v / N, "share": None, "floor_ms": None,
                          "x_floor": None})
-    r["floors"] = {"kv_read": kv, "store": st, "tiles_per_step": tiles, "weights": r["weight_read_bytes"],
-                   "bandwidth_bytes_per_s": HBM_BYTES_PER_S}
     return rows
 
 

@@ -192,3 +192,71 @@ def test_cli_says_in_one_line_that_vllm_is_missing():
     assert len(lines) == 1 and "vLLM" in lines[0] and "GPU" in lines[0], p.stderr
     p = run_cli("profile", "--kv-dtype", "nope", timeout=60)
     assert p.returncode == 2 and "unknown kv dtype" in p.stderr
+
+
+def test_prefill_floor_arithmetic():
+    # 2 prompts of 3 and 4 tokens: 7 tokens, causal pairs 3*4/2 + 4*5/2 = 16
+    fl = P.prefill_flops([3, 4], layers=2, q_heads=4, head_dim=8, params=1000)
+    assert fl == {"gemm": 2.0 * 1000 * 7, "attention": 4.0 * 4 * 8 * 16 * 2, "tokens": 7}
+    L, H, D = 36, 8, 128
+    fmt = get_format("kvarn_k4v2_g128")
+    # 300 tokens: 2 full tiles flushed (each reads 128 16-bit tokens, writes a record), 44 to the 16-bit tail
+    got = P.prefill_store_bytes("kvarn_k4v2_g128", [300], L, H, D)
+    assert got == 2 * L * H * (fmt.record_bytes(D) + 128 * 4 * D) + 44 * L * H * 8 * D
+    assert P.prefill_store_bytes("auto", [300], L, H, D) == 300 * L * H * 8 * D
+
+
+def test_step_rows_of_a_prefill_use_flop_floors():
+    s = resolve_model("qwen3-8b")
+    agg = P.aggregate_trace(_trace())
+    lens = [1024] * 4
+    r = {"kv_dtype": "kvarn_k4v2_g128", "phase": "prefill", "steps": 2, "batch": 4, "layers": s.num_layers,
+         "q_heads": s.num_q_heads, "kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "ctx": lens,
+         "prompt_lens": lens, "weight_read_bytes": P.weight_read_bytes(s, "bfloat16"), "weight_bytes_per_param": 2,
+         "lm_head_params": float(s.vocab_size * s.hidden_size), "trace": agg, "event_ms_median": 40.0,
+         "wall_ms": 41.0, "hook": {}}
+    rows = {x["key"]: x for x in P.step_rows(r)}
+    body = r["weight_read_bytes"] / 2 - r["lm_head_params"]
+    gemm_ms = 1e3 * (2 * body * 4096 + 2 * r["lm_head_params"] * 4) / P.PEAK_FLOPS / 2
+    assert rows["gemm"]["floor_ms"] == pytest.approx(gemm_ms)
+    assert 25 < gemm_ms < 35  # ~14 GFLOP per token (7B of body weights), 4,096 tokens over 2 steps at ~1 PFLOP/s
+    attn_ms = 1e3 * 4.0 * s.num_q_heads * s.head_dim * 4 * (1024 * 1025 // 2) * s.num_layers / P.PEAK_FLOPS / 2
+    assert rows["flash_attention"]["floor_ms"] == pytest.approx(attn_ms)
+    store_ms = P.floor_ms(P.prefill_store_bytes("kvarn_k4v2_g128", lens, s.num_layers, 8, 128)) / 2
+    assert rows["kv_store"]["floor_ms"] == pytest.approx(store_ms)
+    assert rows["step"]["floor_ms"] == pytest.approx(gemm_ms + attn_ms + store_ms)
+    assert rows["step"]["category"].startswith("prefill step") and r["floors"]["tiles_per_step"] == 16
+
+
+def test_cli_rejects_an_unknown_phase_in_one_line():
+    p = run_cli("profile", "--phase", "warmup", timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip() == "error: --phase 'warmup' is not a phase; accepted: decode, prefill", p.stderr
+
+
+def test_tables_render_a_prefill_next_to_its_fp16():
+    from kvarn_cli.commands import profile as C
+
+    s = resolve_model("qwen3-8b")
+    results = []
+    for d in ("auto", "kvarn_k4v2_g128"):
+        r = {"status": "ok", "kv_dtype": d, "model": s.name, "phase": "prefill", "steps": 2, "batch": 4,
+             "context": 1024, "mean_ctx": 1024.0, "layers": s.num_layers, "q_heads": s.num_q_heads,
+             "kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "ctx": [1024] * 4, "prompt_lens": [1024] * 4,
+             "weight_read_bytes": P.weight_read_bytes(s, "bfloat16"), "weight_bytes_per_param": 2,
+             "lm_head_params": float(s.vocab_size * s.hidden_size), "trace": P.aggregate_trace(_trace()),
+             "event_ms_median": 40.0, "wall_ms": 41.0, "hook": {}, "engine_start_s": 90.0, "fill_s": 0.125,
+             "warm_fill_s": 0.5}
+        r["rows"] = P.step_rows(r)
+        results.append(r)
+    width, C.out.width = C.out.width, 250  # one line per row
+    try:
+        with C.out.capture() as cap:
+            C._print_one(results[1])
+            C._print_compare(results)
+    finally:
+        C.out.width = width
+    text = cap.get()
+    assert "the prefill, 2 steps" in text and "TFLOP/s" in text
+    assert "4,096 prompt tokens in 2 steps: every request's first token after 0.125 s" in text
+    assert "prefill step by category" in text and "(1.00x)" in text
