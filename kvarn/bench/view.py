@@ -123,6 +123,29 @@ def stall_notes(rows: list[dict]) -> list[str]:
     return notes
 
 
+START_NOTE_S = 5.0  # compile seconds in an engine start worth a line: a cold compile cache
+
+
+def start_notes(rows: list[dict]) -> list[str]:
+    """One line per ok row whose engine start spent START_NOTE_S or more compiling (kvarn.bench.jit_log.start_costs):
+    what the start paid for, so a slow start reads as a cold cache (a rerun on the machine starts faster), not as
+    the format's cost per start."""
+    notes = []
+    for r in rows:
+        start, jit = as_float(r.get("engine_start_s")), as_float(r.get("start_jit_compile_s"))
+        if r.get("status") != "ok" or math.isnan(start) or not jit >= START_NOTE_S:
+            continue
+        parts = [f"{int(as_float(r.get('start_jit_compiles')))} Triton compiles {jit:.1f} s"]
+        for key, label in (("start_torch_compile_s", "torch.compile"), ("start_graph_capture_s", "graph capture"),
+                           ("start_kvarn_warmup_s", "kvarn kernel warm-up (its compiles included)")):
+            v = as_float(r.get(key))
+            if not math.isnan(v):
+                parts.append(f"{label} {v:.1f} s")
+        notes.append(f"note: {r.get('kv_dtype')} engine start {start:.1f} s: " + ", ".join(parts)
+                     + " (a cold compile cache: a rerun on this machine starts faster)")
+    return notes
+
+
 def cpu_label(rows: list[dict]) -> str:
     """The line that says throughput was measured on a CPU, when any row was (empty otherwise)."""
     if not any(str(r.get("hf_device") or "") == "cpu" for r in rows):

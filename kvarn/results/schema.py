@@ -42,6 +42,8 @@ BENCH_METRICS = (
     "failed_requests", "total_input_tokens", "total_output_tokens", "kv_blocks", "kv_cache_gib", "kv_usage_peak",
     "peak_waiting", "ttft_ms_mean", "tpot_ms_mean", "itl_ms_mean", "e2el_ms_mean", "wall_s", "itl_ms_max",
     "jit_compiles", "jit_compile_s",
+    "start_jit_compiles", "start_jit_compile_s", "start_torch_compile_s", "start_graph_capture_s",
+    "start_kvarn_warmup_s",
     # the hf engine's accuracy axis: chunked perplexity of a short window through the row's format (fp16 in lockstep)
     "ppl", "ppl_fp16", "ppl_delta_pct",
 )

@@ -104,7 +104,7 @@ def register(app: typer.Typer) -> None:
 
     def _run(plan) -> None:
         from kvarn.bench.runner import run_plan
-        from kvarn.bench.view import LiveView, stall_notes, summary_table
+        from kvarn.bench.view import LiveView, stall_notes, start_notes, summary_table
         from kvarn.results import ResultsStore
 
         if not plan.todo:
@@ -127,7 +127,7 @@ def register(app: typer.Typer) -> None:
         order = {(c.hash, c.repeat): i for i, c in enumerate(plan.cells)}
         final = sorted(latest.values(), key=lambda r: order[(r["config_hash"], int(r["repeat"]))])
         out.print(summary_table(final, width=out.width, baseline_run=plan.baseline_run))
-        for note in stall_notes(final):
+        for note in stall_notes(final) + start_notes(final):
             out.print(note, markup=False)
         bad = [r for r in final if r["status"] != "ok"]
         out.print(f"{len(final) - len(bad)} ok, {len(bad)} not ok; rows in {plan.out}/parts, "

@@ -59,3 +59,42 @@ def test_the_summary_notes_a_row_that_compiled_mid_run():
         "6.3 s, _dequant_kernel 1.3 s): every running request waited; its throughput is understated",
         "note: auto (repeat 0): one inter-token gap took 4.0 s against an ITL p50 of 30.0 ms, a stall all running "
         "requests shared (its log shows no kernel compile in the burst): its throughput is understated"]
+
+
+def test_start_costs_split_a_cold_kvarn_start_from_a_real_log_shape():
+    from kvarn.bench.jit_log import start_costs
+
+    core = "(EngineCore pid=2943) INFO 12-04 03:29:{} [{}] {}"
+    log = _log(core.format("49", "monitor.py:53", "torch.compile took 27.28 s in total"),
+               _C.format("03.345", "_store_tiles_kernel", "11.18"), _C.format("06.898", "records_kernel", "2.62"),
+               _C.format("39.729", "_flush_layers_kernel", "16.45"),
+               core.format("40", "warmup.py:129", "kvarn: kernels warmed up for 32/8 heads, head_dim 128, bfloat16 "
+                                                  "in 48.0 s (deferred flush on; KVARN_SINK=16)"),
+               core.format("44", "model_runner.py:747", "Graph capturing finished in 4 secs, took 0.31 GiB"),
+               core.format("02", "core.py:340", "init engine (profile, create kv cache, warmup model) took 100.96 s "
+                                                "(compilation: 27.28 s)"),
+               _C.format("03.000", "_topk_topp_kernel", "1.50"),  # the bench's untimed warm-up: not the start
+               BURST_MARK, _C.format("37.048", "_dequant_kernel", "0.90"))
+    assert start_costs(log) == {"start_jit_compiles": 3.0, "start_jit_compile_s": 30.25,
+                                "start_torch_compile_s": 27.28, "start_graph_capture_s": 4.0,
+                                "start_kvarn_warmup_s": 48.0}
+    # an FP16 engine: no plugin warm-up line; a log without the engine's line counts up to the burst mark
+    fp16 = _log(_C.format("10.000", "triton_poi_fused_2", "0.40"), BURST_MARK)
+    assert start_costs(fp16) == {"start_jit_compiles": 1.0, "start_jit_compile_s": 0.4}
+    assert start_costs(_log("Traceback (most recent call last):", "RuntimeError: CUDA out of memory")) == {}
+
+
+def test_the_summary_says_what_a_cold_start_paid_for():
+    from kvarn.bench.view import start_notes
+
+    rows = [{"kv_dtype": "kvarn_k4v2_g128", "status": "ok", "engine_start_s": 106.6, "start_jit_compiles": 82.0,
+             "start_jit_compile_s": 64.25, "start_torch_compile_s": 27.28, "start_graph_capture_s": 4.0,
+             "start_kvarn_warmup_s": 48.0},
+            {"kv_dtype": "auto", "status": "ok", "engine_start_s": 40.0, "start_jit_compiles": 73.0,
+             "start_jit_compile_s": 2.1},  # a warm cache: disk loads only, no line
+            {"kv_dtype": "fp8", "status": "failed", "engine_start_s": float("nan")},
+            {"kv_dtype": "fp8", "status": "ok", "engine_start_s": 50.0}]  # an hf row or an older one: unknown
+    assert start_notes(rows) == [
+        "note: kvarn_k4v2_g128 engine start 106.6 s: 82 Triton compiles 64.2 s, torch.compile 27.3 s, graph capture "
+        "4.0 s, kvarn kernel warm-up (its compiles included) 48.0 s (a cold compile cache: a rerun on this machine "
+        "starts faster)"]

@@ -22,7 +22,7 @@ from ...errors import KvarnError
 from ...formats import get_format
 from ...shapes import resolve_model
 from ..config import BenchConfig, Cell
-from ..jit_log import midrun_compiles
+from ..jit_log import midrun_compiles, start_costs
 from ..progress import describe, read_progress, row_metrics
 from .base import Engine, EngineResult, register_engine
 
@@ -102,6 +102,8 @@ class VllmEngine(Engine):
                 out.metrics = {**out.metrics, "jit_compiles": jit["jit_compiles"],
                                "jit_compile_s": jit["jit_compile_s"]}
                 out.info = {**out.info, "jit_kernels": jit["jit_kernels"]}
+            # what the engine start paid for (compiles, graph capture, the plugin's warm-up)
+            out.metrics = {**out.metrics, **start_costs(text)}
             return out
         finally:
             shutil.rmtree(work / "model", ignore_errors=True)
