@@ -5,8 +5,9 @@
 #   bash scripts/device/run.sh before_after:590      # carrying .device/base (and the bundle's .device/c5, bin, data)
 # Each side: the decode microbench (B=64 x 16K, Qwen3-8B heads), the showcase burst (Qwen3-8B shape, dummy weights,
 # 96 x (14,336 + 2,048): FP16 and kvarn_k4v2_g128 in one `kvarn bench` run), SmolLM2 chunked perplexity (2 x 4096,
-# chunk 128) through vLLM. KVARN_BA_SIDES picks base, head or base,head (the default); KVARN_BA_PARTS some of
-# mb,bench,ppl (default all); KVARN_BA_BASE_DTYPES the base side's bench formats (default FP16 and KVarN, as this
+# chunk 128) through vLLM; on request the store microbench (`store`: one tile x 36 layers, and 128 tiles x 36 layers
+# as a 16K-token prefill step stores them). KVARN_BA_SIDES picks base, head or base,head (the default);
+# KVARN_BA_PARTS some of mb,store,bench,ppl (default mb,bench,ppl); KVARN_BA_BASE_DTYPES the base side's bench formats (default FP16 and KVarN, as this
 # tree's; kvarn_k4v2_g128 alone when only KVarN's code changed, vLLM's FP16 then measured once, beside this tree's
 # KVarN). Results under $OUT/<side>/.
 set -uo pipefail
@@ -29,6 +30,10 @@ side() {  # name, site dir, bench formats: the kvarn that side imports (vLLM and
   case $PARTS in *,mb,*)
     kv 90 python3 -m kvarn_cli.app microbench decode --batch 64 --context 16384 --q-heads 32 --kv-heads 8 \
       --head-dim 128 --kv-dtype kvarn_k4v2_g128 --check --json 2>"$d/mb.err" | tail -n 1 > "$d/mb.json" ;; esac
+  case $PARTS in *,store,*)
+    kv 150 python3 -m kvarn_cli.app microbench store --batch 128 --context 2048 --q-heads 32 --kv-heads 8 \
+      --head-dim 128 --model qwen3-8b --kv-dtype kvarn_k4v2_g128 --check --json 2>"$d/store.err" | tail -n 1 \
+      > "$d/store.json" ;; esac
   case $PARTS in *,bench,*)
     # --timeout is per cell (engine start + burst); the wrapper allows every cell its own
     local cells; cells=$(echo "$dtypes" | tr ',' '\n' | wc -l)
@@ -48,13 +53,18 @@ python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 from kvarn.results import ResultsStore
 root = pathlib.Path(sys.argv[1])
-print(f"{'side':5} {'decode ms':>10} {'FA3 ms':>8} {'FP16 tok/s':>11} {'KVarN tok/s':>12} {'ratio':>6} {'KV x':>5} {'ppl FP16':>9} {'ppl KVarN':>10}")
+print(f"{'side':5} {'decode ms':>10} {'FA3 ms':>8} {'flush 1x36':>10} {'128x36 ms':>10} {'one-launch':>10} "
+      f"{'FP16 tok/s':>11} {'KVarN tok/s':>12} {'ratio':>6} {'KV x':>5} {'ppl FP16':>9} {'ppl KVarN':>10}")
 for side in ("base", "head"):
     d = root / side
     try:
         mb = json.loads((d / "mb.json").read_text())
     except Exception:  # noqa: BLE001 - a part not run or failed: its columns stay empty
         mb = {}
+    try:
+        st = json.loads((d / "store.json").read_text()).get("extra", {})
+    except Exception:  # noqa: BLE001
+        st = {}
     tok, kv, ppl = {}, {}, {}
     try:
         b = ResultsStore(d / "bench").read("bench")
@@ -71,7 +81,9 @@ for side in ("base", "head"):
     f = lambda x, p=1: "-" if x is None or x != x else f"{x:.{p}f}"  # noqa: E731
     ratio = tok.get("kvarn_k4v2_g128") / tok["auto"] if tok.get("auto") and tok.get("kvarn_k4v2_g128") else None
     kvx = kv.get("kvarn_k4v2_g128") / kv["auto"] if kv.get("auto") and kv.get("kvarn_k4v2_g128") else None
-    print(f"{side:5} {f(mb.get('ms'), 4):>10} {f(mb.get('baseline_ms'), 4):>8} {f(tok.get('auto')):>11} "
+    print(f"{side:5} {f(mb.get('ms'), 4):>10} {f(mb.get('baseline_ms'), 4):>8} "
+          f"{f(st.get('flush_ms_all_layers'), 3):>10} {f(st.get('batch_flush_ms_all_layers'), 3):>10} "
+          f"{f(st.get('flush_layers_ms'), 3):>10} {f(tok.get('auto')):>11} "
           f"{f(tok.get('kvarn_k4v2_g128')):>12} {f(ratio, 2):>6} {f(kvx, 2):>5} {f(ppl.get('auto'), 3):>9} "
           f"{f(ppl.get('kvarn_k4v2_g128'), 3):>10}")
 PY
