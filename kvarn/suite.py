@@ -4,9 +4,10 @@ crashed engine cannot take the rest of the suite down) that all write into one r
 
 Groups: bench = one per (model, TP, workload) running every format x repeat, a workload being a burst (with the
 suite's output_len / requests) or an entry of bench.workloads ({burst, output_len, requests}: e.g. a reasoning-style
-burst and a decode-heavy one side by side; optional per entry: `models`, the names of the suite's models it runs on
-(default: all), `formats`, the suite's formats it runs (default: all; e.g. a slow rival only where it fits), and
-`args`, bench flags of its own, passed after bench.args); eval = one per (model, TP, task)
+burst and a decode-heavy one side by side; optional per entry: `mode`, throughput or serve (default bench.mode),
+`models`, the names of the suite's models it runs on (default: all), `formats`, the suite's formats it runs
+(default: all; e.g. a slow rival only where it fits), and `args`, bench flags of its own, passed after bench.args);
+eval = one per (model, TP, task)
 running every format. A model with `weights: dummy` benchmarks with --dummy-weights (real shapes, random weights)
 and has no eval steps.
 Resuming is the default: each command skips cells whose config hash and repeat are done (`suite run --force`
@@ -41,7 +42,7 @@ from .shapes import resolve_model
 TOP_KEYS = {"name", "description", "results", "models", "formats", "tp", "bench", "eval", "gate"}
 MODEL_KEYS = {"name", "weights", "tp", "dtype"}
 BENCH_KEYS = {"mode", "bursts", "output_len", "requests", "repeats", "timeout_min", "args", "workloads", "pair_fp16"}
-WORKLOAD_KEYS = {"burst", "output_len", "requests", "models", "formats", "args"}
+WORKLOAD_KEYS = {"burst", "output_len", "requests", "mode", "models", "formats", "args"}
 EVAL_KEYS = {"tasks", "samples", "limit", "timeout_min", "args"}
 TASK_KEYS = {"name", "samples", "limit", "context", "args"}
 GATE_KEYS = {"baseline", "policy"}
@@ -293,6 +294,10 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
                                     lambda x: get_format(x).name)
                     if bench["pair_fp16"]:
                         _check_pairable(wfmts, f"{where}: bench.workloads[{i}].formats")
+                wmode = w.get("mode", bench["mode"])
+                if wmode not in MODES:
+                    raise KvarnError(f"{where}: bench.workloads[{i}].mode must be one of {choices(MODES)}, "
+                                     f"got {wmode!r}")
                 wargs = w.get("args", []) or []
                 if not isinstance(wargs, list):
                     raise KvarnError(f"{where}: bench.workloads[{i}].args must be a list of flags, got {wargs!r}")
@@ -302,13 +307,14 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
                                            f"{where}: bench.workloads[{i}].output_len"),
                     "requests": _pos_int(w.get("requests", bench["requests"]),
                                          f"{where}: bench.workloads[{i}].requests"),
+                    "mode": wmode,
                     **({"models": only} if only is not None else {}),
                     **({"formats": wfmts} if wfmts is not None else {}),
                     **({"args": [str(a) for a in wargs]} if wargs else {})})
             bench["bursts"] = [w["burst"] for w in bench["workloads"]]
         else:
-            bench["workloads"] = [{"burst": x, "output_len": bench["output_len"], "requests": bench["requests"]}
-                                  for x in bench["bursts"]]
+            bench["workloads"] = [{"burst": x, "output_len": bench["output_len"], "requests": bench["requests"],
+                                   "mode": bench["mode"]} for x in bench["bursts"]]
         for m in models:
             ctx = resolve_model(m["name"]).max_context
             for w in bench["workloads"]:  # a burst is the whole context per request (prompt + output), as in bench
@@ -373,12 +379,12 @@ def plan(suite: Suite, out: str | Path | None = None, *, resume: bool = True, on
                         argv.append(f["dummy"])
                     elif m["weights"]:
                         argv += [f["weights"], m["weights"]]
-                    common = [f["tp"], str(tp), f["mode"], b["mode"], f["burst"], str(w["burst"]),
+                    common = [f["tp"], str(tp), f["mode"], w["mode"], f["burst"], str(w["burst"]),
                               f["output_len"], str(w["output_len"]), f["requests"], str(w["requests"]),
                               f["repeats"], str(b["repeats"]), f["out"], out]
                     if not resume:
                         common.append(BENCH_FORCE)
-                    title = f"bench {m['name']} TP={tp} burst {w['burst']}"
+                    title = f"bench {m['name']} TP={tp} burst {w['burst']}" + (" serve" if w["mode"] == "serve" else "")
                     if "workloads" in (suite.raw.get("bench") or {}):
                         title += f" ({w['requests']} x {w['burst'] - w['output_len']}+{w['output_len']})"
                     timeout = b["timeout_min"] * 60 if b["timeout_min"] else None

@@ -41,24 +41,27 @@ def test_plan_is_the_cartesian_product():
 
 
 def test_workloads_and_dummy_weights():
-    # the performance suite's two bursts side by side (same context, different prompt/output split) on dummy weights
+    # the performance suite: workloads name their models and formats, FP16 first in each, serve ones beside offline
     perf = load_suite("performance")
     steps = plan(perf, "out")
-    # the showcase on both shapes, the 8B decode-heavy burst, the 32B shape's two: workloads name their models
-    assert len(steps) == 2 + 1 + 2 and all(x.kind == "bench" for x in steps)  # dummy weights: no eval steps
+    assert len(steps) == 6 + 3 + 2 and all(x.kind == "bench" for x in steps)  # dummy weights: no eval steps
     first = steps[0].argv
-    assert "--dummy-weights" in first and "--weights" not in first
+    assert "--dummy-weights" in first and "--weights" not in first and "--pair-fp16" in first
     assert [first[first.index(k) + 1] for k in ("--burst", "--output-len", "--requests")] == ["16384", "2048", "96"]
     assert steps[1].argv[steps[1].argv.index("--output-len") + 1] == "15360" and "1024+15360" in steps[1].title
     big = [x for x in steps if x.argv[x.argv.index("--model") + 1] == "qwen3-32b"]
     assert [x.argv[x.argv.index("--requests") + 1] for x in big] == ["96", "32", "128"]
     assert [x.argv[-2:] for x in big] == [["--max-num-seqs", n] for n in ("96", "32", "128")]  # workload args last
-    assert perf.bench_cells() == 5 * len(steps) and perf.eval_cells() == 0
+    served = [x for x in steps if x.argv[x.argv.index("--mode") + 1] == "serve"]
+    assert [(x.argv[x.argv.index("--model") + 1], x.argv[x.argv.index("--burst") + 1]) for x in served] == [
+        ("qwen3-8b", "1280"), ("qwen3-8b", "8448"), ("qwen3-0.6b", "1280")]
+    assert all(x.argv[x.argv.index("--kv-dtype") + 1].startswith("auto,") for x in steps)
+    assert perf.bench_cells() == 5 * 5 + 2 + 3 + 2 + 2 + 3 + 2 and perf.eval_cells() == 0
     data = {**GOOD, "models": [{"name": "qwen3-8b", "weights": "dummy"}],
             "bench": {"workloads": [{"burst": 4096}, {"burst": 8192, "output_len": 4096, "requests": 8}]}}
     s = validate_suite(data, "w.yaml")
-    assert s.bench["workloads"] == [{"burst": 4096, "output_len": 256, "requests": 64},
-                                    {"burst": 8192, "output_len": 4096, "requests": 8}]
+    assert s.bench["workloads"] == [{"burst": 4096, "output_len": 256, "requests": 64, "mode": "throughput"},
+                                    {"burst": 8192, "output_len": 4096, "requests": 8, "mode": "throughput"}]
     assert s.eval_cells() == 0 and not [x for x in plan(s, "o") if x.kind == "eval"]
     wls = [{"burst": 4096, "models": ["qwen3-8b"], "args": ["--max-num-seqs", 8]}, {"burst": 2048}]
     only = validate_suite({**data, "models": ["qwen3-0.6b", {"name": "qwen3-8b", "weights": "dummy"}],
@@ -73,10 +76,20 @@ def test_workloads_and_dummy_weights():
                      ([{"burst": 4096, "models": []}], r"models must be a non-empty list"),
                      ([{"burst": 4096, "args": "--max-num-seqs 8"}], r"args must be a list of flags"),
                      ([{"burst": 4096, "reqs": 1}], r"workloads\[0\]: unknown key 'reqs'"),
+                     ([{"burst": 4096, "mode": "offline"}], r"workloads\[0\]\.mode must be one of .*'offline'"),
                      ([{"burst": 4096, "output_len": 4096}], "leaves no prompt in burst 4096"), ([], "non-empty list"),
                      ([{"burst": 4096, "formats": ["fp8", "int3"]}], r"formats: 'int3' is not a format of this suite")):
         with pytest.raises(KvarnError, match=msg):
             validate_suite({**data, "bench": {"workloads": bad}}, "w.yaml")
+
+
+def test_a_workload_can_run_in_serve_mode_beside_offline_ones():
+    data = {**GOOD, "models": [{"name": "qwen3-0.6b", "weights": "dummy"}], "eval": None}
+    wls = [{"burst": 1280, "output_len": 256, "requests": 32}, {"burst": 1280, "output_len": 256, "mode": "serve"}]
+    s = validate_suite({**data, "bench": {"workloads": wls}}, "w.yaml")
+    steps = [x for x in plan(s, "o") if x.kind == "bench"]
+    assert [a.argv[a.argv.index("--mode") + 1] for a in steps] == ["throughput", "serve"]
+    assert " serve " in steps[1].title and " serve" not in steps[0].title
 
 
 def test_a_workload_runs_its_own_formats_paired_with_fp16_in_one_run():

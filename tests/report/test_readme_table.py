@@ -9,7 +9,7 @@ from kvarn.results import ResultsStore
 from tests.bench import test_bench_runner as fake  # registers the fake engine
 from tests.helpers import run_cli
 
-CANDIDATES = ("fp8", "kvarn_k4v2_g128", "turboquant_k3v4_nc", "turboquant_4bit_nc")
+CANDIDATES = ("kvarn_k4v2_g128", "fp8", "turboquant_4bit_nc", "turboquant_k3v4_nc")
 
 
 def test_suite_plans_each_workload_as_one_paired_run():
@@ -21,7 +21,7 @@ def test_suite_plans_each_workload_as_one_paired_run():
         assert "--pair-fp16" in argv and argv[argv.index("--model") + 1] == "qwen3-8b" and "--dummy-weights" in argv
         assert argv[argv.index("--kv-dtype") + 1].split(",")[0] == "auto"  # FP16 first, then the candidates
     show, short = (next(a for a in cmds if a[a.index("--burst") + 1] == b) for b in ("16384", "1024"))
-    assert show[show.index("--kv-dtype") + 1] == "auto,fp8,kvarn_k4v2_g128"  # TurboQuant at 16K: performance suite
+    assert show[show.index("--kv-dtype") + 1] == "auto,kvarn_k4v2_g128"  # rivals at 16K: the performance suite
     assert show[show.index("--requests") + 1] == "96" and show[show.index("--output-len") + 1] == "2048"
     assert short[short.index("--kv-dtype") + 1].split(",")[1:] == list(CANDIDATES)
 
