@@ -15,8 +15,9 @@ only timed and labelled with `torch.profiler.record_function`). Floors are bytes
 * store: bytes written (and the 16-bit tokens read) by the tile flushes / new-token writes of a step;
 * GEMMs: weight bytes read per step (input embedding excluded unless tied to the LM head).
 
-A prefill step is compute-bound: its GEMM floor is 2 x parameters x tokens / peak FLOP/s, its attention floor the
-causal QK and PV FLOPs of the step's tokens over their prefixes; the store floor is bytes as above.
+A prefill step is compute-bound: its GEMM floor is 2 x (parameters but the LM head) x tokens, plus the LM head
+once per request, / peak FLOP/s; its attention floor the causal QK and PV FLOPs of the step's tokens over their
+prefixes; the store floor is bytes as above (KVarN's tile flushes; its 16-bit tail writes on the glue row).
 
     python -m kvarn.bench.profile SPEC.json RESULT.json      (the engine worker; `profile()` starts it)
 """
@@ -39,6 +40,7 @@ PEAK_FLOPS = 989e12  # H200 dense 16-bit tensor-core peak (the data sheet's, wit
 PHASES = ("decode", "prefill")
 STAGGER_SPAN = 128  # prompt lengths are spread over one tile so flushes are amortised as in serving
 WARMUP_STEPS = 3
+MAX_FILL_STEPS = 100000  # an engine that never emits the first tokens: an error, not a spin until the timeout
 
 # (key, label) in table order
 CATEGORIES: tuple[tuple[str, str], ...] = (
@@ -150,17 +152,17 @@ def prefill_flops(prompt_lens, layers: int, q_heads: int, head_dim: int, params:
             "tokens": tokens}
 
 
-def prefill_store_bytes(kv_dtype: str, prompt_lens, layers: int, kv_heads: int, head_dim: int) -> float:
-    """Bytes the fill's KV writes move: KVarN flushes every full tile and writes the rest to its 16-bit tail;
-    the others write every token once."""
+def prefill_store_bytes(kv_dtype: str, prompt_lens, layers: int, kv_heads: int, head_dim: int) -> dict:
+    """Bytes the fill's KV writes move, as store_bytes splits them: KVarN flushes every full tile ("flush", the
+    store kernel) and writes the rest to its 16-bit tail ("tail", torch indexing); the others write every token
+    once ("flush")."""
     fmt = get_format(kv_dtype)
     if fmt.family != "kvarn":
-        return store_bytes(kv_dtype, sum(int(n) for n in prompt_lens), 0, layers, kv_heads, head_dim)["flush"]
+        return store_bytes(kv_dtype, sum(int(n) for n in prompt_lens), 0, layers, kv_heads, head_dim)
     g = int(fmt.group)
     tiles = sum(int(n) // g for n in prompt_lens)
     rest = sum(int(n) % g for n in prompt_lens)
-    st = store_bytes(kv_dtype, rest, tiles, layers, kv_heads, head_dim)
-    return st["flush"] + st["tail"]
+    return store_bytes(kv_dtype, rest, tiles, layers, kv_heads, head_dim)
 
 
 def prompt_lengths(batch: int, context: int, stagger: bool) -> list[int]:
@@ -380,19 +382,23 @@ def run_worker(spec: dict) -> dict:
         t0 = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             HOOK.active = True
-            while len(got) < B:
+            while len(got) < B and len(ev) < MAX_FILL_STEPS:
                 timed_step(fill_step)
             torch.cuda.synchronize()
             HOOK.active = False
         fill_s, fill_steps = time.perf_counter() - t0, len(ev)
         N = len(ev)
+        if len(got) < B:
+            raise RuntimeError(f"prefill did not finish in {N} steps: {len(got)} of {B} requests have a token")
     else:
         t0 = time.perf_counter()
         fill_steps = 0
-        while len(got) < B:  # until every request has its first token
+        while len(got) < B and fill_steps < MAX_FILL_STEPS:  # until every request has its first token
             fill_step()
             fill_steps += 1
         fill_s = time.perf_counter() - t0
+        if len(got) < B:
+            raise RuntimeError(f"prefill did not finish in {fill_steps} steps: {len(got)} of {B} requests have a token")
         for _ in range(warm):
             engine.step()
         torch.cuda.synchronize()
@@ -535,14 +541,16 @@ def _prefill_floors(r: dict) -> tuple[dict, float]:
     N, lens = r["steps"], r["prompt_lens"]
     body = r["weight_read_bytes"] / r["weight_bytes_per_param"] - r["lm_head_params"]
     fl = prefill_flops(lens, r["layers"], r["q_heads"], r["head_dim"], body)
-    gemm = fl["gemm"] + 2.0 * r["lm_head_params"] * len(lens)  # logits only for each request's last token
-    store = prefill_store_bytes(r["kv_dtype"], lens, r["layers"], r["kv_heads"], r["head_dim"])
+    gemm = fl["gemm"] + 2.0 * r["lm_head_params"] * len(lens)  # at least one row of logits per request
+    st = prefill_store_bytes(r["kv_dtype"], lens, r["layers"], r["kv_heads"], r["head_dim"])
     g = get_format(r["kv_dtype"]).group
     tiles = sum(int(n) // int(g) for n in lens) if g else 0
-    r["floors"] = {"gemm_flops": gemm, "attention_flops": fl["attention"], "store_bytes": store, "tokens": fl["tokens"],
+    r["floors"] = {"gemm_flops": gemm, "attention_flops": fl["attention"], "store": st, "tokens": fl["tokens"],
                    "tiles_per_step": tiles / N, "peak_flops": PEAK_FLOPS, "bandwidth_bytes_per_s": HBM_BYTES_PER_S}
     floors = {"gemm": 1e3 * gemm / PEAK_FLOPS / N, "flash_attention": 1e3 * fl["attention"] / PEAK_FLOPS / N,
-              "kv_store": floor_ms(store) / N}
+              "kv_store": floor_ms(st["flush"]) / N}
+    if st["tail"]:
+        floors["kvarn_glue"] = floor_ms(st["tail"]) / N
     return floors, sum(floors.values())
 
 

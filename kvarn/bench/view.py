@@ -133,9 +133,11 @@ def start_notes(rows: list[dict]) -> list[str]:
     notes = []
     for r in rows:
         start, jit = as_float(r.get("engine_start_s")), as_float(r.get("start_jit_compile_s"))
-        if r.get("status") != "ok" or math.isnan(start) or not jit >= START_NOTE_S:
+        n = as_float(r.get("start_jit_compiles"))
+        # NaN seconds: a compile line without its duration (counted, unknown time): noted when any compiled
+        if r.get("status") != "ok" or math.isnan(start) or jit < START_NOTE_S or (math.isnan(jit) and not n > 0):
             continue
-        parts = [f"{int(as_float(r.get('start_jit_compiles')))} Triton compiles {jit:.1f} s"]
+        parts = [f"{int(n)} Triton compiles " + ("? s" if math.isnan(jit) else f"{jit:.1f} s")]
         for key, label in (("start_torch_compile_s", "torch.compile"), ("start_graph_capture_s", "graph capture"),
                            ("start_kvarn_warmup_s", "kvarn kernel warm-up (its compiles included)")):
             v = as_float(r.get(key))

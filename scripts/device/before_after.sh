@@ -5,11 +5,11 @@
 #   bash scripts/device/run.sh before_after:590      # carrying .device/base (and the bundle's .device/c5, bin, data)
 # Each side: the decode microbench (B=64 x 16K, Qwen3-8B heads), the showcase burst (Qwen3-8B shape, dummy weights,
 # 96 x (14,336 + 2,048): FP16 and kvarn_k4v2_g128 in one `kvarn bench` run), SmolLM2 chunked perplexity (2 x 4096,
-# chunk 128) through vLLM; on request the store microbench (`store`: one tile x 36 layers, and 128 tiles x 36 layers
-# as a 16K-token prefill step stores them). KVARN_BA_SIDES picks base, head or base,head (the default);
-# KVARN_BA_PARTS some of mb,store,bench,ppl (default mb,bench,ppl); KVARN_BA_BASE_DTYPES the base side's bench formats (default FP16 and KVarN, as this
-# tree's; kvarn_k4v2_g128 alone when only KVarN's code changed, vLLM's FP16 then measured once, beside this tree's
-# KVarN). Results under $OUT/<side>/.
+# chunk 128) through vLLM; on request the store microbench (`store`: one tile x 36 layers, and 128 tiles x 36
+# layers as a 16K-token prefill step stores them). KVARN_BA_SIDES picks base, head or base,head (the default);
+# KVARN_BA_PARTS some of mb,store,bench,ppl (default mb,bench,ppl); KVARN_BA_BASE_DTYPES the base side's bench
+# formats (default FP16 and KVarN, as this tree's; kvarn_k4v2_g128 alone when only KVarN's code changed, vLLM's FP16
+# then measured once, beside this tree's KVarN). Results under $OUT/<side>/.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 COLUMNS=200 VLLM_USE_FLASHINFER_SAMPLER=0

@@ -46,6 +46,7 @@ python3 -c "import sys; t = open(sys.argv[1], encoding='utf-8').read(); open('.d
 if [ -n "${1:-}" ]; then rm -rf .device/base && mkdir -p .device/base && git archive "$1" | tar -x -C .device/base; fi
 if [ -n "${KVARN_SUITE_RESULTS:-}" ]; then
   r="${KVARN_SUITE_RESULTS%/}"; [ -d "$r/parts" ] || { echo "KVARN_SUITE_RESULTS=$r: no parts/ folder there" >&2; exit 2; }
-  cp -r "$r" ".device/$(basename "$r")"
+  d=".device/$(basename "$r")"  # replaced whole, unless it is that folder already
+  if [ "$(realpath "$r")" != "$(realpath -m "$d")" ]; then rm -rf "$d" && mkdir -p "$d" && cp -r "$r/." "$d/"; fi
 fi
 du -sh .device/* | sort -k2

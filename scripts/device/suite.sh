@@ -16,11 +16,18 @@ KVARN="kvarn"; command -v kvarn >/dev/null 2>&1 || KVARN="python3 -m kvarn_cli.a
 mkdir -p "$RES"
 [ -d ".device/suite-$NAME" ] && cp -rn ".device/suite-$NAME/." "$RES/"
 $KVARN suite run "$NAME" --out "$RES" ${KVARN_SUITE_ONLY:+--only "$KVARN_SUITE_ONLY"} --dry-run 2>&1 | tail -n 12
-# the part's own limit ends this run; what finished is in the store, the cell that was running reruns next time
-$KVARN suite run "$NAME" --out "$RES" ${KVARN_SUITE_ONLY:+--only "$KVARN_SUITE_ONLY"} > "$OUT/suite-$NAME.log" 2>&1 &
+# the part's own limit ends this run (TERM): the suite's process group (its bench and engines) is ended and waited
+# for, then the store is copied out; what finished is in it, the cell that was running reruns next time
+pid=
+stop() {
+  [ -n "$pid" ] && { kill -TERM -- "-$pid" 2>/dev/null; wait "$pid" 2>/dev/null; }
+  bash "$(dirname "$0")/free_gpu.sh"
+}
+trap stop TERM
+setsid $KVARN suite run "$NAME" --out "$RES" ${KVARN_SUITE_ONLY:+--only "$KVARN_SUITE_ONLY"} \
+  > "$OUT/suite-$NAME.log" 2>&1 &
 pid=$!
-trap 'kill -TERM $pid 2>/dev/null; bash "$(dirname "$0")/free_gpu.sh"' TERM
-wait $pid; rc=$?
+wait "$pid"; rc=$?
 echo "kvarn suite run $NAME rc=$rc"
 mkdir -p "$OUT/suite-$NAME" && cp -r "$RES/." "$OUT/suite-$NAME/"
 if [ "$NAME" = readme ]; then $KVARN results "$RES" --table readme 2>&1 | tail -n 30

@@ -82,6 +82,12 @@ def test_start_costs_split_a_cold_kvarn_start_from_a_real_log_shape():
     fp16 = _log(_C.format("10.000", "triton_poi_fused_2", "0.40"), BURST_MARK)
     assert start_costs(fp16) == {"start_jit_compiles": 1.0, "start_jit_compile_s": 0.4}
     assert start_costs(_log("Traceback (most recent call last):", "RuntimeError: CUDA out of memory")) == {}
+    # tensor parallelism: each rank compiles the same kernels at once; the start waited for the slowest rank
+    rank = "(Worker_TP{} pid=10{}) [kvarn] 05:21:{} triton compile {} {} s (H=8)"
+    tp = _log(rank.format(0, 0, "10.000", "_store_tiles_kernel", "11.00"),
+              rank.format(1, 1, "10.100", "_store_tiles_kernel", "12.50"),
+              rank.format(1, 1, "23.000", "records_kernel", "2.50"), BURST_MARK)
+    assert start_costs(tp) == {"start_jit_compiles": 2.0, "start_jit_compile_s": 15.0}
 
 
 def test_the_summary_says_what_a_cold_start_paid_for():
@@ -93,8 +99,12 @@ def test_the_summary_says_what_a_cold_start_paid_for():
             {"kv_dtype": "auto", "status": "ok", "engine_start_s": 40.0, "start_jit_compiles": 73.0,
              "start_jit_compile_s": 2.1},  # a warm cache: disk loads only, no line
             {"kv_dtype": "fp8", "status": "failed", "engine_start_s": float("nan")},
-            {"kv_dtype": "fp8", "status": "ok", "engine_start_s": 50.0}]  # an hf row or an older one: unknown
-    assert start_notes(rows) == [
+            {"kv_dtype": "fp8", "status": "ok", "engine_start_s": 50.0},  # an hf row or an older one: unknown
+            {"kv_dtype": "turboquant_4bit_nc", "status": "ok", "engine_start_s": 180.0, "start_jit_compiles": 9.0,
+             "start_jit_compile_s": float("nan")}]  # a compile line without its duration
+    assert start_notes(rows)[1] == ("note: turboquant_4bit_nc engine start 180.0 s: 9 Triton compiles ? s (a cold "
+                                    "compile cache: a rerun on this machine starts faster)")
+    assert start_notes(rows)[:1] == [
         "note: kvarn_k4v2_g128 engine start 106.6 s: 82 Triton compiles 64.2 s, torch.compile 27.3 s, graph capture "
         "4.0 s, kvarn kernel warm-up (its compiles included) 48.0 s (a cold compile cache: a rerun on this machine "
         "starts faster)"]
