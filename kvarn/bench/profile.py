@@ -376,38 +376,42 @@ def run_worker(spec: dict) -> dict:
         wall.append(time.perf_counter() - t)
         ev.append((a, b))
 
+    def fill(step) -> int:  # until every request has its first token; returns the steps it took
+        n = 0
+        while len(got) < B and n < MAX_FILL_STEPS:
+            step()
+            n += 1
+        if len(got) < B:
+            raise RuntimeError(f"prefill did not finish in {n} steps: {len(got)} of {B} requests have a token")
+        return n
+
+    def profiled(body):  # body() under torch.profiler with the plugin hook on; returns (profiler, body's result)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            HOOK.active = True
+            res = body()
+            torch.cuda.synchronize()
+            HOOK.active = False
+        return p, res
+
     HOOK.reset()
     if phase == "prefill":
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            HOOK.active = True
-            while len(got) < B and len(ev) < MAX_FILL_STEPS:
-                timed_step(fill_step)
-            torch.cuda.synchronize()
-            HOOK.active = False
-        fill_s, fill_steps = time.perf_counter() - t0, len(ev)
-        N = len(ev)
-        if len(got) < B:
-            raise RuntimeError(f"prefill did not finish in {N} steps: {len(got)} of {B} requests have a token")
+        prof, fill_steps = profiled(lambda: fill(lambda: timed_step(fill_step)))
+        fill_s, N = time.perf_counter() - t0, fill_steps
     else:
         t0 = time.perf_counter()
-        fill_steps = 0
-        while len(got) < B and fill_steps < MAX_FILL_STEPS:  # until every request has its first token
-            fill_step()
-            fill_steps += 1
+        fill_steps = fill(fill_step)
         fill_s = time.perf_counter() - t0
-        if len(got) < B:
-            raise RuntimeError(f"prefill did not finish in {fill_steps} steps: {len(got)} of {B} requests have a token")
         for _ in range(warm):
             engine.step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            HOOK.active = True
+
+        def window() -> None:
             for _ in range(N):
                 timed_step(engine.step)
-            torch.cuda.synchronize()
-            HOOK.active = False
+
+        prof, _ = profiled(window)
     event_ms = [a.elapsed_time(b) for a, b in ev]
     span_ms = ev[0][0].elapsed_time(ev[-1][1])
     prof.export_chrome_trace(str(trace_path))
@@ -493,9 +497,9 @@ def profile(model: str, kv_dtypes: list[str], batch: int, context: int, steps: i
         wd = root / d
         wd.mkdir(parents=True, exist_ok=True)
         spec = {"model": model, "kv_dtype": d, "phase": phase, "batch": batch, "context": context, "steps": steps,
-                "warmup": warmup,
-                "stagger": stagger, "workdir": str(wd), "trace_dir": str(Path(trace_dir).resolve()) if trace_dir
-                else None, "gpu_memory_utilization": gpu_memory_utilization}
+                "warmup": warmup, "stagger": stagger, "workdir": str(wd),
+                "trace_dir": str(Path(trace_dir).resolve()) if trace_dir else None,
+                "gpu_memory_utilization": gpu_memory_utilization}
         (wd / "spec.json").write_text(json.dumps(spec))
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
