@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 
 def vllm_available() -> bool:
@@ -69,6 +70,32 @@ def _run_int(cmd: list[str], timeout: float = 20) -> int | None:
         return int(float(out.stdout.strip().splitlines()[0])) if out.returncode == 0 else None
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
         return None
+
+
+def wait_for_free_memory(fraction: float, timeout_s: float = 60.0, interval_s: float = 0.5) -> bool:
+    """Wait until every visible GPU has `fraction` of its memory free, vLLM's start-up check, and say whether it does.
+
+    The engine before may still be handing its memory back (a process frees it as it exits); starting the next one
+    earlier fails with "Free memory on device ... is less than desired GPU memory utilization". True at once where
+    nvidia-smi cannot tell (none, or a MIG instance, which nvidia-smi does not list by its UUID)."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x.strip() for x in vis.split(",") if x.strip()] if vis is not None else None
+    if not shutil.which("nvidia-smi") or any(i.upper().startswith("MIG-") for i in ids or []):
+        return True
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            cmd = ["nvidia-smi", "--query-gpu=index,memory.free,memory.total", "--format=csv,noheader,nounits"]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
+            rows = [[s.strip() for s in line.split(",")] for line in out.strip().splitlines()]
+            rows = [r for r in rows if len(r) == 3 and (ids is None or r[0] in ids)]
+            if not rows or all(float(free) >= fraction * float(total) for _, free, total in rows):
+                return True
+        except (OSError, ValueError, subprocess.SubprocessError):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
 
 
 class GpuMemSampler(threading.Thread):

@@ -116,6 +116,27 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> list[int]:
     return sorted(family)
 
 
+def end_descendants(pid: int, wait_s: float = 30.0) -> set[int]:
+    """SIGKILL every descendant of `pid` (wherever its session) and wait until they are gone: a process frees its GPU
+    memory as it exits, so once this returns, the memory of `pid`'s engine processes is free for the next engine."""
+    family = descendants(pid)
+    for p in family:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + wait_s
+    while True:
+        for p in family:  # reap our own children: a zombie of a live parent lingers in the process table
+            try:
+                os.waitpid(p, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        if not any(_alive(p) for p in family) or time.monotonic() >= deadline:
+            return family
+        time.sleep(0.05)
+
+
 def kill_leftover_gpu_processes(ours: set[int], session: int, wait_s: float = 30.0) -> set[int]:
     """End GPU processes that are ours (in `ours` or in our session) and wait until they are gone."""
     targets = {p for p in gpu_pids() if p in ours or _session_of(p) == session}

@@ -6,7 +6,7 @@
 A cell writes one result to RESULT ({"status", "error", "metrics", "info"}), also when it fails. A job builds one
 `vllm.LLM` from job["llm"], runs the requests in small batches and prints one `@kvarn-result {json}` line per request
 as each batch finishes (the parent stores them as they arrive); a failing job exits non-zero with its traceback, a
-finished one prints `@kvarn-done` and exits 0 without waiting on vLLM's shutdown.
+finished one ends its engine processes, prints `@kvarn-done` and exits 0 without vLLM's own shutdown.
 """
 from __future__ import annotations
 
@@ -77,8 +77,12 @@ def run_job(job: dict) -> int:
     llm = LLM(**job["llm"])
     JOB_MODES[job["mode"]](llm, job)
     # every result is out: vLLM's engine shutdown can still abort the interpreter ("terminate called without an
-    # active exception", exit -6), which would turn a finished job into a failed row. Say so and leave now; the
-    # parent stops reading at this line (the engine core left behind still holds the pipe) and ends that core
+    # active exception", exit -6), which would turn a finished job into a failed row. End the engine core and its
+    # workers here instead (an orphaned core keeps its GPU memory, and the next engine then finds too little free),
+    # say so and leave; the parent stops reading at this line
+    from .process import end_descendants
+
+    end_descendants(os.getpid())
     sys.stdout.write(DONE_TAG + "\n")
     sys.stdout.flush()
     os._exit(0)

@@ -369,6 +369,7 @@ class VLLMEngine:
         jobf = log_dir / f"vllm-{fmt.name}-{stamp}.job.json"
         jobf.write_text(json.dumps(job))
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+        gpus.wait_for_free_memory(float(job["llm"]["gpu_memory_utilization"]))  # the engine before may still be leaving
         with open(log, "w") as logf:
             proc = subprocess.Popen([sys.executable, "-m", "kvarn.engines.vllm_worker", str(jobf)], stdout=subprocess.PIPE,
                                     stderr=logf, text=True, env=env, start_new_session=True)

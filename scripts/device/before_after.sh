@@ -8,8 +8,9 @@
 # chunk 128) through vLLM; on request the store microbench (`store`: one tile x 36 layers, and 128 tiles x 36
 # layers as a 16K-token prefill step stores them). KVARN_BA_SIDES picks base, head or base,head (the default);
 # KVARN_BA_PARTS some of mb,store,bench,ppl (default mb,bench,ppl); KVARN_BA_BASE_DTYPES the base side's bench
-# formats (default FP16 and KVarN, as this tree's; kvarn_k4v2_g128 alone when only KVarN's code changed, vLLM's FP16
-# then measured once, beside this tree's KVarN). Results under $OUT/<side>/.
+# formats (default FP16 and KVarN; kvarn_k4v2_g128 alone when only KVarN's code changed, vLLM's FP16 then measured
+# once, beside this tree's KVarN); KVARN_BA_HEAD_DTYPES this tree's (default FP16 and KVarN; KVarN alone when the
+# FP16 pairing is measured elsewhere and one call must hold both sides). Results under $OUT/<side>/.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 COLUMNS=200 VLLM_USE_FLASHINFER_SAMPLER=0
@@ -48,7 +49,7 @@ side() {  # name, site dir, bench formats: the kvarn that side imports (vLLM and
   bash "$(dirname "$0")/free_gpu.sh"
 }
 [[ $SIDES == *,base,* ]] && side base /tmp/kvarn-base-site "${KVARN_BA_BASE_DTYPES:-auto,kvarn_k4v2_g128}"
-[[ $SIDES == *,head,* ]] && side head "${KVARN_SITE:-/tmp/kvarn-site}" auto,kvarn_k4v2_g128
+[[ $SIDES == *,head,* ]] && side head "${KVARN_SITE:-/tmp/kvarn-site}" "${KVARN_BA_HEAD_DTYPES:-auto,kvarn_k4v2_g128}"
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 from kvarn.results import ResultsStore

@@ -41,10 +41,14 @@ FAKE = textwrap.dedent('''
             if kw["kv_cache_dtype"] == "kvarn_k4v4_g128":
                 time.sleep(60)
             if kw["kv_cache_dtype"] == "kvarn_k4v2_g64":
-                # as vLLM can: an engine-core process that inherits stdout and outlives the worker, and a
-                # shutdown that aborts at exit
+                # as vLLM can: an engine-core process that inherits stdout and would outlive the worker (here
+                # in a session of its own, out of reach of the worker's process group), and a shutdown that
+                # aborts at exit
                 import atexit, subprocess
-                subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+                core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                        start_new_session=True)
+                with open(os.environ["FAKE_VLLM_LOG"] + ".core", "w") as f:
+                    f.write(str(core.pid))
                 atexit.register(os.abort)
             self.q = kw["kv_cache_dtype"] != "auto"
             self.max_len = kw.get("max_model_len") or 10 ** 9
@@ -126,6 +130,9 @@ def test_vllm_finished_job_is_ok_whatever_its_engine_core_does_after(tmp_path, f
     rows = R.run_eval(o, engine_obj=_engine(tmp_path, timeout_s=20))
     assert [(r["status"], r["n"]) for r in rows] == [("ok", 2), ("ok", 2)]
     assert time.monotonic() - t0 < 15  # not held until the time limit by the child that keeps the pipe open
+    core = int(open(str(fake_vllm) + ".core").read())
+    with pytest.raises(ProcessLookupError):  # ended with its worker: an engine core left running keeps GPU memory
+        os.kill(core, 0)
 
 
 def test_vllm_crash_row_names_the_exception(tmp_path, fake_vllm):

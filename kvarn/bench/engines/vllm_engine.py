@@ -92,6 +92,7 @@ class VllmEngine(Engine):
         env.setdefault("PYTHONUNBUFFERED", "1")
         # every Triton compile in the cell's log with its time and duration: a stall in the burst is matched to one
         env.setdefault("KVARN_LOG_COMPILES", "1")
+        gpus.wait_for_free_memory(cell.config.gpu_memory_utilization)  # the engine before may still be leaving
         res = self.runner.run(cmd, log, timeout_s, env=env)
         try:
             text = log.read_text(errors="replace") if log.is_file() else ""
