@@ -72,29 +72,41 @@ def _run_int(cmd: list[str], timeout: float = 20) -> int | None:
         return None
 
 
-def wait_for_free_memory(fraction: float, timeout_s: float = 60.0, interval_s: float = 0.5) -> bool:
-    """Wait until every visible GPU has `fraction` of its memory free, vLLM's start-up check, and say whether it does.
+def wait_for_free_memory(fraction: float, count: int = 1, timeout_s: float = 60.0,
+                         interval_s: float = 0.5) -> str:
+    """Wait until the first `count` visible GPUs (those an engine of `count` ranks takes) each have `fraction` of their
+    memory free, vLLM's start-up check; "" once they do, else a line saying what is still in use.
 
-    The engine before may still be handing its memory back (a process frees it as it exits); starting the next one
-    earlier fails with "Free memory on device ... is less than desired GPU memory utilization". True at once where
-    nvidia-smi cannot tell (none, or a MIG instance, which nvidia-smi does not list by its UUID)."""
+    The engine before may still be handing its memory back (a process frees it as it exits); started earlier, the
+    next one fails with "Free memory on device ... is less than desired GPU memory utilization". "" at once where
+    nvidia-smi cannot tell: none, or MIG, whose instances it does not report by CUDA's ids."""
     vis = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [x.strip() for x in vis.split(",") if x.strip()] if vis is not None else None
     if not shutil.which("nvidia-smi") or any(i.upper().startswith("MIG-") for i in ids or []):
-        return True
+        return ""
+    cmd = ["nvidia-smi", "--query-gpu=index,uuid,mig.mode.current,memory.free,memory.total",
+           "--format=csv,noheader,nounits"]
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            cmd = ["nvidia-smi", "--query-gpu=index,memory.free,memory.total", "--format=csv,noheader,nounits"]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
             rows = [[s.strip() for s in line.split(",")] for line in out.strip().splitlines()]
-            rows = [r for r in rows if len(r) == 3 and (ids is None or r[0] in ids)]
-            if not rows or all(float(free) >= fraction * float(total) for _, free, total in rows):
-                return True
+            rows = [r for r in rows if len(r) == 5]
+            if any(r[2] == "Enabled" for r in rows):
+                return ""
+            if ids is not None:  # CUDA_VISIBLE_DEVICES order; an id is an index or a (prefix of a) UUID
+                rows = [next((r for r in rows if i == r[0] or (i.startswith("GPU-") and r[1].startswith(i))), None)
+                        for i in ids]
+                if None in rows:
+                    return ""
+            short = [r for r in rows[:count] if float(r[3]) < fraction * float(r[4])]
         except (OSError, ValueError, subprocess.SubprocessError):
-            return True
+            return ""
+        if not short:
+            return ""
         if time.monotonic() >= deadline:
-            return False
+            return "; ".join(f"GPU {r[0]}: {float(r[3]) / 1024:.1f} of {float(r[4]) / 1024:.1f} GiB free after "
+                             f"{timeout_s:.0f} s, {fraction:.2f} wanted" for r in short)
         time.sleep(interval_s)
 
 

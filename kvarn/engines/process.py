@@ -1,7 +1,8 @@
 """Run one configuration's worker in its own process group; on timeout or interrupt end the whole group.
 
 vLLM spawns engine-core and TP worker processes; they stay in the worker's process group (session), so killing
-the group frees the GPU. Anything that escaped (a new session) but still holds GPU memory is found through
+the group frees the GPU; the worker itself ends its descendants before it leaves (`end_descendants`), wherever their
+session. Anything that escaped (a new session) but still holds GPU memory is found through
 `nvidia-smi --query-compute-apps` and ended only if it descends from our worker or shares its session: we never
 touch processes we did not start.
 """
@@ -50,7 +51,8 @@ def descendants(pid: int) -> set[int]:
 
 def _session_of(pid: int) -> int | None:
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[4])
+        # after the command's ")": state, ppid, pgrp, session
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -116,25 +118,35 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> list[int]:
     return sorted(family)
 
 
-def end_descendants(pid: int, wait_s: float = 30.0) -> set[int]:
-    """SIGKILL every descendant of `pid` (wherever its session) and wait until they are gone: a process frees its GPU
-    memory as it exits, so once this returns, the memory of `pid`'s engine processes is free for the next engine."""
-    family = descendants(pid)
-    for p in family:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    deadline = time.monotonic() + wait_s
-    while True:
-        for p in family:  # reap our own children: a zombie of a live parent lingers in the process table
+def end_descendants(pid: int, grace_s: float = 3.0, wait_s: float = 30.0) -> set[int]:
+    """End every descendant of `pid`, wherever its session: SIGTERM (vLLM's processes then remove their shared
+    memory), SIGKILL for what is left after `grace_s`, and wait until all are gone. A process frees its GPU memory
+    as it exits, so once this returns the memory of `pid`'s engine processes is free for the next engine."""
+    family = descendants(pid)  # listed first: a grandchild stays in the set when its parent dies
+    deadline = time.monotonic() + grace_s
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in family:
             try:
-                os.waitpid(p, os.WNOHANG)
-            except ChildProcessError:
+                os.kill(p, sig)
+            except (ProcessLookupError, PermissionError):
                 pass
-        if not any(_alive(p) for p in family) or time.monotonic() >= deadline:
-            return family
-        time.sleep(0.05)
+        while True:
+            _reap(family)
+            if not any(_alive(p) for p in family) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        deadline = time.monotonic() + wait_s
+    _reap(family)
+    return family
+
+
+def _reap(pids: set[int]) -> None:
+    """Collect those of `pids` that are our children and have exited: a zombie of a live parent stays listed."""
+    for p in pids:
+        try:
+            os.waitpid(p, os.WNOHANG)
+        except ChildProcessError:
+            pass
 
 
 def kill_leftover_gpu_processes(ours: set[int], session: int, wait_s: float = 30.0) -> set[int]:

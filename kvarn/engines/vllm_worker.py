@@ -19,6 +19,7 @@ import traceback
 from pathlib import Path
 
 from .gpus import GpuMemSampler
+from .process import end_descendants
 from .vllm_log import classify_error
 
 RESULT_TAG = "@kvarn-result "
@@ -74,18 +75,27 @@ MODES = (*CELL_MODES, *JOB_MODES)
 def run_job(job: dict) -> int:
     from vllm import LLM
 
-    llm = LLM(**job["llm"])
-    JOB_MODES[job["mode"]](llm, job)
+    try:
+        llm = LLM(**job["llm"])
+        JOB_MODES[job["mode"]](llm, job)
+    except BaseException:
+        traceback.print_exc()
+        _leave(1)
     # every result is out: vLLM's engine shutdown can still abort the interpreter ("terminate called without an
-    # active exception", exit -6), which would turn a finished job into a failed row. End the engine core and its
-    # workers here instead (an orphaned core keeps its GPU memory, and the next engine then finds too little free),
-    # say so and leave; the parent stops reading at this line
-    from .process import end_descendants
-
-    end_descendants(os.getpid())
+    # active exception", exit -6), which would turn a finished job into a failed row. Say so first (the parent stops
+    # reading at this line), then end the engine core and its workers here instead of through vLLM
     sys.stdout.write(DONE_TAG + "\n")
     sys.stdout.flush()
-    os._exit(0)
+    _leave(0)
+
+
+def _leave(rc: int) -> None:
+    """Exit now, after the engine's processes: an engine core left alive keeps its GPU memory, and the next engine
+    then finds too little free."""
+    end_descendants(os.getpid())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def run_cell(spec: dict, result_path: str) -> int:
@@ -101,9 +111,8 @@ def run_cell(spec: dict, result_path: str) -> int:
         result = {"status": classify_error(text), "error": f"{type(e).__name__}: {last}"[:500], "metrics": {}, "info": {}}
     result["metrics"]["gpu_mem_gib"] = mem.stop()
     Path(result_path).write_text(json.dumps(result, default=str))
-    sys.stdout.flush()
     # vLLM's background threads can keep the interpreter alive; the result is written, leave now
-    os._exit(0)
+    _leave(0)
 
 
 def main(argv: list[str]) -> int:

@@ -369,8 +369,12 @@ class VLLMEngine:
         jobf = log_dir / f"vllm-{fmt.name}-{stamp}.job.json"
         jobf.write_text(json.dumps(job))
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-        gpus.wait_for_free_memory(float(job["llm"]["gpu_memory_utilization"]))  # the engine before may still be leaving
+        llm = job["llm"]  # the engine before may still be handing its GPU memory back
+        ranks = int(llm.get("tensor_parallel_size", 1) or 1) * int(llm.get("pipeline_parallel_size", 1) or 1)
+        busy = gpus.wait_for_free_memory(float(llm["gpu_memory_utilization"]), ranks)
         with open(log, "w") as logf:
+            if busy:
+                logf.write(f"[kvarn] starting anyway: {busy}\n")
             proc = subprocess.Popen([sys.executable, "-m", "kvarn.engines.vllm_worker", str(jobf)], stdout=subprocess.PIPE,
                                     stderr=logf, text=True, env=env, start_new_session=True)
             timed_out = threading.Event()
@@ -387,12 +391,12 @@ class VLLMEngine:
                     if line.startswith(RESULT_TAG):
                         yield json.loads(line[len(RESULT_TAG):])
                     elif line.startswith(DONE_TAG):
-                        done = True  # the worker is leaving; its engine core may keep the pipe open
+                        done = True  # the worker is leaving; an engine core left alive would keep the pipe open
                         break
                     else:
                         logf.write(line)
                 try:
-                    proc.wait(timeout=30 if done else None)
+                    proc.wait(timeout=45 if done else None)  # longer than the worker's own wait
                 except subprocess.TimeoutExpired:
                     pass
             finally:

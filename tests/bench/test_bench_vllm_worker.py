@@ -9,6 +9,7 @@ import pytest
 
 from kvarn.bench.config import BenchConfig, Cell
 from kvarn.bench.engines.vllm_engine import VllmEngine
+from kvarn.engines import gpus
 
 FAKE_VLLM = '''
 import os, sys, time
@@ -80,6 +81,8 @@ class LLM:
 
 @pytest.fixture(params=["delta", "cumulative"])
 def fake_vllm(tmp_path, monkeypatch, request):
+    # the fake engine holds no GPU: the wait for the memory of the engine before would only ask a real GPU
+    monkeypatch.setattr(gpus, "wait_for_free_memory", lambda *a, **k: "")
     pkg = tmp_path / "site" / "vllm"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from kvarn.engines import gpus
 from kvarn.eval import runner as R
 from kvarn.eval.engines import VLLMConfig, VLLMEngine
 from kvarn.results import ResultsStore
@@ -81,6 +82,8 @@ def fake_vllm(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fakevllm"), root,
                                                       os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    # the fake engine holds no GPU: the wait for the memory of the engine before would only ask a real GPU
+    monkeypatch.setattr(gpus, "wait_for_free_memory", lambda *a, **k: "")
     return log
 
 

@@ -92,7 +92,14 @@ class VllmEngine(Engine):
         env.setdefault("PYTHONUNBUFFERED", "1")
         # every Triton compile in the cell's log with its time and duration: a stall in the burst is matched to one
         env.setdefault("KVARN_LOG_COMPILES", "1")
-        gpus.wait_for_free_memory(cell.config.gpu_memory_utilization)  # the engine before may still be leaving
+        # the engine before may still be handing its GPU memory back; the user's engine arguments win, as in vLLM's
+        c, extra = cell.config, cell.config.engine_arg_dict()
+        ranks = c.tp * int(extra.get("pipeline_parallel_size", 1) or 1)
+        busy = gpus.wait_for_free_memory(float(extra.get("gpu_memory_utilization", c.gpu_memory_utilization)), ranks)
+        if busy:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "a") as f:
+                f.write(f"[kvarn] starting anyway: {busy}\n")
         res = self.runner.run(cmd, log, timeout_s, env=env)
         try:
             text = log.read_text(errors="replace") if log.is_file() else ""
