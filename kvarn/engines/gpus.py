@@ -37,9 +37,8 @@ def visible_gpus() -> list[dict]:
                 parts = [s.strip() for s in line.split(",")]
                 if len(parts) >= 3:
                     gpus.append({"index": parts[0], "name": parts[1], "capability": parts[2]})
-            vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if vis is not None:
-                keep = [v.strip() for v in vis.split(",") if v.strip()]
+            keep = _visible_ids()
+            if keep is not None:
                 gpus = [g for g in gpus if g["index"] in keep]
             return gpus
         except (OSError, subprocess.SubprocessError):
@@ -47,6 +46,12 @@ def visible_gpus() -> list[dict]:
     from ..provenance import gpus as torch_gpus
 
     return [{"index": str(g["index"]), "name": g["name"], "capability": g["capability"]} for g in torch_gpus()]
+
+
+def _visible_ids() -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as a list of ids (indices or UUIDs), None when unset (every GPU)."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [v.strip() for v in vis.split(",") if v.strip()] if vis is not None else None
 
 
 def gpu_total_bytes() -> int | None:
@@ -80,8 +85,7 @@ def wait_for_free_memory(fraction: float, count: int = 1, timeout_s: float = 60.
     The engine before may still be handing its memory back (a process frees it as it exits); started earlier, the
     next one fails with "Free memory on device ... is less than desired GPU memory utilization". "" at once where
     nvidia-smi cannot tell: none, or MIG, whose instances it does not report by CUDA's ids."""
-    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [x.strip() for x in vis.split(",") if x.strip()] if vis is not None else None
+    ids = _visible_ids()
     if not shutil.which("nvidia-smi") or any(i.upper().startswith("MIG-") for i in ids or []):
         return ""
     cmd = ["nvidia-smi", "--query-gpu=index,uuid,mig.mode.current,memory.free,memory.total",

@@ -95,21 +95,7 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> list[int]:
     """SIGTERM then SIGKILL the process group of `proc` (and descendants that left it); return what was signalled."""
     pgid = proc.pid  # started with start_new_session=True: pgid == sid == pid
     family = descendants(proc.pid) | session_members(pgid) | {proc.pid}
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for pid in family:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 2.0)
-        while time.monotonic() < deadline and any(_alive(p) for p in family):
-            time.sleep(0.1)
-        if not any(_alive(p) for p in family):
-            break
+    _term_then_kill(family, grace_s, 2.0, pgid)
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
@@ -123,30 +109,34 @@ def end_descendants(pid: int, grace_s: float = 3.0, wait_s: float = 30.0) -> set
     memory), SIGKILL for what is left after `grace_s`, and wait until all are gone. A process frees its GPU memory
     as it exits, so once this returns the memory of `pid`'s engine processes is free for the next engine."""
     family = descendants(pid)  # listed first: a grandchild stays in the set when its parent dies
-    deadline = time.monotonic() + grace_s
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    _term_then_kill(family, grace_s, wait_s)
+    for p in family:  # reap those that are our children: a zombie of a live parent stays in the process table
+        try:
+            os.waitpid(p, os.WNOHANG)
+        except ChildProcessError:
+            pass
+    return family
+
+
+def _term_then_kill(family: set[int], grace_s: float, kill_wait_s: float, pgid: int | None = None) -> None:
+    """SIGTERM `family` (and process group `pgid`), SIGKILL what is alive after `grace_s`, then wait up to
+    `kill_wait_s` until none is alive (a zombie counts as gone)."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
+        if pgid is not None:
+            try:
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
         for p in family:
             try:
                 os.kill(p, sig)
             except (ProcessLookupError, PermissionError):
                 pass
-        while True:
-            _reap(family)
-            if not any(_alive(p) for p in family) or time.monotonic() >= deadline:
-                break
-            time.sleep(0.05)
         deadline = time.monotonic() + wait_s
-    _reap(family)
-    return family
-
-
-def _reap(pids: set[int]) -> None:
-    """Collect those of `pids` that are our children and have exited: a zombie of a live parent stays listed."""
-    for p in pids:
-        try:
-            os.waitpid(p, os.WNOHANG)
-        except ChildProcessError:
-            pass
+        while time.monotonic() < deadline and any(_alive(p) for p in family):
+            time.sleep(0.05)
+        if not any(_alive(p) for p in family):
+            return
 
 
 def kill_leftover_gpu_processes(ours: set[int], session: int, wait_s: float = 30.0) -> set[int]:
