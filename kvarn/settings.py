@@ -2,7 +2,8 @@
 
 Settings are read once per process (the first `get`), parsed by one parser per type, and a bad value is a
 KvarnError naming the setting and the values it accepts. Result rows record the result-changing ones
-(`result_env`): a run with another value is another cell, never merged with this one.
+(`result_env`): a run with another value is another cell, never merged with this one. Some change only speed
+(the numbers are the same): bench rows record those too, accuracy rows do not.
 
     from kvarn import settings
     settings.get("KVARN_SINK")      # -> 16 (int)
@@ -22,6 +23,8 @@ class Setting:
     default: object
     doc: str
     changes_results: bool = False
+    # the same numbers, another speed: a throughput cell of its own, an accuracy cell shared
+    changes_speed: bool = False
     # where it acts: "method" (the quantizer itself: PyTorch reference, hf engine and kernels alike), "backend"
     # (the vLLM backend only), "tools" (the CLI and bench workers)
     scope: str = "tools"
@@ -40,7 +43,7 @@ SETTINGS = (
             changes_results=True, scope="backend"),
     Setting("KVARN_FULL_GRAPH", "bool", True,
             "pure decode steps run as one full CUDA graph (0: attention eager between piecewise graphs)",
-            scope="backend"),
+            changes_speed=True, scope="backend"),
     Setting("KVARN_LOG_COMPILES", "bool", False,
             "one log line per Triton compile of the process, with its duration (to match stalls to compiles)"),
     Setting("KVARN_SUITES", "path", "",
@@ -109,13 +112,13 @@ def _text(s: Setting, value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def result_env(environ=None, scopes: tuple[str, ...] = ("method", "backend")) -> str:
+def result_env(environ=None, scopes: tuple[str, ...] = ("method", "backend"), speed: bool = False) -> str:
     """'KEY=value;...' of every result-changing setting in `scopes` with its effective value, sorted: what result
-    rows record (and what tells their cells apart). environ: a mapping to read instead of this process's
-    settings."""
+    rows record (and what tells their cells apart). speed: also the settings that change only speed (throughput
+    rows). environ: a mapping to read instead of this process's settings."""
     out = []
     for s in sorted(SETTINGS, key=lambda s: s.name):
-        if s.changes_results and s.scope in scopes:
+        if (s.changes_results or (speed and s.changes_speed)) and s.scope in scopes:
             value = get(s.name) if environ is None else parse(s.name, environ.get(s.name))
             out.append(f"{s.name}={_text(s, value)}")
     return ";".join(out)
@@ -124,4 +127,4 @@ def result_env(environ=None, scopes: tuple[str, ...] = ("method", "backend")) ->
 def table() -> list[dict]:
     """The settings as rows (name, type, default, changes results, doc), for `kvarn env` and the docs."""
     return [{"name": s.name, "type": s.type, "default": s.default, "changes_results": s.changes_results,
-             "scope": s.scope, "doc": s.doc} for s in SETTINGS]
+             "changes_speed": s.changes_speed, "scope": s.scope, "doc": s.doc} for s in SETTINGS]

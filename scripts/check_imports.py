@@ -50,20 +50,19 @@ def edges(path: Path, module_level: bool) -> tuple[set[str], list[str]]:
     mod, is_pkg = module_name(path), path.name == "__init__.py"
     tree = ast.parse(path.read_text())
     out, private = set(), []
-    if True:
-        for n in _imports(tree, module_level):
-            if isinstance(n, ast.Import):
-                out.update(a.name for a in n.names if a.name.startswith("kvarn"))
-            else:
-                target = resolve(mod, is_pkg, n.level, n.module)
-                if not target.startswith("kvarn"):
-                    continue
-                for a in n.names:
-                    sub = f"{target}.{a.name}"
-                    out.add(sub if (ROOT / Path(*sub.split("."))).with_suffix(".py").exists()
-                            or (ROOT / Path(*sub.split(".")) / "__init__.py").exists() else target)
-                    if a.name.startswith("_") and not a.name.startswith("__"):
-                        private.append(f"{mod}: {a.name} from {target}")
+    for n in _imports(tree, module_level):
+        if isinstance(n, ast.Import):
+            out.update(a.name for a in n.names if a.name.startswith("kvarn"))
+        else:
+            target = resolve(mod, is_pkg, n.level, n.module)
+            if not target.startswith("kvarn"):
+                continue
+            for a in n.names:
+                sub = f"{target}.{a.name}"
+                out.add(sub if (ROOT / Path(*sub.split("."))).with_suffix(".py").exists()
+                        or (ROOT / Path(*sub.split(".")) / "__init__.py").exists() else target)
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    private.append(f"{mod}: {a.name} from {target}")
     return {m for m in out if m != mod}, private
 
 

@@ -34,3 +34,28 @@ def overflow_model(tmp_path_factory):
     text = root / "text.txt"
     text.write_text("It was the best of times, it was the worst of times, it was the age of wisdom. " * 30)
     return make_overflow_model(root / "model"), text
+
+
+@pytest.fixture
+def tiny_llama(tmp_path):
+    """A model folder holding only the config.json of tests.helpers.TINY_LLAMA (random weights, built in seconds)."""
+    import json
+
+    from tests.helpers import TINY_LLAMA
+
+    d = tmp_path / "tiny-llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return d
+
+
+@pytest.fixture
+def fake_bench_engine(monkeypatch):
+    """The bench engine `fake` of tests.bench.helpers registered for this test alone: returns that module (its
+    bench() runs `kvarn bench --engine fake`, its CALLS lists the cells run)."""
+    from kvarn.bench.engines import ENGINES
+    from tests.bench import helpers
+
+    monkeypatch.setitem(ENGINES, "fake", helpers.FakeEngine)
+    helpers.CALLS.clear()
+    return helpers

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import typer
+
 
 def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run `kvarn ARGS` in a subprocess (real exit codes, real stderr)."""
@@ -14,6 +16,34 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subproce
         e.update(env)
     return subprocess.run([sys.executable, "-m", "kvarn_cli.app", *args], capture_output=True, text=True,
                           env=e, timeout=timeout)
+
+
+_cli_app = typer.Typer(add_completion=False)
+
+
+@_cli_app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                    "help_option_names": []})
+def _kvarn(ctx: typer.Context) -> None:
+    """`kvarn ARGS` through the console entry point (one-line errors, exit 2), inside CliRunner's isolation."""
+    from kvarn_cli.app import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
+def cli(*args: str) -> tuple[int, str, str]:
+    """Run `kvarn ARGS` in this process (faster than run_cli; monkeypatches apply): (exit code, stdout, stderr)."""
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(_cli_app, list(args), env={"COLUMNS": "200"})
+    return r.exit_code, r.stdout, r.stderr
+
+
+# a tiny random Llama (SmolLM2's head dim 64, 2 heads so --tp 4 cannot divide them): the hf engine builds it with
+# random weights and runs a bench cell in seconds (the tiny_llama fixture writes it to a folder)
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+              "intermediate_size": 256, "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "head_dim": 64, "vocab_size": 256, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": True, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
 
 
 # ---- the backend's kernel path against its torch path on the same steps (test_vllm_gpu, test_vllm_plugin_ops)
@@ -86,3 +116,58 @@ def kernel_path_vs_torch_path(name: str, kernel_device: str, use_kernels: bool |
             outs.append(out.float().cpu())
         yield sched, outs[0], outs[1]
     yield None, states[kern_key], states[ref_key]
+
+
+# ---- a worker whose own child escapes its process group and ignores SIGTERM (as a vLLM engine core can)
+
+# Python source defining stubborn_family(pidfile): starts a grandchild in a session of its own that ignores SIGTERM,
+# writes "<own pid> <grandchild pid>" to pidfile once the grandchild's handler is set, then sleeps past any timeout.
+# Exec it in a fake worker (a `python -c` script, a fake package's module) and call stubborn_family.
+STUBBORN_FAMILY = '''
+import os, subprocess, sys, time
+
+def stubborn_family(pidfile, sleep_s=120):
+    g = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                          "print('ready', flush=True); time.sleep(%d)" % sleep_s],
+                         start_new_session=True, stdout=subprocess.PIPE, text=True)
+    g.stdout.readline()
+    with open(pidfile, "w") as f:
+        f.write(f"{os.getpid()} {g.pid}")
+    time.sleep(sleep_s)
+'''
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def wait_gone(pids, timeout_s: float = 5.0) -> list[int]:
+    """Wait up to timeout_s for every pid to be gone (an orphan's reaping takes a moment); the ones still alive."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def kill_quietly(pids) -> None:
+    """SIGKILL what a failed test left running."""
+    import signal
+
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -8,7 +8,7 @@ from kvarn.formats import get_format
 from kvarn.shapes import resolve_model
 from tests.helpers import run_cli
 
-# vLLM 0.26.0 on one H200, Qwen3-8B shape, gpu_memory_utilization 0.9 (device README, 2026-11-29)
+# KV-cache tokens vLLM 0.26.0 reports on one H200 for the Qwen3-8B shape at gpu_memory_utilization 0.9
 VLLM_FP16_TOKENS = 791_792
 VLLM_TQ_K3V4_TOKENS = 2_505_920
 # the same machine and model, kvarn_k4v2_g128 at max_num_seqs 256: vLLM's num_gpu_blocks x 128

@@ -9,25 +9,8 @@ from kvarn.gate import DEFAULT_POLICY, load_policy, markdown, run_gate, validate
 from kvarn.paths import suites_dir
 from kvarn.report.fixtures import bench_row, eval_row
 from kvarn.results import ResultsStore
+from tests.gate_helpers import BASE_TPS, M, hf_run, write_bench
 from tests.helpers import run_cli
-
-M = "Qwen/Qwen3-8B"  # a bundled shape's label, as bench rows name it
-
-
-def write_bench(root, tps: dict, *, kv_tokens=None, repeats=3, bad=None, run_id="r"):
-    """tps: kv_dtype -> output tok/s (same value each repeat, small jitter); bad: (kv_dtype, repeat) -> row overrides."""
-    kv_tokens = kv_tokens or {"auto": 800_000, "fp8": 1_600_000, "kvarn_k4v2_g128": 3_600_000}
-    rows = []
-    for kv, v in tps.items():
-        for r in range(repeats):
-            row = bench_row(M, kv, 1, repeat=r, output_tok_s=v * (1 + 0.002 * (r - 1)), kv_tokens=kv_tokens[kv],
-                            burst=16384, run_id=run_id)
-            if bad and (kv, r) in bad:
-                row.update(bad[(kv, r)])
-            rows.append(row)
-    ResultsStore(root).append(rows)
-    return root
-
 
 def write_eval(root, deltas: dict, *, task="aime25", run_id="r"):
     """deltas: kv_dtype -> (delta, (ci_low, ci_high)) as fractions."""
@@ -36,9 +19,6 @@ def write_eval(root, deltas: dict, *, task="aime25", run_id="r"):
         rows.append(eval_row(M, kv, task, accuracy=0.70 + d, delta=d, delta_ci=ci, run_id=run_id))
     ResultsStore(root).append(rows)
     return root
-
-
-BASE_TPS = {"auto": 2600.0, "fp8": 3100.0, "kvarn_k4v2_g128": 4500.0}
 
 
 @pytest.fixture(scope="module")
@@ -190,32 +170,24 @@ def test_eval_failure_after_an_ok_row_is_not_hidden(tmp_path, baseline):
 
 
 def test_median_is_over_an_odd_number_of_runs(tmp_path, baseline):
-    """A repeat run twice (--force into the same directory) or an ignored invalid run leaves an even number of
-    runs behind the median: the median is then no real run, so the input is unusable."""
+    """An ignored invalid run leaves an even number of runs behind the median: the median is then no real run, so
+    the input is unusable, and the message says how to fill the repeat in."""
+    bad = {("kvarn_k4v2_g128", 1): {"status": "oom", "error": "CUDA out of memory", "completed": 0}}
+    new = write_bench(tmp_path / "ignored", BASE_TPS, bad=bad)
+    v = run_gate(new, baseline, validate_policy({"invalid_runs": "ignore"}))
+    assert v["exit_code"] == 2 and any("2 valid runs" in p["message"] and "Rerun kvarn bench" in p["message"]
+                                       for p in v["problems"]), markdown(v)
+    # a repeat run again (--force into the same directory) counts once: its newest row
     new = write_bench(tmp_path / "dup", BASE_TPS)
     ResultsStore(new).append([bench_row(M, "kvarn_k4v2_g128", 1, repeat=0, output_tok_s=4000.0, kv_tokens=3_600_000,
                                         burst=16384, run_id="r2")])
     v = run_gate(new, baseline)
-    assert v["exit_code"] == 2 and any("kvarn_k4v2_g128" in p["message"] and "4 valid runs" in p["message"]
-                                       for p in v["problems"]), markdown(v)
-    bad = {("kvarn_k4v2_g128", 1): {"status": "oom", "error": "CUDA out of memory", "completed": 0}}
-    new = write_bench(tmp_path / "ignored", BASE_TPS, bad=bad)
-    v = run_gate(new, baseline, validate_policy({"invalid_runs": "ignore"}))
-    assert v["exit_code"] == 2 and any("2 valid runs" in p["message"] for p in v["problems"]), markdown(v)
-
-
-def _hf_run(root, repeats=3, run_id="cpu", model="HuggingFaceTB/SmolLM2-135M-Instruct"):
-    """A CPU run of the transformers engine: its honest KV ratios are ~2x, not vLLM's 4.5x."""
-    kv = {"auto": 1_000_000, "fp8": 1_900_000, "kvarn_k4v2_g128": 2_100_000}
-    rows = [bench_row(model, k, 1, repeat=r, output_tok_s=40.0 + r * 0.01, kv_tokens=kv[k], burst=192,
-                      prompt_len=64, output_len=128, requests=2, engine="hf", run_id=run_id)
-            for k in kv for r in range(repeats)]
-    ResultsStore(root).append(rows)
-    return root
+    tps = next(c for c in v["checks"] if c["metric"] == "output_tok_s" and c["cell"]["kv_dtype"] == "kvarn_k4v2_g128")
+    assert v["problems"] == [] and tps["repeats"] == 3 and tps["runs"] == 3, markdown(v)
 
 
 def test_cli_a_run_gated_against_itself_passes_on_any_engine(tmp_path, baseline):
-    cpu = _hf_run(tmp_path / "cpu")
+    cpu = hf_run(tmp_path / "cpu")
     r = run_cli("gate", str(cpu), "--baseline", str(cpu), "-q")
     assert r.returncode == 0, r.stdout + r.stderr
     r = run_cli("gate", str(baseline), "--baseline", str(baseline), "-q")
@@ -228,7 +200,7 @@ def test_cli_a_run_gated_against_itself_passes_on_any_engine(tmp_path, baseline)
 
 
 def test_cli_single_repeat_run_says_how_to_gate_it(tmp_path):
-    one = _hf_run(tmp_path / "one", repeats=1)
+    one = hf_run(tmp_path / "one", repeats=1)
     r = run_cli("gate", str(one), "--baseline", str(one))
     assert r.returncode == 2
     assert r.stdout.count("repeat(s); the policy needs an odd number >= 3") == 1  # one problem, not one per cell
@@ -243,7 +215,7 @@ def test_cli_single_repeat_run_says_how_to_gate_it(tmp_path):
 
 
 def test_cli_baseline_with_no_cell_in_common_is_one_line(tmp_path, baseline):
-    cpu = _hf_run(tmp_path / "cpu")
+    cpu = hf_run(tmp_path / "cpu")
     r = run_cli("gate", str(cpu), "--baseline", str(baseline))
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
@@ -258,7 +230,7 @@ def test_absolute_ratio_floor_needs_engine_and_model(tmp_path, baseline):
     assert r.returncode == 2 and "add engine and model selectors" in r.stderr
     pol.write_text("perf:\n  - {metric: kv_ratio_vs_fp16, kv_dtype: kvarn_k4v2_g128, engine: hf, model: '*SmolLM2*',"
                    " min: 1.5}\n")
-    cpu = _hf_run(tmp_path / "cpu")
+    cpu = hf_run(tmp_path / "cpu")
     assert run_cli("gate", str(cpu), "--baseline", str(cpu), "--policy", str(pol), "-q").returncode == 0
 
 
@@ -279,7 +251,7 @@ def test_cross_run_ratios_are_labelled_in_the_gate(tmp_path):
 
 
 def test_even_repeats_say_to_rerun_with_an_odd_number(tmp_path):
-    two = _hf_run(tmp_path / "two", repeats=2)
+    two = hf_run(tmp_path / "two", repeats=2)
     v = run_gate(two, two)
     assert v["exit_code"] == 2 and len(v["problems"]) == 1
     msg = v["problems"][0]["message"]

@@ -23,9 +23,12 @@ def window_ids(tokenizer, tokens: int = PPL_TOKENS):
 
 
 def chunked_ppl(model, ids, kv_dtype: str, chunk: int = PPL_CHUNK) -> float:
-    """Perplexity of ids [1, T] predicted chunk by chunk through `kv_dtype`'s cache (fp16: the identity cache)."""
+    """Perplexity of ids [1, T] predicted chunk by chunk through `kv_dtype`'s cache (fp16: the identity cache).
+    A chunk whose logits are not finite raises NonFiniteError naming the format, the chunk and the first
+    non-finite layer: the row fails rather than store a NaN perplexity."""
     import torch
 
+    from ..finite import FiniteWatch, check_metric
     from ..method.codecs import IdentityCodec, get_codec
     from ..method.hf_cache import KVCodecCache, cache_kwarg
 
@@ -37,13 +40,17 @@ def chunked_ppl(model, ids, kv_dtype: str, chunk: int = PPL_CHUNK) -> float:
     kw = cache_kwarg(model)
     ids = ids.to(next(model.parameters()).device)
     nll, n = 0.0, 0
-    with torch.inference_mode():
-        for s in range(0, ids.shape[-1], chunk):
+    t = ids.shape[-1]
+    with torch.inference_mode(), FiniteWatch(model, layers_only=True) as watch:
+        for s in range(0, t, chunk):
             piece, tgt = ids[:, s:s + chunk], ids[0, s + 1:s + chunk + 1]
-            lp = torch.log_softmax(model(piece, use_cache=True, **{kw: cache}).logits[0, :tgt.shape[0]].float(), -1)
+            logits = model(piece, use_cache=True, **{kw: cache}).logits
+            watch.check(logits, f"for kv dtype {kv_dtype} in the perplexity window, chunk {s // chunk} (tokens "
+                                f"{s}-{min(s + chunk, t) - 1})")
+            lp = torch.log_softmax(logits[0, :tgt.shape[0]].float(), -1)
             nll -= lp.gather(-1, tgt[:, None]).sum().item()
             n += tgt.shape[0]
-    return math.exp(nll / n)
+    return check_metric(math.inf if nll / n > 700 else math.exp(nll / n), f"perplexity of kv dtype {kv_dtype}")
 
 
 def accuracy_metrics(ppl: float, ppl_fp16: float) -> dict:

@@ -72,9 +72,6 @@ class BenchConfig:
     def engine_arg_dict(self) -> dict:
         return json.loads(self.engine_args)
 
-    def goodput_dict(self) -> dict:
-        return json.loads(self.goodput)
-
     def label(self) -> str:
         return f"{self.model} {self.kv_dtype} TP={self.tp} {self.requests}x({self.prompt_len}+{self.output_len})"
 

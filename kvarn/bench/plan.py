@@ -183,6 +183,8 @@ def build_plan(o: BenchOptions) -> BenchPlan:
     if o.burstiness is not None and o.burstiness <= 0:
         raise KvarnError(f"--burstiness must be > 0 (1 = Poisson), got {o.burstiness}")
     _positive(o.max_concurrency, "--max-concurrency")
+    if int(o.seed) < 0:
+        raise KvarnError(f"--seed must be >= 0 (numpy and vLLM take non-negative seeds), got {o.seed}")
     if o.weights and o.dummy_weights:
         raise KvarnError("--weights loads real weights; it cannot be combined with --dummy-weights")
     from ..finite import parse_dtype
@@ -232,8 +234,10 @@ def build_plan(o: BenchOptions) -> BenchPlan:
 
     explicit_dtype = o.dtype or extra.get("dtype")
     configs: list[BenchConfig] = []
-    # the backend's knobs on vLLM; the method's (balancing iterations, sink) on the hf engine's reference cache too
-    knobs = result_env(scopes=("method", "backend") if engine_name == "vllm" else ("method",))
+    # the backend's knobs on vLLM, those of speed alone too (a throughput cell); the method's (balancing iterations,
+    # sink) on the hf engine's reference cache
+    knobs = (result_env(scopes=("method", "backend"), speed=True) if engine_name == "vllm"
+             else result_env(scopes=("method",)))
     ordered = sorted(formats, key=lambda f: f.family != "fp16")  # FP16 first: later rows get their ratios at once
     for tp in tps:
         for b in bursts:
@@ -354,10 +358,6 @@ def engine_model_dtype(engine: str, kv_dtype: str, shape: ModelShape, explicit: 
 
 def is_fp16(kv_dtype: str) -> bool:
     return kv_dtype in FP16_NAMES
-
-
-def plugin_available() -> bool:
-    return importlib.util.find_spec("kvarn.vllm_plugin") is not None
 
 
 __all__ = ["BenchOptions", "BenchPlan", "build_plan", "choose_engine", "split_burst", "replace"]

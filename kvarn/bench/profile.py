@@ -62,7 +62,7 @@ ANNOTATION_PREFIX = "kvarn::"
 
 _RULES: tuple[tuple[str, re.Pattern], ...] = tuple((k, re.compile(p, re.I)) for k, p in (
     ("kv_store", r"_store_tiles_kernel|_flush_layers_kernel|reshape_and_cache|concat_and_cache"),
-    ("kvarn_tail", r"_store_tail_kernel|_decode_tail_kernel"),
+    ("kvarn_tail", r"_decode_tail_kernel"),
     ("kvarn_decode", r"scale_queries_kernel|records_kernel|(^|[^a-z_])merge_kernel|_dequant_kernel"),
     ("flash_attention", r"flash|fmha|FlashAttn|BatchDecodeWithPagedKVCache|BatchPrefillWith|"
                         r"kernel_unified_attention|paged_attention"),
@@ -481,7 +481,7 @@ def profile(model: str, kv_dtypes: list[str], batch: int, context: int, steps: i
     import tempfile
 
     from ..shapes import resolve_model
-    from ..engines.process import GroupRunner
+    from ..engines.launch import Launcher, child_env
 
     if batch < 1 or context < 1 or steps < 1:
         raise KvarnError(f"--batch, --context and --steps must be >= 1 (got {batch}, {context}, {steps})")
@@ -501,19 +501,20 @@ def profile(model: str, kv_dtypes: list[str], batch: int, context: int, steps: i
                 "trace_dir": str(Path(trace_dir).resolve()) if trace_dir else None,
                 "gpu_memory_utilization": gpu_memory_utilization}
         (wd / "spec.json").write_text(json.dumps(spec))
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
-        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        # the engine core in this process: the profiler sees the model's kernels
+        env = child_env(force={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
         cmd = [sys.executable, "-m", "kvarn.bench.profile", str(wd / "spec.json"), str(wd / "result.json")]
         log(f"[kvarn profile] {d}: engine process (log {wd / 'worker.log'})")
-        pr = GroupRunner().run(cmd, wd / "worker.log", timeout_s, env=env)
+        pr = Launcher().run(cmd, wd / "worker.log", timeout_s, env=env,
+                            engine_args={"gpu_memory_utilization": gpu_memory_utilization})
         rp = wd / "result.json"
         if pr.timed_out:
             r = {"status": "timeout", "error": f"timed out after {timeout_s:.0f} s", "kv_dtype": d}
         elif rp.exists():
             r = json.loads(rp.read_text())
         else:
-            tail = (wd / "worker.log").read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            r = {"status": "failed", "error": f"worker exit {pr.returncode}: {tail[0][:300]}", "kv_dtype": d}
+            kind, line = pr.failure()
+            r = {"status": kind, "error": f"worker exit {pr.returncode}: {line[:300]}", "kv_dtype": d}
         r["log"] = str(wd / "worker.log")
         if r.get("status") == "ok":
             r["rows"] = step_rows(r)

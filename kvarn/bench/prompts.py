@@ -1,4 +1,5 @@
-"""Token-id prompts: exact lengths, no tokenizer round trip (vllm#10847), reproducible from the seed."""
+"""Token-id prompts: exact lengths (decoding random ids to text and re-tokenizing it changes their number),
+reproducible from the seed."""
 from __future__ import annotations
 
 import random

@@ -4,7 +4,8 @@ in the same run on the same GPU.
 A ratio is never taken against a row of another run by default: a resumed run whose FP16 cell was measured by an
 earlier call leaves its candidates unpaired (NaN ratios, `ratio_scope` "unpaired") until that FP16 cell is rerun in
 this run. Comparing with another run's FP16 row is asked for by name (`baseline_run`, `kvarn bench --baseline-run`)
-and labelled `cross-run`. Every ratio row names the FP16 row(s) it used: `fp16_row_id`, `fp16_run_id`, `fp16_gpu`.
+and labelled `cross-run`. Every ratio row names the FP16 row(s) it used: `fp16_row_id`, `fp16_run_id`, `fp16_gpu`
+(the device that ran it: the GPU's name, else the hf engine's torch device, e.g. "cpu").
 `with_ratios(df)` recomputes all of it for any table (readers).
 """
 from __future__ import annotations
@@ -56,6 +57,11 @@ def _text(v) -> str:
     return "" if _unset(v) else str(v)
 
 
+def device(row: dict) -> str:
+    """What ran a row: its GPU's name, else the hf engine's torch device ("cpu"), else ""."""
+    return _text(row.get("gpu_name")) or _text(row.get("hf_device"))
+
+
 def ratios(row: dict, ref: dict | None) -> dict:
     """kv_ratio_vs_fp16 (KV tokens, else inverse KV bytes on hf), output_tok_s_ratio_vs_fp16, and the columns naming
     the FP16 row they came from (empty, scope "unpaired", when there is none)."""
@@ -74,7 +80,7 @@ def ratios(row: dict, ref: dict | None) -> dict:
     if _ok(t) and _ok(t_ref):
         out["output_tok_s_ratio_vs_fp16"] = t / t_ref
     run = _text(ref.get("run_id"))
-    out.update(fp16_row_id=_text(ref.get("row_id")), fp16_run_id=run, fp16_gpu=_text(ref.get("gpu_name")),
+    out.update(fp16_row_id=_text(ref.get("row_id")), fp16_run_id=run, fp16_gpu=device(ref),
                ratio_scope=SAME_RUN if run == _text(row.get("run_id")) else CROSS_RUN)
     return out
 
@@ -95,7 +101,7 @@ def fp16_reference(row: dict, candidates: list[dict], baseline_run: str | None =
     keys = ("kv_tokens", "kv_cache_gib", "output_tok_s")
     mean = {k: sum(as_float(c.get(k)) for c in pool) / len(pool) for k in keys}
     mean.update(row_id=",".join(_text(c.get("row_id")) for c in pool), run_id=want_run,
-                gpu_name=_text(pool[0].get("gpu_name")))
+                gpu_name=_text(pool[0].get("gpu_name")), hf_device=_text(pool[0].get("hf_device")))
     return mean
 
 

@@ -1,7 +1,6 @@
 """Run a plan cell by cell: engine -> one result row -> atomic append, right when the cell ends."""
 from __future__ import annotations
 
-import math
 import signal
 import time
 from contextlib import contextmanager
@@ -87,10 +86,3 @@ def run_plan(plan: BenchPlan, listener: Listener | None = None) -> list[dict]:
             if listener:
                 listener.cell_finished(cell, row)
     return rows
-
-
-def is_nan(x) -> bool:
-    try:
-        return math.isnan(float(x))
-    except (TypeError, ValueError):
-        return True

@@ -44,6 +44,13 @@ def plan_table(plan: BenchPlan) -> Table:
     return t
 
 
+def timing(row: dict) -> str:
+    """The seconds a finished cell's line shows: the timed burst its tok/s are computed over, then the cell's wall
+    time (engine start, warm-up and the perplexity pass included), each named."""
+    parts = [f"burst {_f(row.get('duration_s'), '{:.1f}')} s"] if _f(row.get("duration_s")) != "-" else []
+    return ", ".join(parts + [f"wall {_f(row.get('wall_s'), '{:.1f}')} s"])
+
+
 class LiveView:
     """Progress bar (current configuration, done/total, elapsed, ETA) with one line per finished cell."""
 
@@ -77,7 +84,7 @@ class LiveView:
         extra = (f"{_f(row.get('output_tok_s'))} out tok/s, {kv}" if row["status"] == "ok"
                  else row.get("error", "")[:160])
         self.progress.console.print(f"{mark} {c.kv_dtype} TP={c.tp} burst {c.burst} r{cell.repeat} "
-                                    f"({_f(row.get('wall_s'), '{:.1f}')} s): {extra}", markup=True, highlight=False)
+                                    f"({timing(row)}): {extra}", markup=True, highlight=False)
         self.progress.advance(self.task)
 
 
@@ -159,9 +166,17 @@ def _scope(m: dict) -> str:
     """Where a candidate's ratios come from, shown only when that is not this run's FP16 row."""
     if m["kv_dtype"] in FP16_NAMES or m.get("status") != "ok":
         return ""
-    if m.get("ratio_scope") == "cross-run":
-        return f"cross-run {m.get('fp16_run_id')}"
-    return "unpaired" if m.get("ratio_scope") == "unpaired" else ""
+    return m.get("ratio_scope") if m.get("ratio_scope") in ("cross-run", "unpaired") else ""
+
+
+def scope_caption(med: list[dict]) -> str:
+    """What the "fp16 from" labels mean, with the baseline runs the cross-run ratios name."""
+    cross = sorted({str(m.get("fp16_run_id") or "?") for m in med if _scope(m) == "cross-run"})
+    lines = [f"cross-run: ratios against the FP16 row(s) of run {', '.join(cross)}, not of the candidate's own run"
+             ] if cross else []
+    if any(_scope(m) == "unpaired" for m in med):
+        lines.append("unpaired: no FP16 row of the candidate's own run, so no ratio (--pair-fp16 measures one)")
+    return "\n".join(lines)
 
 
 def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians over ok repeats)",
@@ -181,6 +196,16 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
         if not ok:  # a timed-out cell still knows its capacity and start (its progress): shown, not compared
             for k in ("kv_tokens", "max_concurrency", "engine_start_s"):
                 base[k] = _median([r.get(k) for r in rs])
+        # the label names what the median ratios were taken over: repeats of other runs (a resume) that found no
+        # FP16 row of their run add no ratio, so the cell is unpaired only when none of its ok repeats is paired
+        scopes = [r.get("ratio_scope") for r in ok]
+        cross = [r for r in ok if r.get("ratio_scope") == "cross-run"]
+        if cross:
+            base.update(ratio_scope="cross-run", fp16_run_id=cross[-1].get("fp16_run_id"))
+        elif ok and "same-run" not in scopes and "unpaired" in scopes:
+            base["ratio_scope"] = "unpaired"
+        elif "same-run" in scopes:
+            base["ratio_scope"] = "same-run"
         base["status"] = "ok" if ok else rs[-1]["status"]
         base["n_ok"], base["n"] = len(ok), len(rs)
         base["repeat"] = -1
@@ -217,16 +242,17 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
             and any(r[c] not in ("-", "") for r in rows_out)]
     if all(r["ok/runs"] == "1/1" for r in rows_out) and "ok/runs" in cols:
         cols.remove("ok/runs")
-    # a narrow terminal drops the least-read columns first rather than folding every cell
+    # a narrow terminal drops the least-read columns first rather than folding every cell; the absolute KV column
+    # goes last, so that its ratio and the "fp16 from" label (never dropped) keep their room
     cols = drop_to_fit(rows_out, cols, ("start s", "preempt", "peak running", "max reqs@burst", "TTFT p50 ms",
-                                        "total tok/s", "ok/runs", "TPOT p50 ms", "ppl"), width)
-    t = Table(title=title)
+                                        "total tok/s", "ok/runs", "TPOT p50 ms", "ppl", "KV tokens"), width)
+    t = Table(title=title, caption=scope_caption(med) or None)
     for c in cols:
         header = "KV cache" if c == "KV tokens" and all(r[c].endswith("MiB") for r in rows_out) else c  # hf: bytes
         if where and c == "out tok/s":
             header = "CPU tok/s"
         t.add_column(header, justify="left" if c in ("model", "kv dtype", "error") else "right",
-                     no_wrap=c not in ("error", "model", "fp16 from"), overflow="fold")
+                     no_wrap=c not in ("error", "model"), overflow="fold")
     for r in rows_out:
         t.add_row(*(r[c] for c in cols))
     return t

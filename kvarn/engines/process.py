@@ -1,4 +1,5 @@
-"""Run one configuration's worker in its own process group; on timeout or interrupt end the whole group.
+"""Ending a worker's processes: its whole process group on timeout or interrupt (kill_group, used by launch), every
+descendant before the worker itself leaves (end_descendants).
 
 vLLM spawns engine-core and TP worker processes; they stay in the worker's process group (session), so killing
 the group frees the GPU; the worker itself ends its descendants before it leaves (`end_descendants`), wherever their
@@ -13,16 +14,7 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
-
-
-@dataclass
-class ProcResult:
-    returncode: int | None  # None when it timed out
-    timed_out: bool
-    elapsed_s: float
-    killed_pids: list[int]
 
 
 def _children_map() -> dict[int, list[int]]:
@@ -151,40 +143,3 @@ def kill_leftover_gpu_processes(ours: set[int], session: int, wait_s: float = 30
     while targets and time.monotonic() < deadline and set(gpu_pids()) & targets:
         time.sleep(0.5)
     return targets
-
-
-class GroupRunner:
-    """Runs a command in a new session with its output appended to a log file; `stop()` ends it from elsewhere."""
-
-    def __init__(self):
-        self.proc: subprocess.Popen | None = None
-
-    def run(self, cmd: list[str], log_path: str | os.PathLike, timeout_s: float, env: dict | None = None,
-            cwd: str | None = None) -> ProcResult:
-        t0 = time.monotonic()
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab", buffering=0) as log:
-            log.write(f"$ {' '.join(cmd)}\n".encode())
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, cwd=cwd, start_new_session=True)
-            try:
-                rc = self.proc.wait(timeout=timeout_s)
-                # workers can leave children behind (a crashed engine core): end the rest of the group too
-                leftovers = kill_group(self.proc, grace_s=2.0) if session_members(self.proc.pid) else []
-                return ProcResult(rc, False, time.monotonic() - t0, leftovers)
-            except KeyboardInterrupt:  # Ctrl-C / SIGTERM of kvarn bench: free the GPU before leaving
-                kill_group(self.proc)
-                log.write(b"\n[kvarn] interrupted: process group killed\n")
-                raise
-            except subprocess.TimeoutExpired:
-                killed = kill_group(self.proc)
-                log.write(f"\n[kvarn] timeout after {timeout_s:.0f} s: killed process group {self.proc.pid} "
-                          f"(pids {killed})\n".encode())
-                return ProcResult(None, True, time.monotonic() - t0, killed)
-            finally:
-                self.proc = None
-
-    def stop(self) -> None:
-        p = self.proc
-        if p is not None and p.poll() is None:
-            kill_group(p)

@@ -1,7 +1,8 @@
 """vLLM 0.26 engine arguments for a KV format: `LLM(**kwargs)` and the same as `vllm serve` flags.
 
 format_args is the one place that knows what a format needs from vLLM (FP8 a bfloat16 model for FA3, KVarN presets
-block_size = their tile); bench's cells (llm_kwargs) and eval's jobs both build on it.
+block_size = their tile); engine_kwargs, on which bench's cells (llm_kwargs) and eval's jobs build, and lm-eval's
+model_args all take it from there.
 """
 from __future__ import annotations
 
@@ -44,26 +45,35 @@ def format_args(kv_dtype: str, model_dtype: str | None = None) -> dict:
     return kw
 
 
-def llm_kwargs(cfg: dict, model_dir: str) -> dict:
-    """`vllm.LLM` keyword arguments for a configuration (a BenchConfig as dict, e.g. dataclasses.asdict)."""
-    kw: dict = {
-        "model": model_dir,
-        "tensor_parallel_size": int(cfg.get("tp", 1)),
-        "gpu_memory_utilization": float(cfg.get("gpu_memory_utilization", 0.9)),
-        "seed": int(cfg.get("seed", 0)),
-        "max_model_len": int(cfg["burst"]),
-        "disable_log_stats": False,  # get_metrics(): preemptions, running requests, KV usage
-    }
-    if cfg.get("dummy_weights"):
-        kw.update(load_format="dummy", skip_tokenizer_init=True)
-    if cfg.get("max_num_seqs"):
-        kw["max_num_seqs"] = int(cfg["max_num_seqs"])
-    kw.update(format_args(cfg["kv_dtype"], cfg.get("model_dtype")))
-    extra = cfg.get("engine_args") or {}
+def engine_kwargs(model: str, kv_dtype: str, model_dtype: str | None = None, tp: int = 1,
+                  gpu_memory_utilization: float = 0.9, seed: int = 0, max_model_len: int | None = None,
+                  max_num_seqs: int | None = None, extra: dict | str | None = None, **more) -> dict:
+    """`vllm.LLM` keyword arguments as bench's cells and eval's jobs build them: the model, its parallelism, memory
+    fraction and seed, the engine's own settings (`more`), what the KV format needs (format_args), then the user's
+    pass-through `extra` (a dict or its JSON), which wins."""
+    kw: dict = {"model": model, "tensor_parallel_size": int(tp), "gpu_memory_utilization": float(gpu_memory_utilization),
+                "seed": int(seed)}
+    if max_model_len:
+        kw["max_model_len"] = int(max_model_len)
+    kw.update(more)
+    if max_num_seqs:
+        kw["max_num_seqs"] = int(max_num_seqs)
+    kw.update(format_args(kv_dtype, model_dtype))
     if isinstance(extra, str):
         extra = json.loads(extra)
-    kw.update(extra)  # the user's pass-through wins
+    kw.update(extra or {})
     return kw
+
+
+def llm_kwargs(cfg: dict, model_dir: str) -> dict:
+    """`vllm.LLM` keyword arguments for a configuration (a BenchConfig as dict, e.g. dataclasses.asdict)."""
+    more: dict = {"disable_log_stats": False}  # get_metrics(): preemptions, running requests, KV usage
+    if cfg.get("dummy_weights"):
+        more.update(load_format="dummy", skip_tokenizer_init=True)
+    return engine_kwargs(model_dir, cfg["kv_dtype"], cfg.get("model_dtype"), tp=cfg.get("tp", 1),
+                         gpu_memory_utilization=cfg.get("gpu_memory_utilization", 0.9), seed=cfg.get("seed", 0),
+                         max_model_len=int(cfg["burst"]), max_num_seqs=cfg.get("max_num_seqs"),
+                         extra=cfg.get("engine_args"), **more)
 
 
 def serve_argv(kwargs: dict, host: str, port: int) -> list[str]:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from ..finite import NonFiniteError
 from .gpus import GpuMemSampler
 from .process import end_descendants
 from .vllm_log import classify_error
@@ -63,9 +65,19 @@ def score(llm, job: dict) -> None:
         t0 = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": r["ids"]}], sp, use_tqdm=False)[0]
         nll = 0.0
-        for tid, lp in zip(r["ids"][1:], out.prompt_logprobs[1:]):
-            nll -= lp[tid].logprob
+        for pos, (tid, lp) in enumerate(zip(r["ids"][1:], out.prompt_logprobs[1:]), 1):
+            v = lp[tid].logprob
+            if not math.isfinite(v):  # summed, it would pass as a window's loss: the job fails, naming it
+                raise NonFiniteError(nonfinite_logprob_message(job["llm"], r["id"], pos, v))
+            nll -= v
         emit({"id": r["id"], "nll_sum": nll, "tokens": len(r["ids"]) - 1, "seconds": time.perf_counter() - t0})
+
+
+def nonfinite_logprob_message(llm: dict, window, pos: int, value: float) -> str:
+    dtype = llm.get("dtype") or "auto"
+    hint = "try --dtype bfloat16 or float32" if dtype in ("auto", "float16") else "try --dtype float32"
+    return (f"vLLM returned non-finite log-probs for kv dtype {llm.get('kv_cache_dtype', 'auto')} at window {window}, "
+            f"token {pos} ({value}): the model overflows in dtype {dtype} ({hint}); no result recorded for it")
 
 
 JOB_MODES = {"generate": generate, "score": score}

@@ -5,10 +5,7 @@ failed rows, never hangs). Both take token-id prompts built here, so the two see
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,10 +13,10 @@ from pathlib import Path
 from typing import Iterator
 
 from .. import models
-from ..engines import gpus, process
+from ..engines import gpus
 from ..engines.hf import kv_cache
-from ..engines.vllm_args import format_args
-from ..engines.vllm_log import classify_error, last_error_line
+from ..engines.launch import Launcher, child_env
+from ..engines.vllm_args import engine_kwargs
 from ..engines.vllm_worker import DONE_TAG, RESULT_TAG
 from ..errors import KvarnError
 from ..formats import KVFormat
@@ -318,12 +315,6 @@ class VLLMConfig:
     share: int = 1  # engines side by side on the GPU: each takes 1/share of the memory fraction
 
 
-def _end_group(proc: subprocess.Popen, leftovers_only: bool = False) -> None:
-    """End the worker's process group and its GPU processes; leftovers_only: only when some are still alive."""
-    if not leftovers_only or process.session_members(proc.pid):
-        process.kill_group(proc, grace_s=2.0)
-
-
 class VLLMEngine:
     """One `python -m kvarn.engines.vllm_worker` subprocess per kv dtype; results stream back line by line."""
 
@@ -333,21 +324,14 @@ class VLLMEngine:
         self.cfg, self.tokenizer = cfg, tokenizer
 
     def _llm_args(self, fmt: KVFormat, chunk: int | None, max_num_seqs: int | None) -> dict:
-        a = {"model": self.cfg.model, "tensor_parallel_size": self.cfg.tp, "dtype": self.cfg.dtype,
-             "gpu_memory_utilization": self.cfg.gpu_memory_utilization, "enforce_eager": self.cfg.enforce_eager,
-             "seed": self.cfg.seed}
-        a.update(format_args(fmt.name, self.cfg.dtype))
-        if self.cfg.max_model_len:
-            a["max_model_len"] = self.cfg.max_model_len
+        c, more = self.cfg, {}
         if chunk:
             # vLLM requires max_num_batched_tokens >= max_num_seqs: a small prefill budget caps the batch too
-            seqs = max_num_seqs or min(256, chunk)
-            a["enable_chunked_prefill"] = True
-            a["max_num_batched_tokens"] = max(chunk, seqs)
-            a["max_num_seqs"] = seqs
-        elif max_num_seqs:
-            a["max_num_seqs"] = max_num_seqs
-        a.update(self.cfg.extra)
+            max_num_seqs = max_num_seqs or min(256, chunk)
+            more = {"enable_chunked_prefill": True, "max_num_batched_tokens": max(chunk, max_num_seqs)}
+        a = engine_kwargs(c.model, fmt.name, c.dtype, tp=c.tp, gpu_memory_utilization=c.gpu_memory_utilization,
+                          seed=c.seed, max_model_len=c.max_model_len, max_num_seqs=max_num_seqs, extra=c.extra,
+                          dtype=c.dtype, enforce_eager=c.enforce_eager, **more)
         if self.cfg.share > 1:
             a["gpu_memory_utilization"] = round(float(a["gpu_memory_utilization"]) / self.cfg.share, 3)
             total = gpus.gpu_total_bytes()
@@ -368,54 +352,23 @@ class VLLMEngine:
         log = log_dir / f"vllm-{fmt.name}-{stamp}.log"
         jobf = log_dir / f"vllm-{fmt.name}-{stamp}.job.json"
         jobf.write_text(json.dumps(job))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-        llm = job["llm"]  # the engine before may still be handing its GPU memory back
-        ranks = int(llm.get("tensor_parallel_size", 1) or 1) * int(llm.get("pipeline_parallel_size", 1) or 1)
-        busy = gpus.wait_for_free_memory(float(llm["gpu_memory_utilization"]), ranks)
-        with open(log, "w") as logf:
-            if busy:
-                logf.write(f"[kvarn] starting anyway: {busy}\n")
-            proc = subprocess.Popen([sys.executable, "-m", "kvarn.engines.vllm_worker", str(jobf)], stdout=subprocess.PIPE,
-                                    stderr=logf, text=True, env=env, start_new_session=True)
-            timed_out = threading.Event()
-
-            def kill():
-                timed_out.set()
-                _end_group(proc)
-
-            timer = threading.Timer(self.cfg.timeout_s, kill)
-            timer.start()
-            done = False
-            try:
-                for line in proc.stdout:
-                    if line.startswith(RESULT_TAG):
-                        yield json.loads(line[len(RESULT_TAG):])
-                    elif line.startswith(DONE_TAG):
-                        done = True  # the worker is leaving; an engine core left alive would keep the pipe open
-                        break
-                    else:
-                        logf.write(line)
-                try:
-                    proc.wait(timeout=45 if done else None)  # longer than the worker's own wait
-                except subprocess.TimeoutExpired:
-                    pass
-            finally:
-                timer.cancel()
-                if proc.poll() is None:  # interrupted (Ctrl-C) or the stream broke: free the GPU before leaving
-                    _end_group(proc)
-                proc.wait()
-                _end_group(proc, leftovers_only=True)  # an engine core left behind keeps GPU memory
-        if done:  # every result arrived: how the process then ended does not change them
+        run = Launcher()
+        with open(log, "ab", buffering=0) as logf:  # the worker's other stdout lines, beside its stderr
+            for line in run.stream([sys.executable, "-m", "kvarn.engines.vllm_worker", str(jobf)], log,
+                                   self.cfg.timeout_s, env=child_env(), engine_args=job["llm"], until=DONE_TAG):
+                if line.startswith(RESULT_TAG):
+                    yield json.loads(line[len(RESULT_TAG):])
+                else:
+                    logf.write(line.encode())
+        res = run.result
+        if res.done:  # every result arrived: how the process then ended does not change them
             return
-        if timed_out.is_set():
+        if res.timed_out:
             raise EngineError(f"vLLM run for {fmt.name} passed its {self.cfg.timeout_s:.0f} s limit (log: {log})",
                               "timeout")
-        if proc.returncode != 0:
-            text = log.read_text(errors="replace")
-            status = classify_error(text)
-            # the exception, not the shutdown chatter that follows it in the log
-            raise EngineError(f"vLLM exited {proc.returncode} for {fmt.name}: {last_error_line(text)[:300]} (log: {log})",
-                              status)
+        if res.returncode != 0:
+            kind, line = res.failure()  # the exception, not the shutdown chatter that follows it in the log
+            raise EngineError(f"vLLM exited {res.returncode} for {fmt.name}: {line[:300]} (log: {log})", kind)
 
     def generate(self, fmt: KVFormat, requests: list[GenRequest], params: GenParams) -> Iterator[GenResult]:
         job = {"mode": "generate", "llm": self._llm_args(fmt, params.chunk, None),

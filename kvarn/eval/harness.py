@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 import tempfile
 import uuid
@@ -17,6 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..engines.launch import Launcher, child_env
+from ..engines.vllm_args import format_args
 from ..errors import KvarnError
 from ..formats import KVFormat, parse_formats
 from ..results import ResultsStore, config_hash
@@ -30,12 +30,11 @@ PREFERRED = ("exact_match,strict-match", "exact_match,none", "acc,none", "acc_no
 
 
 def model_args(src: str, fmt: KVFormat, tp: int, seed: int, extra: dict | None = None) -> dict:
+    """lm-eval's vLLM model_args for a KV format: what the format needs (vllm_args.format_args, after the engine's
+    settings, in the order the results store them), then the user's `extra`, which wins."""
     a = {"pretrained": src, "kv_cache_dtype": fmt.name, "tensor_parallel_size": tp, "seed": seed,
          "gpu_memory_utilization": 0.85}
-    if fmt.block_size:
-        a["block_size"] = fmt.block_size
-    if fmt.family == "fp8":
-        a["dtype"] = "bfloat16"
+    a.update(format_args(fmt.name))
     a.update(extra or {})
     return a
 
@@ -82,18 +81,15 @@ def run_harness(tasks: list[str], kv_dtypes: str | None, model: str, weights: st
             jf.write_text(json.dumps(job))
             log = log_dir / f"lm-eval-{fmt.name}-{run_id}.log"
             status, error, res = "ok", "", None
-            try:
-                with open(log, "w") as lf:
-                    r = subprocess.run(_worker_cmd(jf), stdout=lf, stderr=subprocess.STDOUT, timeout=timeout_min * 60,
-                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
-                if r.returncode != 0 or not rf.is_file():
-                    tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])[-300:]
-                    status = "oom" if "out of memory" in tail.lower() else "failed"
-                    error = f"lm-eval exited {r.returncode}: {tail} (log: {log})"
-                else:
-                    res = json.loads(rf.read_text())
-            except subprocess.TimeoutExpired:
+            # a session of its own: a timeout ends lm-eval and the vLLM engine core it started, freeing the GPU
+            r = Launcher().run(_worker_cmd(jf), log, timeout_min * 60, env=child_env(), engine_args=margs)
+            if r.timed_out:
                 status, error = "timeout", f"lm-eval passed its {timeout_min:g} min limit (log: {log})"
+            elif r.returncode != 0 or not rf.is_file():
+                status, line = r.failure()
+                error = f"lm-eval exited {r.returncode}: {line[:300]} (log: {log})"
+            else:
+                res = json.loads(rf.read_text())
         if status != "ok":
             rep.info(f"{fmt.name}: {status}: {error}")
         per_fmt[fmt.name] = {"fmt": fmt, "res": res, "status": status, "error": error, "margs": margs}
@@ -152,8 +148,9 @@ def run_harness(tasks: list[str], kv_dtypes: str | None, model: str, weights: st
             if row["task"] != task_name:
                 continue
             name = row["kv_dtype"]
-            if name == base.name:
-                row.update(delta_vs_fp16=0.0, delta_ci_low=0.0, delta_ci_high=0.0)
+            if name == base.name:  # a failed baseline has no difference to itself either
+                z = 0.0 if row.get("status") == "ok" else math.nan
+                row.update(delta_vs_fp16=z, delta_ci_low=z, delta_ci_high=z)
             elif row.get("metric") == "ppl":  # lm-eval gives no per-window losses: the difference, no paired interval
                 b = next((r for r in rows_e if r["task"] == task_name and r["kv_dtype"] == base.name), None)
                 if b is not None and b.get("ppl") is not None and row.get("ppl") is not None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .. import settings
 from ..errors import KvarnError
 from ..formats import KVFormat, get_format, parse_formats
 from ..results import ResultsStore, config_hash
@@ -280,9 +281,8 @@ def run_eval(o: EvalOptions, reporter: Reporter | None = None, engine_obj=None) 
     # what the rows record: the loaded model's dtype (hf), else the --dtype handed to vLLM
     model_dtype = getattr(eng, "dtype", None) if p.engine == "hf" else (o.dtype or "auto")
     label = model_label(o.model)  # the rows' model column, as bench writes it (the hash keeps --model: resume)
-    from ..vllm_plugin.common import backend_env
-
-    knobs = backend_env(method_only=p.engine != "vllm")  # as bench's: a knob (or a moved default) is its own cell
+    # as bench's: a knob (or a moved default) is its own cell; those of speed alone do not change a score
+    knobs = settings.result_env(scopes=("method", "backend") if p.engine == "vllm" else ("method",))
     def run_format(fmt: KVFormat) -> None:
         cfg = {"task": spec.name, "model": o.model, "weights": o.weights, "kv_dtype": fmt.name, "engine": p.engine,
                "tp": o.tp, "seed": o.seed, **p.protocol, "data": data_sig,
@@ -518,8 +518,12 @@ def summarize(spec: TaskSpec, per_format: dict, baseline: str, items: list[Item]
                 s.update(delta_vs_fp16=pdiff.delta, delta_ci_low=pdiff.ci_low, delta_ci_high=pdiff.ci_high, n_paired=pdiff.n_paired,
                          mcnemar_p=pdiff.mcnemar_p, only_candidate=pdiff.only_candidate,
                          only_baseline=pdiff.only_baseline)
-        if name == baseline:
+        if name == baseline and s["status"] == "ok":
             s.update(delta_vs_fp16=0.0, delta_ci_low=0.0, delta_ci_high=0.0)
+        elif name == baseline:  # a failed baseline has no difference to itself: unset (NaN), not a measured zero
+            s.update(delta_vs_fp16=math.nan, delta_ci_low=math.nan, delta_ci_high=math.nan)
+            for c in ("ppl_rise_pct", "n_paired", "mcnemar_p", "only_candidate", "only_baseline"):
+                s.pop(c, None)
         for c in ("n", "ppl", "accuracy", "ci_low", "ci_high", "delta_vs_fp16", "delta_ci_low", "delta_ci_high",
                   "truncation_rate", "mean_gen_tokens"):
             if c in s and s[c] is not None:

@@ -37,7 +37,7 @@ Three launches with grids fixed by the shapes, no host sync, so a decode step ca
     3. tail.merge_kernel       the partials weighted by their log-sum-exp, the record part (values' basis) rotated
                                back
 
-The math of one record tile (kvarn-method.md: K = ((codes * sK + zK) * rK), V = (codes * sV + zV) * cV): the scales
+The math of one record tile (docs/format.md: K = ((codes * sK + zK) * rK), V = (codes * sV + zV) * cV): the scales
 fold out of the dot products, which then run on the raw codes,
 
     scores[t, n] = rK[t] * ( sum_d codes_K[d, t] * (q[n, d] * sK[d])  +  sum_d q[n, d] * zK[d] )

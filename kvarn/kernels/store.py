@@ -14,10 +14,6 @@ Public API (the vLLM backend codes against these; signatures are stable):
         factors score within that noise of the tie margin may take the other one, a different but equally good
         rounding of that row).
 
-    store_tail_tokens(k, v, tail_k, tail_v, tail_slot, tail_pos) -> None
-        k, v       [N, H, D] new tokens (16-bit); tail_k/tail_v [S, H, g, D] the 16-bit unfinished-tile buffer
-        tail_slot  int32 [N] row of the tail buffer (< 0: skipped); tail_pos int32 [N] position in the tile (0..g-1)
-
     store_decode(k, v, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, iters=None) -> None
         The whole KV write of a one-token-per-row (decode) step: k, v [B, H, D]; row b's token goes to the tail at
         position (seq_lens[b] - 1) % g of row tail_slots[b]; a tile it completes is quantized from the tail into
@@ -185,7 +181,7 @@ def _balance_and_round(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, 
                        COMPILED: tl.constexpr, SEARCH: tl.constexpr):
     """x [R, C] fp32 -> codes int32 [R, C], s [R], z [R], c [C] (fp16-rounded, as fp32) with
     x[r, c] ~= (q[r, c] * s[r] + z[r]) * c[c]: the reference's Sinkhorn-like balancing (kvarn.method.reference,
-    kvarn-method.md), ITERS iterations, the least imbalanced iterate kept, then rounding per row (min-max, or with
+    docs/format.md), ITERS iterations, the least imbalanced iterate kept, then rounding per row (min-max, or with
     SEARCH > 0 the values' range search over SEARCH factors and their gain).
 
     The reference keeps log-scales lc, lr and updates lc = clip(lc + log(clamp(std)), -0.3, 10); here the balance is
@@ -521,47 +517,6 @@ def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids
 
 
 @triton.jit
-def _store_tail_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, slot_ptr, pos_ptr,
-                       stride_kn, stride_kh, stride_vn, stride_vh,
-                       stride_ts, stride_th, stride_tg, stride_us, stride_uh, stride_ug,
-                       H: tl.constexpr, D: tl.constexpr):
-    pid = tl.program_id(0)
-    n = pid // H
-    h = pid % H
-    slot = tl.load(slot_ptr + n)
-    if slot >= 0:
-        pos = tl.load(pos_ptr + n)
-        di = tl.arange(0, D)
-        kv = tl.load(k_ptr + n.to(tl.int64) * stride_kn + h * stride_kh + di)
-        vv = tl.load(v_ptr + n.to(tl.int64) * stride_vn + h * stride_vh + di)
-        s = slot.to(tl.int64)
-        tl.store(tk_ptr + s * stride_ts + h * stride_th + pos * stride_tg + di, kv.to(tk_ptr.dtype.element_ty))
-        tl.store(tv_ptr + s * stride_us + h * stride_uh + pos * stride_ug + di, vv.to(tv_ptr.dtype.element_ty))
-
-
-def store_tail_tokens(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
-                      tail_slot: torch.Tensor, tail_pos: torch.Tensor) -> None:
-    """Scatter N new tokens [N, H, D] into the 16-bit tail buffers [S, H, g, D] (slot < 0: skipped)."""
-    if k.dim() != 3 or k.shape != v.shape:
-        raise KvarnError(f"k and v must both be [N, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
-    N, H, D = k.shape
-    if tail_k.dim() != 4 or tail_k.shape[1] != H or tail_k.shape[3] != D or tail_v.shape != tail_k.shape:
-        raise KvarnError(f"tail buffers must be [S, {H}, g, {D}], got {tuple(tail_k.shape)}, {tuple(tail_v.shape)}")
-    if N == 0:
-        return
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        k, v = k.contiguous(), v.contiguous()
-    if tail_k.stride(-1) != 1 or tail_v.stride(-1) != 1:
-        raise KvarnError("tail buffers must be contiguous along the head dim")
-    _store_tail_kernel[(N * H,)](
-        k, v, tail_k, tail_v, tail_slot, tail_pos,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_v.stride(0), tail_v.stride(1), tail_v.stride(2),
-        H=H, D=D, num_warps=1,
-    )
-
-
-@triton.jit
 def _decode_tail_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, slot_ptr, seq_lens_ptr,
                         stride_kn, stride_kh, stride_vn, stride_vh,
                         stride_ts, stride_th, stride_tg, stride_us, stride_uh, stride_ug,
@@ -633,4 +588,4 @@ def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ta
                   block_table=block_table, defer_flag=flag)
 
 
-__all__ = ["store_tiles", "store_tail_tokens", "store_decode", "flush_layers"]
+__all__ = ["store_tiles", "store_decode", "flush_layers"]

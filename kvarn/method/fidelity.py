@@ -76,9 +76,10 @@ def _query_positions(t: int, first: int, n: int = N_QUERIES) -> torch.Tensor:
 
 
 def synthetic_kv(layers: int = 8, t: int = 1024, hkv: int = 2, hq: int = 8, d: int = 128, seed: int = 0,
-                 first: int = 128) -> list[LayerKV]:
+                 first: int = 128, device: str = "cpu") -> list[LayerKV]:
     """Seeded Q/K/V with the structure real models show: a few large-magnitude key channels, per-channel
-    offsets, RoPE, a high-norm sink token at position 0, values with varied channel scales and outlier tokens."""
+    offsets, RoPE, a high-norm sink token at position 0, values with varied channel scales and outlier tokens.
+    Drawn on the CPU (the same numbers for every `device`), then moved to `device`."""
     g = torch.Generator().manual_seed(seed)
     half = d // 2
     inv = 1.0 / (10000 ** (torch.arange(half).float() / half))
@@ -103,7 +104,7 @@ def synthetic_kv(layers: int = 8, t: int = 1024, hkv: int = 2, hq: int = 8, d: i
         # queries share the keys' mean direction so attention is peaky, as in trained models
         qk = bias.repeat_interleave(hq // hkv, 0) + torch.randn(hq, t, d, generator=g)
         q = rope(qk * 0.5)[:, pos]
-        out.append(LayerKV(q, k, v, pos, 1.0 / math.sqrt(d)))
+        out.append(LayerKV(q.to(device), k.to(device), v.to(device), pos.to(device), 1.0 / math.sqrt(d)))
     return out
 
 
@@ -151,7 +152,7 @@ def _attention(q, k, v, pos, scale):
     rep = q.shape[0] // k.shape[0]
     k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
     s = (q @ k.transpose(-1, -2)) * scale
-    mask = torch.arange(k.shape[-2])[None, :] > pos[:, None]
+    mask = torch.arange(k.shape[-2], device=k.device)[None, :] > pos.to(k.device)[:, None]
     logp = torch.log_softmax(s.masked_fill(mask, float("-inf")), -1)
     return logp.exp() @ v, logp
 
@@ -220,6 +221,34 @@ def _mean(xs):
     return float(sum(xs) / len(xs)) if xs else float("nan")
 
 
+def available_devices() -> list[str]:
+    """The --device values this machine runs: cpu, each visible CUDA GPU (cuda, cuda:N), mps where torch has it."""
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        out += ["cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        out.append("mps")
+    return out
+
+
+def parse_device(value: str, flag: str = "--device") -> str:
+    """A torch device this machine has (one line naming the value and the accepted ones otherwise)."""
+    here = available_devices()
+    try:
+        dev = torch.device(str(value).strip().lower())
+    except (RuntimeError, ValueError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda", "mps"):
+        raise KvarnError(f"unknown {flag} {value!r}; accepted: cpu, cuda, cuda:N, mps (here: {', '.join(here)})")
+    name = "cpu" if dev.type == "cpu" else str(dev)
+    if name in here:
+        return name
+    why = ("torch sees no CUDA GPU here" if dev.type == "cuda" and not torch.cuda.is_available() else
+           f"torch sees {torch.cuda.device_count()} CUDA GPU(s)" if dev.type == "cuda" else "torch has no MPS here")
+    raise KvarnError(f"{flag} {value!r}: {why}; accepted here: {', '.join(here)}")
+
+
 def run_fidelity(model: str = SYNTHETIC, kv_dtypes: str | None = None, context: int | None = None, chunk: int = 128,
                  text: str | None = None, device: str = "cpu", sink: int | None = None, windows: int = 1,
                  start_char: int | None = None, log=None, dtype: str | None = None
@@ -227,6 +256,7 @@ def run_fidelity(model: str = SYNTHETIC, kv_dtypes: str | None = None, context: 
     """Run both measurements; returns (results per format, run info). `dtype`: the model's (DTYPES; None or
     `auto`: its config's). A forward or metric that goes non-finite raises NonFiniteError naming format and step."""
     dtype = parse_dtype(dtype)
+    device = parse_device(device)
     codecs = parse_codecs(kv_dtypes, DEFAULT_KV)
     if chunk < 1:
         raise KvarnError(f"--chunk must be >= 1, got {chunk}")
@@ -246,7 +276,7 @@ def run_fidelity(model: str = SYNTHETIC, kv_dtypes: str | None = None, context: 
         if context < 2:
             raise KvarnError(f"--context must be >= 2, got {context}")
         info.update(context=context, text="", tokens=context, dtype="float32")
-        layers_kv = synthetic_kv(t=context)
+        layers_kv = synthetic_kv(t=context, device=device)
         windows_ids = []
     else:
         from .textdata import MOBY_DICK, load_model, load_text

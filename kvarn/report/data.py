@@ -3,7 +3,8 @@
 A *cell* is one configuration (model, TP, engine, mode, burst, lengths, requests, kv dtype); its repeats are the raw
 runs. A run is *valid* when its status is ok, every request completed and its throughput is a positive number: the
 report plots medians over valid runs only and lists the others; the gate refuses to let an invalid run hide inside a
-median (see kvarn/gate.py).
+median (see kvarn/gate.py). The report takes each configuration's cell from one `kvarn bench` run, the newest
+(`split_superseded`), so that a cell's medians and its ratios come from the same rows.
 """
 from __future__ import annotations
 
@@ -87,10 +88,6 @@ def invalid_reason(row) -> str | None:
     return None
 
 
-def cell_keys(df: pd.DataFrame) -> list[str]:
-    return [k for k in CELL_KEYS if k in df.columns]
-
-
 def normalise_bench(bench: pd.DataFrame) -> pd.DataFrame:
     b = bench.copy()
     for k in CELL_KEYS:
@@ -103,6 +100,51 @@ def normalise_bench(bench: pd.DataFrame) -> pd.DataFrame:
     b["invalid_reason"] = [invalid_reason(r) for r in b.to_dict("records")]
     b["valid"] = b["invalid_reason"].isna()
     return b
+
+
+def split_superseded(bench: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(current, superseded) rows of a normalised bench table: per cell (CELL_KEYS), the rows of its newest run, as a
+    rerun (`kvarn bench --force`) replaces what it measures again, a failed rerun included (as the gate judges it:
+    a broken rerun must not hide behind an older ok row). The valid rows of the cell's other runs are superseded,
+    `superseded_by` naming the run that replaced them; their failed rows are in neither (the report lists every
+    failed row of the input on its own). A report cell then holds one run's repeats, whose ratios are that run's
+    (or the cross-run baseline it names)."""
+    if bench.empty:
+        return bench, bench.iloc[0:0]
+    b = bench.copy()
+    b["_run"] = b["run_id"].astype("object").where(b["run_id"].notna(), "").astype(str) if "run_id" in b else ""
+    b["_at"] = b["created_at"].astype(str).where(b["created_at"].notna(), "") if "created_at" in b else ""
+    b["_pos"] = range(len(b))
+    keep = pd.Series(True, index=b.index)
+    by = pd.Series("", index=b.index, dtype=object)
+    for _, g in b.groupby(list(CELL_KEYS), dropna=False, sort=False):
+        if g["_run"].nunique() < 2:
+            continue
+        runs = g.groupby("_run", sort=False).agg(at=("_at", "max"), pos=("_pos", "max")).sort_values(["at", "pos"])
+        newest = runs.index[-1]
+        old = g.index[g["_run"] != newest]
+        keep[old] = False
+        by[old] = newest
+    b = b.drop(columns=["_run", "_at", "_pos"])
+    sup = b[~keep & b["valid"]].assign(superseded_by=by[~keep & b["valid"]])
+    return b[keep].reset_index(drop=True), sup.reset_index(drop=True)
+
+
+def superseded_cells(bench: pd.DataFrame, superseded: pd.DataFrame) -> pd.DataFrame:
+    """One cell per (configuration, run) of the superseded rows, its ratios computed as that run's own report
+    would (against the FP16 cell of that run, the rows' cross-run baseline where they name one)."""
+    if superseded.empty:
+        return pd.DataFrame()
+    out = []
+    for (run, by), g in superseded.groupby(["run_id", "superseded_by"], dropna=False, sort=False):
+        same_run = bench[(bench["run_id"] == run) & bench["valid"]] if "run_id" in bench else bench.iloc[0:0]
+        # the run's FP16 rows still current elsewhere give its candidates their same-run ratios
+        fp16 = same_run[same_run["kv_dtype"].isin(FP16_KV)]
+        cells = bench_cells(pd.concat([g.drop(columns="superseded_by"), fp16], ignore_index=True))
+        want = {tuple(r[k] for k in CELL_KEYS) for r in g.to_dict("records")}
+        cells = cells[[tuple(r[k] for k in CELL_KEYS) in want for r in cells.to_dict("records")]]
+        out.append(cells.assign(superseded_by=by))
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame()
 
 
 def metric_columns(df: pd.DataFrame) -> list[str]:
@@ -262,8 +304,10 @@ def byte_capacity(model: str, kv_dtype: str, tp: int = 1) -> float:
 def frontier(cells: pd.DataFrame, ev: pd.DataFrame, task: str | None, burst: int | None = None) -> pd.DataFrame:
     """Per (model, TP, kv dtype): throughput ratio (x), accuracy change (y, with interval), capacity ratio (size).
 
-    The capacity is vLLM's reported pool from the bench rows (cap_source "vllm"), else what the format's bytes give
-    the model's shape (cap_source "bytes"). Other columns missing from the inputs stay NaN; `pareto` marks formats no other format beats on every available axis.
+    The capacity is the bench cell's measured ratio (cap_source "vllm"; NaN for an unpaired cell), else, for a format
+    without bench rows, what its bytes give the model's shape (cap_source "bytes"). `ratio_vs` says what a bench
+    cell's ratios were measured against (`ratio_label`). Other columns missing from the inputs stay NaN; `pareto`
+    marks formats no other format beats on every available axis.
     """
     groups: dict[tuple, dict] = {}
     if not cells.empty:
@@ -283,7 +327,8 @@ def frontier(cells: pd.DataFrame, ev: pd.DataFrame, task: str | None, burst: int
                     "kv_cache_gib": rec.get("kv_cache_gib", math.nan), "ppl": rec.get("ppl", math.nan),
                     "ppl_delta_pct": rec.get("ppl_delta_pct", math.nan), "burst": b, "mode": rec.get("mode"),
                     "hf_device": rec.get("hf_device", ""), "x_run": rec.get("run_id") or "",
-                    "x_gpu": rec.get("gpu_name") or ""}
+                    "x_gpu": rec.get("gpu_name") or "", "ratio_vs": rec.get("ratio_vs") or "",
+                    "from_bench": True}
     metric = None
     if task and not ev.empty:
         metric = task_metric(ev, task)
@@ -303,18 +348,18 @@ def frontier(cells: pd.DataFrame, ev: pd.DataFrame, task: str | None, burst: int
             d.update(y=-_num(d, "ppl_delta_pct"), y_lo=math.nan, y_hi=math.nan, value=_num(d, "ppl"),
                      y_run=d.get("x_run", ""))
     for (model, tp, kv), d in groups.items():
-        if _num(d, "cap") != _num(d, "cap"):  # no bench row: the capacity the format's bytes give this model's shape
+        if not d.get("from_bench"):  # no bench row: the capacity the format's bytes give this model's shape
             d["cap"], d["cap_source"] = byte_capacity(model, kv, tp), "bytes"
-        else:
+        else:  # measured; an unpaired cell keeps no ratio rather than one from the format's bytes
             d["cap_source"] = "vllm"
     rows = [{"model": k[0], "tp": k[1], "kv_dtype": k[2], **v} for k, v in groups.items()]
     if not rows:
         return pd.DataFrame()
-    f = pd.DataFrame(rows)
+    f = pd.DataFrame(rows).drop(columns="from_bench", errors="ignore")
     for c in ("x", "y", "y_lo", "y_hi", "cap"):
         if c not in f.columns:
             f[c] = math.nan
-    for c in ("x_run", "x_gpu", "y_run", "hf_device"):
+    for c in ("x_run", "x_gpu", "y_run", "hf_device", "ratio_vs"):
         f[c] = f[c].fillna("") if c in f.columns else ""
     f["metric"] = metric
     f["family"] = f["kv_dtype"].map(family)
@@ -323,6 +368,7 @@ def frontier(cells: pd.DataFrame, ev: pd.DataFrame, task: str | None, burst: int
         axes = [c for c in ("x", "y", "cap") if g[c].notna().any()]
         if axes:
             f.loc[g.index, "pareto"] = pareto_mask(g, axes)
+    f.loc[f["ratio_vs"] == "unpaired", "pareto"] = False  # no ratio to be optimal on
     order = {n: i for i, n in enumerate(format_order(f["kv_dtype"]))}
     f["_o"] = f["kv_dtype"].map(order)
     return f.sort_values(["model", "tp", "_o"]).drop(columns="_o").reset_index(drop=True)

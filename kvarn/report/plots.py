@@ -14,6 +14,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
 from .data import BENCH_PPL, FP16_KV, LATENCY, format_order  # noqa: E402
+from .scope import is_cross  # noqa: E402
 
 DPI = 110
 COLORS = {
@@ -161,7 +162,7 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
     panels = list(front.groupby(["model", "tp"], sort=False))
     with plt.rc_context(STYLE):
         fig, axes = _grid(len(panels), w=6.4, h=4.6)
-        labelled = []
+        labelled, crossed = [], False
         for ax, ((model, tp), g) in zip(axes, panels):
             anns, points = [], []
             g = g[g["x"].notna()] if has_x else g
@@ -177,10 +178,14 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
                     ax.errorbar(x, y, yerr=[[y - rec["y_lo"]], [rec["y_hi"] - y]], fmt="none",
                                 ecolor=color(rec["kv_dtype"]), elinewidth=1.3, capsize=3, alpha=0.7, zorder=2)
                 points.append((x, y, size))
+                # a ratio against another run's FP16 cell: a square and a label that say so
+                cross = is_cross(rec.get("ratio_vs")) and (has_x or not has_y)
+                crossed |= cross
                 ax.scatter([x], [y], s=size, color=color(rec["kv_dtype"]), alpha=0.9, zorder=3,
-                           edgecolors="black" if rec["pareto"] else "white",
+                           marker="s" if cross else "o", edgecolors="black" if rec["pareto"] else "white",
                            linewidths=2.2 if rec["pareto"] else 0.8)
-                anns.append(ax.annotate(label(rec["kv_dtype"]), (x, y), textcoords="offset points",
+                text = label(rec["kv_dtype"]) + (" (cross-run)" if cross else "")
+                anns.append(ax.annotate(text, (x, y), textcoords="offset points",
                                         xytext=(math.sqrt(size) / 2 + 2, -4), fontsize=8, color="#222222", zorder=4))
             if has_x or cap_x:
                 ax.axvline(1.0, color="#888888", lw=0.9, ls=":")
@@ -193,7 +198,9 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
             metric = g["metric"].dropna().iloc[0] if g["metric"].notna().any() else None
             burst = g["burst"].dropna().iloc[0] if "burst" in g and g["burst"].notna().any() else None
             ax.set_title(panel_title(model, tp) + (f"  ·  {burst_label(burst)} burst" if burst else ""))
-            ax.set_xlabel(f"output tokens/s ÷ fp16 (same burst; {_source(g, 'x')})" if has_x else
+            scope = ("same run unless marked cross-run" if any(is_cross(v) for v in g.get("ratio_vs", ()))
+                     else "same run")
+            ax.set_xlabel(f"output tokens/s ÷ fp16 (same burst, {scope})\n{_source(g, 'x')}" if has_x else
                           "KV capacity ÷ fp16 (the formats' bytes for this model; no bench rows)" if cap_x else
                           "(no bench rows: throughput unavailable)")
             if has_y:
@@ -214,6 +221,9 @@ def frontier_png(front: pd.DataFrame, path: Path, *, task: str | None, subtitle:
         if has_y and not cap_x:
             extra += [Line2D([], [], marker="o", ls="", color="#999999", markersize=math.sqrt(40 + 55 * c),
                              label=f"KV capacity {c}× fp16") for c in (1, 4)]
+        if crossed:
+            extra.append(Line2D([], [], marker="s", ls="", color="#999999", markersize=9,
+                                label="cross-run: vs another run's FP16"))
         bottom = _legend_formats(fig, kvs, extra, ncol=min(len(kvs) + len(extra), 6))
         metric = front["metric"].dropna().iloc[0] if front["metric"].notna().any() else None
         title = ("Accuracy–throughput–capacity frontier: chunked perplexity (bench rows)"
@@ -232,6 +242,8 @@ def capacity_png(cells: pd.DataFrame, path: Path) -> Path | None:
     if cells.empty or "kv_ratio_vs_fp16" not in cells or cells["kv_ratio_vs_fp16"].notna().sum() == 0:
         return None
     c = cells[cells["kv_ratio_vs_fp16"].notna()]
+    cross = {k for k, g in c.groupby(["model", "tp", "kv_dtype"], sort=False)
+             if any(is_cross(v) for v in g.get("ratio_vs", ()))}
     c = c.groupby(["model", "tp", "kv_dtype"], sort=False)["kv_ratio_vs_fp16"].median().reset_index()
     kvs = format_order(c["kv_dtype"])
     groups = list(c.groupby(["model", "tp"], sort=False).groups)
@@ -245,12 +257,13 @@ def capacity_png(cells: pd.DataFrame, path: Path) -> Path | None:
             vals = [sub.get(k, np.nan) for k in kvs]
             bars = ax.bar(xs, vals, width * 0.95, color=[color(k) for k in kvs], hatch=hatches[gi % len(hatches)],
                           edgecolor="white", label=panel_title(model, tp))
-            for b, v in zip(bars, vals):
+            for b, v, k in zip(bars, vals, kvs):
                 if not np.isnan(v):
-                    ax.annotate(f"{v:.2f}×", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom",
+                    text = f"{v:.2f}×" + ("\ncross-run" if (model, tp, k) in cross else "")
+                    ax.annotate(text, (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom",
                                 fontsize=8, xytext=(0, 2), textcoords="offset points")
         ax.axhline(1.0, color="#888888", lw=0.9, ls=":")
-        ax.set_ylim(0, float(np.nanmax(c["kv_ratio_vs_fp16"])) * 1.15)  # room for the value labels
+        ax.set_ylim(0, float(np.nanmax(c["kv_ratio_vs_fp16"])) * (1.3 if cross else 1.15))  # room for the labels
         ax.set_xticks(np.arange(len(kvs)), [label(k) for k in kvs], rotation=20, ha="right")
         bytes_only = "kv_tokens" not in cells or cells["kv_tokens"].isna().all()
         ax.set_ylabel("KV capacity ÷ fp16" + (" (cache bytes)" if bytes_only else " (KV pool tokens)"))

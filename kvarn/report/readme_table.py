@@ -1,5 +1,5 @@
 """The README's results table from stored bench rows: one line per workload x candidate format, each ratio with the
-FP16 row (row id, run, GPU) it was taken against.
+FP16 row (row id, run, device) it was taken against.
 
 A line shows the newest ok row of its cell whose ratios pair with an FP16 row of the same run (or of the run given
 as `baseline_run`, then labelled cross-run); a cell with ok rows but none paired is shown as unpaired, one with no
@@ -88,7 +88,7 @@ def readme_table(bench: pd.DataFrame, baseline_run: str | None = None) -> str:
     if not lines:
         return "no bench rows of a candidate format (a KV format other than FP16) to tabulate"
     out = ["| workload | kv dtype | out tok/s | x FP16 tok/s | KV tokens | x FP16 KV | FP16 out tok/s, KV tokens | "
-           "FP16 row · run · GPU |", "|---|---|---:|---:|---:|---:|---:|---|"]
+           "FP16 row · run · device |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for ln in lines:
         r = ln["row"]
         if ln["status"] != "ok":

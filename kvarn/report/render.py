@@ -21,7 +21,8 @@ from ..errors import KvarnError
 from . import plots
 from .fixtures import DEMO_RUN_ID
 from .data import (FP16_KV, PROVENANCE, bench_cells, eval_summary, format_order, frontier, load_results,
-                   normalise_bench, of_kind, task_metric)
+                   normalise_bench, of_kind, split_superseded, superseded_cells, task_metric)
+from .scope import BYTES, frontier_note, ratio_text, ratios_sentence
 
 
 @dataclass
@@ -134,8 +135,10 @@ def build_report(results, out: str | Path, *, task: str | None = None, burst: in
     illustrative = illustrative or bool("run_id" in df and len(df) and (df["run_id"] == DEMO_RUN_ID).all())
     bench_raw = of_kind(df, "bench")
     eval_raw = of_kind(df, "eval")
-    bench = normalise_bench(bench_raw) if not bench_raw.empty else pd.DataFrame()
+    bench_all = normalise_bench(bench_raw) if not bench_raw.empty else pd.DataFrame()
+    bench, superseded = split_superseded(bench_all) if not bench_all.empty else (bench_all, bench_all)
     cells = bench_cells(bench) if not bench.empty else pd.DataFrame()
+    old_cells = superseded_cells(bench, superseded) if not bench.empty else pd.DataFrame()
     ev = eval_summary(eval_raw) if not eval_raw.empty else pd.DataFrame()
     notes: list[str] = []
     if bench.empty and ev.empty:
@@ -183,19 +186,22 @@ def build_report(results, out: str | Path, *, task: str | None = None, burst: in
             if g["burst"].nunique() < 2:
                 notes.append(f"{model} TP={int(tp)}: one burst context only; throughput vs burst has one point "
                              "per format.")
-        if "hf_device" in bench and (bench["hf_device"].astype(str) == "cpu").any():
+        if "hf_device" in bench_all and (bench_all["hf_device"].astype(str) == "cpu").any():
             notes.append("Some bench rows ran on the CPU (transformers, hf engine): their throughput is CPU-measured "
                          "and not representative of a GPU; their KV capacity is the caches' real bytes.")
         lat = [c for c in cells.columns if c.endswith("_ms_p50")]
         if not lat or cells[lat].isna().all().all():
             notes.append("No latency percentiles (only `serve` mode records TTFT/TPOT/ITL/E2EL).")
-    invalid = bench[~bench["valid"]] if not bench.empty else pd.DataFrame()
+    invalid = bench_all[~bench_all["valid"]] if not bench_all.empty else pd.DataFrame()
     failed_eval = eval_raw[eval_raw["status"] != "ok"] if not eval_raw.empty else pd.DataFrame()
     if len(invalid):
         notes.append(f"{len(invalid)} bench run(s) failed or did not complete every request: listed under "
                      "Failed runs, not plotted, not in any median.")
     if len(failed_eval):
         notes.append(f"{len(failed_eval)} eval row(s) failed: listed under Failed runs, not plotted.")
+    if len(old_cells):
+        notes.append(f"{len(old_cells)} bench cell(s) of an older run were measured again by a newer run: listed "
+                     "under Superseded runs, not in the headline, the figures or any median.")
     if not cells.empty and not ev.empty:
         bk = set(zip(cells["model"], cells["tp"].astype(int), cells["kv_dtype"]))
         ek = set(zip(ev["model"], ev["tp"].astype(int), ev["kv_dtype"]))
@@ -235,10 +241,12 @@ def build_report(results, out: str | Path, *, task: str | None = None, burst: in
                        "tokens/s ÷ fp16; marker area = KV capacity ÷ fp16; black ring = Pareto-optimal.")
             else:
                 cap = "Throughput ratio vs KV capacity ratio at the headline burst; black ring = Pareto-optimal."
-            figs_html.append(_img(p, cap))
+            figs_html.append(_img(p, cap + frontier_note(f)))
     for fn, name, cap, what in (
-        (lambda: plots.capacity_png(cells, out / "capacity.png"), "capacity", "KV capacity per format vs fp16.",
-         None),
+        (lambda: plots.capacity_png(cells, out / "capacity.png"), "capacity",
+         "KV capacity per format vs fp16 (a bar labelled cross-run: against another run's FP16 cell)."
+         if cells.get("ratio_vs", pd.Series(dtype=str)).astype(str).str.startswith("cross-run").any()
+         else "KV capacity per format vs the fp16 cell of the same run.", None),
         (lambda: plots.throughput_png(cells, out / "throughput_vs_burst.png"), "throughput",
          "Output tokens/s against burst context.", None),
         (lambda: plots.latency_png(cells, out / "latency.png"), "latency", "Latency percentiles at the headline burst.",
@@ -256,13 +264,14 @@ def build_report(results, out: str | Path, *, task: str | None = None, burst: in
     models = sorted(set(cells.get("model", pd.Series(dtype=str))) | set(ev.get("model", pd.Series(dtype=str))))
     formats = format_order(set(cells.get("kv_dtype", pd.Series(dtype=str))) | set(ev.get("kv_dtype", pd.Series(dtype=str))))
 
-    page = _page(df, cells, bench, ev, invalid, failed_eval, head_rows, tasks, figs_html, notes, models, formats,
-                 title or "kvarn report", results, illustrative)
+    page = _page(df, cells, old_cells, bench_all, ev, invalid, failed_eval, head_rows, tasks, figs_html, notes,
+                 models, formats, title or "kvarn report", results, illustrative)
     index = out / "index.html"
     index.write_text(page, encoding="utf-8")
     (out / "summary.md").write_text(_markdown(head_rows, tasks, notes, illustrative), encoding="utf-8")
     rep = Report(out, index, pngs, notes, models, formats,
-                 {"bench_rows": len(bench), "eval_rows": len(eval_raw), "cells": len(cells),
+                 {"bench_rows": len(bench_all), "eval_rows": len(eval_raw), "cells": len(cells),
+                  "superseded_cells": len(old_cells),
                   "invalid_bench_runs": len(invalid), "failed_eval_rows": len(failed_eval)})
     (out / "report.json").write_text(json.dumps({
         "results": [str(r) for r in ([results] if isinstance(results, (str, Path)) else results)],
@@ -281,7 +290,8 @@ def _headline(cells, ev, fronts, tasks, burst) -> pd.DataFrame:
             "model": rec["model"], "tp": rec["tp"], "kv_dtype": rec["kv_dtype"], "burst": rec.get("burst"),
             "kv_ratio": rec["cap"], "tok_ratio": rec["x"], "output_tok_s": rec.get("output_tok_s"),
             "kv_tokens": rec.get("kv_tokens"), "kv_mib": _mib(rec.get("kv_cache_gib")),
-            "ppl_delta_pct": rec.get("ppl_delta_pct"), "hf_device": rec.get("hf_device")}
+            "ppl_delta_pct": rec.get("ppl_delta_pct"), "hf_device": rec.get("hf_device"),
+            "ratio_vs": rec.get("ratio_vs") or (BYTES if rec.get("cap_source") == "bytes" else "")}
     for t in tasks:
         for rec in ev[ev["task"] == t].to_dict("records"):
             k = (rec["model"], int(rec["tp"]), rec["kv_dtype"])
@@ -325,13 +335,15 @@ def _headline_cols(h: pd.DataFrame, tasks) -> tuple[list, dict]:
         kv += [("kv_mib", "KV cache MiB")] if not kv and _any(h, "kv_mib") else []
         cpu = "hf_device" in h and (h["hf_device"].astype(str) == "cpu").any()
         cols += [("burst", "burst"), *kv, ("kv_ratio", "KV ÷ fp16"),
-                 ("output_tok_s", "CPU out tok/s" if cpu else "out tok/s"), ("tok_ratio", "tok/s ÷ fp16")]
+                 ("output_tok_s", "CPU out tok/s" if cpu else "out tok/s"), ("tok_ratio", "tok/s ÷ fp16"),
+                 ("ratio_vs", "ratios vs")]
         if _any(h, "ppl_delta_pct"):
             cols.append(("ppl_delta_pct", "ppl Δ % vs fp16"))
             fm["ppl_delta_pct"] = lambda r: "–" if pd.isna(r.get("ppl_delta_pct")) else f"{r['ppl_delta_pct']:+.2f}"
         fm.update(burst=lambda r: plots.burst_label(r.get("burst")),
-                  kv_ratio=lambda r: "–" if pd.isna(r.get("kv_ratio")) else f"{r['kv_ratio']:.2f}×",
-                  tok_ratio=lambda r: "–" if pd.isna(r.get("tok_ratio")) else f"{r['tok_ratio']:.2f}×")
+                  kv_ratio=lambda r: ratio_text(r.get("kv_ratio"), r.get("ratio_vs")),
+                  tok_ratio=lambda r: ratio_text(r.get("tok_ratio"), r.get("ratio_vs")),
+                  ratio_vs=lambda r: r.get("ratio_vs") or "–")
     for t in tasks:
         if t not in h:
             continue
@@ -348,14 +360,15 @@ def _headline_cols(h: pd.DataFrame, tasks) -> tuple[list, dict]:
     return cols, fm
 
 
-def _page(df, cells, bench, ev, invalid, failed_eval, head, tasks, figs, notes, models, formats, title, results,
-          illustrative) -> str:
+def _page(df, cells, old_cells, bench, ev, invalid, failed_eval, head, tasks, figs, notes, models, formats, title,
+          results, illustrative) -> str:
     e = html.escape
     created = sorted(df["created_at"].dropna().astype(str)) if "created_at" in df else []
     prov = {c: sorted(set(df[c].dropna().astype(str)) - {"", "None"}) for c in PROVENANCE if c in df.columns}
     meta = [f"<b>results</b>: {e(', '.join(map(str, [results] if isinstance(results, (str, Path)) else results)))}",
             f"<b>models</b>: {e(', '.join(models))}", f"<b>formats</b>: {e(', '.join(formats))}",
-            f"<b>rows</b>: {len(bench)} bench runs in {len(cells)} cells, {len(ev)} eval summaries",
+            f"<b>rows</b>: {len(bench)} bench runs in {len(cells)} cells"
+            + (f" (and {len(old_cells)} superseded)" if len(old_cells) else "") + f", {len(ev)} eval summaries",
             f"<b>measured</b>: {e(created[0][:19]) + ' → ' + e(created[-1][:19]) if created else '–'} (UTC)",
             "<b>versions</b>: " + e("; ".join(f"{k} {', '.join(v)}" for k, v in prov.items()
                                             if k in ('vllm', 'torch', 'kvarn_version', 'cuda', 'driver') and v)),
@@ -369,7 +382,8 @@ def _page(df, cells, bench, ev, invalid, failed_eval, head, tasks, figs, notes, 
                      "they are not measurements.</div>")
     parts.append("<div class='meta'>" + "<br>".join(meta) + "</div>")
     parts.append("<nav><a href='#headline'>Headline</a><a href='#figures'>Figures</a><a href='#bench'>Bench cells</a>"
-                 "<a href='#eval'>Eval</a><a href='#failed'>Failed runs</a><a href='#prov'>Provenance</a></nav>")
+                 "<a href='#eval'>Eval</a><a href='#failed'>Failed runs</a><a href='#superseded'>Superseded runs</a>"
+                 "<a href='#prov'>Provenance</a></nav>")
     if notes:
         parts.append("<div class='notes'><b>Missing or notable</b><ul>" + "".join(f"<li>{e(n)}</li>" for n in notes)
                      + "</ul></div>")
@@ -378,42 +392,12 @@ def _page(df, cells, bench, ev, invalid, failed_eval, head, tasks, figs, notes, 
     parts.append("<h2 id='headline'>Headline</h2>")
     if not head.empty:
         cols, fm = _headline_cols(head, tasks)
-        parts.append("<p class='meta'>Per model × TP at the headline burst (16k when measured). Ratios are medians "
-                     "over valid repeats against the fp16 cell of the same setting; Δ is the paired change vs fp16 "
-                     "with its interval.</p>")
+        parts.append(f"<p class='meta'>{e(_headline_caption(head))}</p>")
         parts.append(_table(head, cols, fm))
     parts.append("<h2 id='figures'>Figures</h2>" + ("".join(figs) or "<p>No figures: no plottable rows.</p>"))
 
     parts.append("<h2 id='bench'>Bench cells (medians over valid repeats)</h2>")
-    if cells.empty:
-        parts.append("<p>No bench rows.</p>")
-    else:
-        cols = [("model", "model"), ("tp", "TP"), ("mode", "mode"), ("burst", "burst"), ("prompt_len", "prompt"),
-                ("output_len", "output"), ("requests", "reqs"), ("kv_dtype", "kv dtype"), ("valid_runs", "valid"),
-                ("runs", "runs"), ("output_tok_s", "out tok/s"), ("output_tok_s_spread_pct", "spread %"),
-                ("output_tok_s_ratio_vs_fp16", "÷ fp16"), ("total_tok_s", "total tok/s"),
-                ("request_throughput", "req/s"), ("kv_tokens", "KV tokens"), ("kv_ratio_vs_fp16", "KV ÷ fp16"),
-                ("ratio_vs", "ratios vs"), ("max_concurrency", "max conc.")]
-        for k in ("ttft", "tpot", "itl", "e2el"):
-            for p in ("p50", "p90", "p99"):
-                c = f"{k}_ms_{p}"
-                if c in cells and cells[c].notna().any():
-                    cols.append((c, f"{k.upper()} {p} ms"))
-        cols += [(c, c) for c in ("preemptions", "gpu_mem_gib") if c in cells and cells[c].notna().any()]
-        if _any(cells, "kv_cache_gib") and not _any(cells, "kv_tokens"):  # hf rows: capacity as real bytes
-            cells = cells.assign(kv_mib=[_mib(v) for v in cells["kv_cache_gib"]])
-            cols = [("kv_mib", "KV cache MiB") if c == "kv_tokens" else (c, h) for c, h in cols]
-        if _any(cells, "ppl_delta_pct"):
-            cols += [("ppl", "ppl"), ("ppl_delta_pct", "ppl Δ % vs fp16")]
-        cols += [("git_sha", "git"), ("vllm", "vLLM"), ("gpu_name", "GPU")]
-        def as_int(c):
-            return lambda r: f"{int(r[c]):,}" if pd.notna(r.get(c)) else "–"
-
-        fm = {"tp": lambda r: str(int(r["tp"])) if pd.notna(r["tp"]) else "–",
-              **{c: as_int(c) for c in ("prompt_len", "output_len", "requests", "valid_runs", "runs", "kv_tokens")},
-              "burst": lambda r: plots.burst_label(r.get("burst")),
-              "kv_dtype": lambda r: plots.label(r["kv_dtype"])}
-        parts.append(_table(cells, cols, fm))
+    parts.append("<p>No bench rows.</p>" if cells.empty else _cells_table(cells))
 
     parts.append("<h2 id='eval'>Eval summaries</h2>")
     if ev.empty:
@@ -465,6 +449,14 @@ def _page(df, cells, bench, ev, invalid, failed_eval, head, tasks, figs, notes, 
                              "repeat": lambda r: str(int(r["repeat"])) if pd.notna(r["repeat"]) else "–"},
                             cls="bad"))
 
+    parts.append("<h2 id='superseded'>Superseded runs (listed, not plotted, in no median)</h2>")
+    if old_cells.empty:
+        parts.append("<p>None: every configuration was measured by one run.</p>")
+    else:
+        parts.append("<p class='meta'>Configurations a newer run measured again; each line is one older run's "
+                     "repeats with that run's own ratios.</p>")
+        parts.append(_cells_table(old_cells, [("superseded_by", "superseded by run")]))
+
     parts.append("<h2 id='prov'>Provenance</h2>")
     pcols = [c for c in ("run_id", "kind") + PROVENANCE + ("python", "transformers") if c in df.columns]
     if pcols and "run_id" in df.columns:
@@ -480,6 +472,47 @@ def _page(df, cells, bench, ev, invalid, failed_eval, head, tasks, figs, notes, 
                  "by <code>kvarn report</code>. Self-contained: figures are embedded; PNGs sit beside this file.</p>")
     parts.append(f"</main><script>{JS}</script></body></html>")
     return "\n".join(parts)
+
+
+def _cells_table(cells: pd.DataFrame, extra=()) -> str:
+    """The Bench cells table (one line per configuration and run), with `extra` columns at the end."""
+    cols = [("model", "model"), ("tp", "TP"), ("mode", "mode"), ("burst", "burst"), ("prompt_len", "prompt"),
+            ("output_len", "output"), ("requests", "reqs"), ("kv_dtype", "kv dtype"), ("run_id", "run"),
+            ("valid_runs", "valid"), ("runs", "runs"), ("output_tok_s", "out tok/s"),
+            ("output_tok_s_spread_pct", "spread %"), ("output_tok_s_ratio_vs_fp16", "÷ fp16"),
+            ("total_tok_s", "total tok/s"), ("request_throughput", "req/s"), ("kv_tokens", "KV tokens"),
+            ("kv_ratio_vs_fp16", "KV ÷ fp16"), ("ratio_vs", "ratios vs"), ("max_concurrency", "max conc.")]
+    for k in ("ttft", "tpot", "itl", "e2el"):
+        for p in ("p50", "p90", "p99"):
+            c = f"{k}_ms_{p}"
+            if c in cells and cells[c].notna().any():
+                cols.append((c, f"{k.upper()} {p} ms"))
+    cols += [(c, c) for c in ("preemptions", "gpu_mem_gib") if c in cells and cells[c].notna().any()]
+    if _any(cells, "kv_cache_gib") and not _any(cells, "kv_tokens"):  # hf rows: capacity as real bytes
+        cells = cells.assign(kv_mib=[_mib(v) for v in cells["kv_cache_gib"]])
+        cols = [("kv_mib", "KV cache MiB") if c == "kv_tokens" else (c, h) for c, h in cols]
+    if _any(cells, "ppl_delta_pct"):
+        cols += [("ppl", "ppl"), ("ppl_delta_pct", "ppl Δ % vs fp16")]
+    cols += [("git_sha", "git"), ("vllm", "vLLM"), ("gpu_name", "GPU"), *extra]
+
+    def as_int(c):
+        return lambda r: f"{int(r[c]):,}" if pd.notna(r.get(c)) else "–"
+
+    def ratio(c):
+        return lambda r: ratio_text(r.get(c), r.get("ratio_vs"))
+
+    fm = {"tp": lambda r: str(int(r["tp"])) if pd.notna(r["tp"]) else "–",
+          **{c: as_int(c) for c in ("prompt_len", "output_len", "requests", "valid_runs", "runs", "kv_tokens")},
+          **{c: ratio(c) for c in ("output_tok_s_ratio_vs_fp16", "kv_ratio_vs_fp16")},
+          "burst": lambda r: plots.burst_label(r.get("burst")),
+          "kv_dtype": lambda r: plots.label(r["kv_dtype"])}
+    return _table(cells, cols, fm)
+
+
+def _headline_caption(head: pd.DataFrame) -> str:
+    return ("Per model × TP at the headline burst (16k when measured). "
+            + ratios_sentence(head.get("ratio_vs", pd.Series(dtype=str)))
+            + " Δ is the paired change vs fp16 with its interval.")
 
 
 def _gpu_line(df: pd.DataFrame, prov: dict) -> str:
@@ -499,6 +532,7 @@ def _markdown(head: pd.DataFrame, tasks, notes, illustrative) -> str:
         lines += ["_Illustrative fixture data, not measurements._", ""]
     if not head.empty:
         cols, fm = _headline_cols(head, tasks)
+        lines += [f"_{_headline_caption(head)}_", ""]
         lines.append("| " + " | ".join(h for _, h in cols) + " |")
         lines.append("|" + "|".join("---" for _ in cols) + "|")
         for rec in head.to_dict("records"):

@@ -12,6 +12,7 @@ import uuid
 SCHEMA_VERSION = 1
 KINDS = ("bench", "eval", "sample", "fidelity")  # the `kind` column
 STATUSES = ("ok", "failed", "timeout", "oom", "skipped")
+ENGINES = ("vllm", "hf")  # the `engine` column
 
 # Columns every row has, with their pandas/arrow dtype. Metric columns are float64 (NaN where absent).
 CORE_COLUMNS: dict[str, str] = {
@@ -27,7 +28,7 @@ CORE_COLUMNS: dict[str, str] = {
     # configuration
     "model": "string",
     "kv_dtype": "string",
-    "engine": "string",  # vllm | hf
+    "engine": "string",  # ENGINES
     "tp": "int64",
     "task": "string",  # eval task; "" for bench rows
     "seed": "int64",

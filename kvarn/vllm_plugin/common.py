@@ -68,9 +68,3 @@ def defer_flush_enabled() -> bool:
     and the next step's metadata build flushes every layer's completed tiles in one launch (kernels.store.
     flush_layers) instead of one latency-bound flush per layer inside the step."""
     return bool(settings.get("KVARN_DEFER_FLUSH"))
-
-
-def backend_env(environ=None, method_only: bool = False) -> str:
-    """What KVarN result rows record: the result-changing settings with their values (kvarn.settings.result_env);
-    method_only: those of the method alone (engines other than vLLM never read the backend's)."""
-    return settings.result_env(environ, ("method",) if method_only else ("method", "backend"))

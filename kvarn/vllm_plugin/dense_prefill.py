@@ -21,13 +21,18 @@ from .step_plan import StepPlan
 DENSE_KEY_BUDGET = 65536  # keys materialized at once (16-bit K + V: 256 MiB at Hk 8, D 128)
 
 
-def _record_decoder(use_kernels: bool) -> Callable | None:
-    """kvarn.kernels.dequantize_to_rows where asked for and Triton imports, else None (the reference decoder)."""
+def _record_decoder(use_kernels: bool, cuda: bool) -> Callable | None:
+    """kvarn.kernels.dequantize_to_rows where asked for and Triton is installed, else None (the reference decoder).
+    cuda: the cache lives on a GPU, where a missing kernel is an error, not a fallback; a kernel module that fails to
+    import for another reason (a broken Triton build) raises as it is."""
     if not use_kernels:
         return None
     try:
         from ..kernels.dequant import dequantize_to_rows
-    except Exception:  # noqa: BLE001 - no Triton or a broken build: the reference decoder
+    except ImportError as e:
+        if cuda:
+            raise RuntimeError(f"kvarn: a CUDA cache needs the Triton kernels, and kvarn.kernels.dequant does not "
+                               f"import here ({e}); install the triton that vLLM pins") from e
         return None
     return dequantize_to_rows
 
@@ -36,7 +41,7 @@ def materialize_dense(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray,
                       fmt: KVFormat, dtype, use_kernels: bool | None = None, sink_lens=None, win_lens=None):
     """kvarn.method.paged.post_store_kv with the records decoded by the kernel (use_kernels None: where the cache is
     on CUDA; True: also in the interpreter; False: the reference decoder)."""
-    decoder = _record_decoder(cache.is_cuda if use_kernels is None else use_kernels)
+    decoder = _record_decoder(cache.is_cuda if use_kernels is None else use_kernels, cache.is_cuda)
     return post_store_kv(rows, seq_lens, slots, cache, block_table, tail_k, tail_v, fmt, dtype, sink_lens, decoder,
                          win_lens)
 

@@ -1,12 +1,13 @@
 """The vLLM backend's store and attention of one step, over plain tensors (no vLLM import; tested on CPU): each
-piece dispatched to the Triton kernels of kvarn.kernels when the tensors live on CUDA and the kernels import, else
-to the PyTorch reference of kvarn.method.paged (CPU tests, and a GPU without Triton). The step itself is planned by
-kvarn.vllm_plugin.step_plan; continuation chunks attend through kvarn.vllm_plugin.dense_prefill.
+piece dispatched to the Triton kernels of kvarn.kernels when the tensors live on CUDA, else to the PyTorch reference
+of kvarn.method.paged (CPU tests; use_kernels=True runs the kernels there too, in the Triton interpreter, where
+Triton is installed). CUDA tensors without importable kernels are an error: the reference there would be a silent
+slowdown of every step. The step itself is planned by kvarn.vllm_plugin.step_plan; continuation chunks attend
+through kvarn.vllm_plugin.dense_prefill.
 """
 from __future__ import annotations
 
 import importlib
-import math
 from typing import Callable
 
 import numpy as np
@@ -18,16 +19,22 @@ from .dense_prefill import dense_prefill
 from .step_plan import StepPlan
 
 
-def _kernel(module: str, name: str):
+def _kernel(module: str, name: str, cuda: bool = False):
+    """kvarn.kernels.<module>.<name>, or None where Triton is not installed (the torch reference runs instead).
+    cuda: the tensors live on a GPU, where a missing kernel is an error, not a fallback. A kernel module that fails
+    to import for another reason (a broken Triton build) raises as it is."""
     try:
         mod = importlib.import_module(f"kvarn.kernels.{module}")
-    except Exception:  # noqa: BLE001 - a missing or broken kernel module means: use the torch path
+    except ImportError as e:
+        if cuda:
+            raise RuntimeError(f"kvarn: CUDA tensors need the Triton kernels, and kvarn.kernels.{module} does not "
+                               f"import here ({e}); install the triton that vLLM pins") from e
         return None
-    return getattr(mod, name, None)
+    return getattr(mod, name)
 
 
 def decode_kernels_available() -> bool:
-    """The kernels of a decode step (the full-graph path) import here."""
+    """The kernels of a decode step (the full-graph path) import here (False: Triton is not installed)."""
     return _kernel("store", "store_decode") is not None and _kernel("decode", "decode_attention") is not None
 
 
@@ -73,7 +80,7 @@ def store(plan: StepPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
 def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor, fmt: KVFormat,
                 iters: int | None = None, use_kernels: bool | None = None) -> None:
     """k, v [T, H, g, D] complete tiles -> records in cache at block_ids (< 0 skipped)."""
-    fn = _kernel("store", "store_tiles") if (k.is_cuda if use_kernels is None else use_kernels) else None
+    fn = _kernel("store", "store_tiles", k.is_cuda) if (k.is_cuda if use_kernels is None else use_kernels) else None
     (fn or store_tiles_torch)(k, v, cache, block_ids, fmt, iters=iters)
 
 
@@ -105,7 +112,7 @@ def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, ta
     if plan.dec_tok is not None:
         rows = plan.dec_rows_t
         qd = q[plan.dec_tok]
-        fn = _kernel("decode", "decode_attention") if use_kernels else None
+        fn = _kernel("decode", "decode_attention", q.is_cuda) if use_kernels else None
         if fn is not None:
             o = fn(qd, cache, block_table[rows], seq_lens_dev[rows], tail_k, tail_v, plan.tail_slots[rows], fmt, scale,
                    sink_lens=_rows_of(plan.sink_lens, rows), win_lens=_rows_of(plan.win_lens, rows))
@@ -134,8 +141,8 @@ def decode_step(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, 
     B = plan.num_reqs
     if use_kernels is None:
         use_kernels = q.is_cuda
-    store_fn = _kernel("store", "store_decode") if use_kernels else None
-    attn_fn = _kernel("decode", "decode_attention") if use_kernels else None
+    store_fn = _kernel("store", "store_decode", q.is_cuda) if use_kernels else None
+    attn_fn = _kernel("decode", "decode_attention", q.is_cuda) if use_kernels else None
     if store_fn is None or attn_fn is None:
         if plan.defer is not False:
             raise RuntimeError("kvarn: a deferred-flush decode plan needs the decode kernels")
@@ -153,7 +160,3 @@ def decode_step(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, 
     attn_fn(q[:B], cache, bt, sl, tail_k, tail_v, ts, fmt, scale, out=out[:B],
             sink_lens=None if plan.sink_lens is None else plan.sink_lens[:B],
             win_lens=None if plan.win_lens is None else plan.win_lens[:B], **extra)
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

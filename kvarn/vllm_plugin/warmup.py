@@ -15,10 +15,10 @@ import time
 import numpy as np
 import torch
 
+from .. import settings
 from ..formats import KVFormat
 from ..method.paged import raw_attention_torch, varlen_attention_torch
 from . import ops
-from .common import backend_env
 from .step_plan import plan_step, update_sink_lens, update_window_lens
 
 _LOG = logging.getLogger("vllm.kvarn")
@@ -128,5 +128,5 @@ def warm_up(num_kv_heads: int, num_heads: int, head_size: int, dtype: torch.dtyp
     # the settings in the log too: what a run used is then readable from its log alone (rows carry them as well)
     _LOG.info("kvarn: kernels warmed up for %d/%d heads, head_dim %d, %s in %.1f s (deferred flush %s; %s)",
               num_heads, num_kv_heads, head_size, str(dtype).replace("torch.", ""), secs, "on" if defer else "off",
-              backend_env())
+              settings.result_env(speed=True))
     return secs

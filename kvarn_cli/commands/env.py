@@ -31,5 +31,5 @@ def register(app: typer.Typer) -> None:
             s.add_column(c, overflow="fold")
         for row in settings.table():
             s.add_row(row["name"], str(settings.get(row["name"])), str(row["default"]),
-                      "yes" if row["changes_results"] else "no", row["doc"])
+                      "yes" if row["changes_results"] else "speed only" if row["changes_speed"] else "no", row["doc"])
         out.print(s)

@@ -11,7 +11,7 @@ from rich.table import Table
 from kvarn.errors import KvarnError
 from kvarn.tablefit import drop_to_fit, natural_width
 
-from ..console import _err, err, out, print_json
+from ..console import err, err_console, out, print_json
 
 
 class RichReporter:
@@ -24,8 +24,8 @@ class RichReporter:
 
     def start(self, label: str, total: int) -> None:
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=_err,
-                                 transient=False)
+                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                 console=err_console, transient=False)
         self.progress.start()
         self.task = self.progress.add_task(label, total=total)
 
@@ -138,7 +138,6 @@ def register(app: typer.Typer) -> None:
         resume: bool = typer.Option(True, "--resume/--no-resume", help="Skip (config, sample) pairs already stored."),
         timeout: float = typer.Option(None, "--timeout", help="Seconds per kv dtype's engine run (vllm, lm-eval); "
                                       "default 3600."),
-        timeout_min: float = typer.Option(None, "--timeout-min", hidden=True, help="Deprecated: --timeout in minutes."),
         harness: str = typer.Option("kvarn", "--harness", help="kvarn (built-in tasks) | lm-eval."),
         tasks: str = typer.Option(None, "--tasks", help="lm-eval's spelling: task names, comma list with "
                                   "--harness lm-eval; one built-in task otherwise (same as TASK)."),
@@ -160,11 +159,9 @@ def register(app: typer.Typer) -> None:
         from kvarn.bench.parsing import parse_tp
 
         tp = parse_tp(tp)
-        if timeout is not None and timeout_min is not None:
-            raise KvarnError("give one of --timeout (seconds) and --timeout-min (its deprecated form in minutes)")
         if timeout is not None and timeout <= 0:
             raise KvarnError(f"--timeout must be > 0 seconds, got {timeout:g}")
-        timeout_min = timeout / 60.0 if timeout is not None else (timeout_min if timeout_min is not None else 60.0)
+        timeout_min = timeout / 60.0 if timeout is not None else 60.0
         reporter = RichReporter()
         h = (harness or "kvarn").lower()
         if h in ("lm-eval", "lm_eval", "lmeval"):

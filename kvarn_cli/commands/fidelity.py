@@ -28,7 +28,8 @@ def register(app: typer.Typer) -> None:
                                        help="Skip this many characters of the text (default 20000 for the "
                                             "shipped excerpt, 0 for --text)."),
         windows: int = typer.Option(1, "--windows", help="Consecutive windows of --context tokens for perplexity."),
-        device: str = typer.Option("cpu", "--device", help="torch device for the model."),
+        device: str = typer.Option("cpu", "--device", help="torch device of the model or the synthetic K/V: cpu, "
+                                                               "cuda, cuda:N, mps (where torch has it)."),
         dtype: str = typer.Option(None, "--dtype", metavar="auto|float16|bfloat16|float32",
                                   help="Model dtype (auto: the model config's, as vLLM; default: transformers' "
                                        "choice, float32 for the shipped SmolLM2)."),

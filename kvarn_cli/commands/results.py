@@ -121,7 +121,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """List stored result rows, newest last, filtered by kind, model, KV format and status."""
         from kvarn.results import STATUSES, ResultsStore
-        from kvarn.results.schema import KINDS
+        from kvarn.results.schema import ENGINES, KINDS
 
         if json_ and csv:
             raise KvarnError("give one of --json and --csv")
@@ -145,6 +145,19 @@ def register(app: typer.Typer) -> None:
             bad = [k for k in kind.split(",") if k.strip() and k.strip() not in KINDS]
             if bad:
                 raise KvarnError(f"unknown --kind {bad[0]!r}; accepted: {', '.join(KINDS)}")
+        if last is not None and last < 1:
+            raise KvarnError(f"--last must be >= 1 (the newest N rows), got {last}")
+        from kvarn.bench.config import MODE_ALIASES, MODES
+
+        if mode:
+            bad = [m for m in mode.split(",") if m.strip() and m.strip().lower() not in MODE_ALIASES]
+            if bad:
+                raise KvarnError(f"unknown --mode {bad[0]!r}; accepted: {', '.join(MODES)}")
+            mode = ",".join(MODE_ALIASES[m.strip().lower()] for m in mode.split(",") if m.strip())
+        if engine:
+            bad = [e for e in engine.split(",") if e.strip() and e.strip() not in ENGINES]
+            if bad:
+                raise KvarnError(f"unknown --engine {bad[0]!r}; accepted: {', '.join(ENGINES)}")
         from kvarn.bench.parsing import parse_int_list, parse_token_list
 
         numbers = {"tp": parse_int_list(tp, "--tp") if tp else None,
@@ -160,7 +173,7 @@ def register(app: typer.Typer) -> None:
                 df = df[_match_numbers(df[col], values)] if col in df.columns else df.iloc[0:0]
         if "created_at" in df.columns:
             df = df.sort_values("created_at", kind="stable")
-        if last:
+        if last is not None:
             df = df.tail(last)
         df = df.reset_index(drop=True)
         if table is not None or baseline_run:

@@ -24,9 +24,9 @@ step() {  # name, seconds, kvarn eval args...
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   log "$name: kvarn eval $*"
   # each kv dtype's engine gets half the step minus a margin, so a stuck engine becomes a timeout row
-  local per; per=$(awk -v s="$secs" 'BEGIN { printf "%.2f", (s - 12) / 2 / 60 }')
+  local per; per=$(awk -v s="$secs" 'BEGIN { printf "%.0f", (s - 12) / 2 }')
   timeout -k 5 "$secs" python3 -m kvarn_cli.app eval "$@" --model smollm2-135m --weights "$SMOL" --out "$RES" \
-    --timeout-min "$per" >"$OUT/eval_$name.out" 2>"$OUT/eval_$name.err"
+    --timeout "$per" >"$OUT/eval_$name.out" 2>"$OUT/eval_$name.err"
   local rc=$?
   echo "$name rc=$rc $(( $(date +%s) - T0 ))s" >>"$OUT/eval_status.txt"
   tail -n 3 "$OUT/eval_$name.err" | sed "s/^/  [$name] /"

@@ -112,10 +112,10 @@ if [ "$(cat "$SITE/.kvarn-src" 2>/dev/null)" != "$src" ]; then
 fi
 # bench results of earlier calls (resume across calls): carry .device/results (= a previous call's bench/parts)
 if [ -d .device/results/parts ]; then mkdir -p "$OUT/bench" && cp -r .device/results/parts "$OUT/bench/"; fi
-# compile caches across sessions (each session gets a fresh machine; engine starts and first kernel uses spend most
-# of their time compiling): KVARN_SAVE_CACHE=1 writes $OUT/0cache.tar.xz at the end (Triton, TorchInductor, vLLM
+# compile caches across machines (a call may get a fresh machine; engine starts and first kernel uses spend most of
+# their time compiling): KVARN_SAVE_CACHE=1 writes $OUT/0cache.tar.xz at the end (Triton, TorchInductor, vLLM
 # torch.compile; dropped if over 15 MiB; the leading 0 sorts it among the <= 8 files a call returns); a later call
-# (or session: same GPU and versions) restores it from .device/cache/cache.tar.xz when it carries .device/cache
+# on any machine of the same GPU and versions restores it from .device/cache/cache.tar.xz when it carries .device/cache
 CACHE_DIRS=("${HOME#/}/.triton/cache" "${HOME#/}/.cache/vllm" "tmp/torchinductor_${USER:-root}")
 if [ -f .device/cache/cache.tar.xz ] && [ ! -f /tmp/.kvarn-cache-restored ]; then
   tar -C / -xJf .device/cache/cache.tar.xz 2>/dev/null && touch /tmp/.kvarn-cache-restored \

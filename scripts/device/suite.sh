@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A declarative suite (`kvarn suite run`) on the lent GPU, resumable across calls, machines and sessions:
+# A declarative suite (`kvarn suite run`) on the lent GPU, resumable across calls and machines:
 #   KVARN_BG=1 bash scripts/device/run.sh suite:1500@KVARN_SUITE=readme    then   bash scripts/device/run.sh wait:560
 # Results go to /tmp/suite-NAME (kept while the machine stays warm: a later call resumes there) and come back in
 # $OUT/logs.tar.xz as suite-NAME/; unpack them into .device/suite-NAME and carry that folder to resume on a fresh

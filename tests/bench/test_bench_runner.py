@@ -10,7 +10,8 @@ import pytest
 
 from kvarn.bench.engines.base import Engine, EngineResult, register_engine
 from kvarn.engines import gpus
-from kvarn.engines.process import GroupRunner, _alive
+from kvarn.engines.launch import Launcher
+from kvarn.engines.process import _alive
 from kvarn.results import ResultsStore
 from kvarn.results.schema import BENCH_METRICS, CORE_COLUMNS
 from kvarn_cli.app import main
@@ -49,7 +50,7 @@ class SleepyEngine(Engine):
 
     def run(self, cell, timeout_s):
         pidfile = Path(cell.log_path).with_suffix(".pid")
-        res = GroupRunner().run([sys.executable, "-c", SLEEPER, str(pidfile)], cell.log_path, timeout_s)
+        res = Launcher().run([sys.executable, "-c", SLEEPER, str(pidfile)], cell.log_path, timeout_s)
         if res.timed_out:
             return EngineResult("timeout", f"no result after {timeout_s:.0f} s", {"wall_s": res.elapsed_s})
         return EngineResult("ok")
@@ -149,6 +150,7 @@ def test_parquet_schema_columns(tmp_path):
     (["--request-rate", "4"], "apply to --mode serve only"),
     (["--prompt-len", "3000"], "leaves no output tokens"),
     (["--engine", "tensorrt"], "unknown --engine"),
+    (["--seed", "-1"], "--seed must be >= 0"),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, args, msg):
     assert bench(tmp_path, *args) == 2
@@ -246,10 +248,32 @@ def test_result_settings_key_only_kvarn_cells(tmp_path, monkeypatch):
     monkeypatch.setenv("KVARN_SINK", "0")
     settings.reload()
     knob = {c.kv_dtype: c for c in build_plan(o).configs}
-    assert plain["kvarn_k4v2_g128"].backend_env == "KVARN_BALANCE_ITERS=3;KVARN_DEFER_FLUSH=1;KVARN_SINK=16"
-    assert knob["kvarn_k4v2_g128"].backend_env == "KVARN_BALANCE_ITERS=3;KVARN_DEFER_FLUSH=1;KVARN_SINK=0"
+    assert plain["kvarn_k4v2_g128"].backend_env == \
+        "KVARN_BALANCE_ITERS=3;KVARN_DEFER_FLUSH=1;KVARN_FULL_GRAPH=1;KVARN_SINK=16"
+    assert knob["kvarn_k4v2_g128"].backend_env == \
+        "KVARN_BALANCE_ITERS=3;KVARN_DEFER_FLUSH=1;KVARN_FULL_GRAPH=1;KVARN_SINK=0"
     assert knob["kvarn_k4v2_g128"].hash != plain["kvarn_k4v2_g128"].hash
     assert knob["auto"].hash == plain["auto"].hash and knob["fp8"].hash == plain["fp8"].hash
+
+
+def test_eager_decode_is_a_throughput_cell_of_its_own(tmp_path, monkeypatch):
+    """KVARN_FULL_GRAPH=0 leaves the numbers as they are but not the speed: a bench cell of its own (a gate never
+    takes a median over eager and graph runs), while an eval cell is shared."""
+    from kvarn import settings
+    from kvarn.bench.plan import BenchOptions, build_plan
+
+    monkeypatch.setattr(gpus, "vllm_available", lambda: True)
+    monkeypatch.setattr(gpus, "visible_gpus", lambda: [{"index": "0", "name": "H200", "capability": "9.0"}])
+    o = BenchOptions(model="qwen3-8b", kv_dtype="auto,kvarn_k4v2_g128", engine="vllm", out=str(tmp_path / "r"))
+    graph = {c.kv_dtype: c for c in build_plan(o).configs}
+    accuracy_graph = settings.result_env()
+    monkeypatch.setenv("KVARN_FULL_GRAPH", "0")
+    settings.reload()
+    eager = {c.kv_dtype: c for c in build_plan(o).configs}
+    assert "KVARN_FULL_GRAPH=0" in eager["kvarn_k4v2_g128"].backend_env
+    assert eager["kvarn_k4v2_g128"].hash != graph["kvarn_k4v2_g128"].hash
+    assert eager["auto"].hash == graph["auto"].hash
+    assert settings.result_env() == accuracy_graph
 
 
 def test_stall_notes_flag_a_gap_every_request_shared():

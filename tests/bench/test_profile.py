@@ -21,7 +21,6 @@ KERNELS = [
     ("scale_queries_kernel", "kvarn::attention[decode]", "kvarn_decode"),
     ("merge_kernel", None, "kvarn_decode"),
     ("_decode_tail_kernel", "kvarn::store", "kvarn_tail"),
-    ("_store_tail_kernel", "kvarn::store", "kvarn_tail"),
     ("void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<at::native::index_put_kernel_impl"
      "<at::native::OpaqueType<2> >(at::TensorIterator&, c10::ArrayRef<long>, c10::ArrayRef<long>)::{lambda(char*, "
      "char const*, long)#1}>(...)", "kvarn::store", "kvarn_glue"),

@@ -44,6 +44,11 @@ def test_filters_and_formats(tmp_path, capsys):
     assert main(["results", d, "--task", "aime25", "--json"]) == 0
     assert [json.loads(x)["kind"] for x in capsys.readouterr().out.splitlines()] == ["eval"]
     assert main(["results", d, "--tp", "2"]) == 0 and "no rows match" in capsys.readouterr().out
+    # bench's alias of the offline mode selects the same rows
+    assert main(["results", d, "--mode", "throughput", "--json"]) == 0
+    throughput = capsys.readouterr().out
+    assert main(["results", d, "--mode", "offline", "--json"]) == 0
+    assert capsys.readouterr().out == throughput
 
 
 def test_bad_input(tmp_path, capsys):
@@ -54,7 +59,11 @@ def test_bad_input(tmp_path, capsys):
                       (["results", d, "--columns", "kind,bogus"], "unknown column 'bogus'"),
                       (["results", d, "--json", "--csv"], "one of --json and --csv"),
                       (["results", d, "--kind", "benchh"], "unknown --kind 'benchh'; accepted: bench, eval"),
-                      (["results", d, "--burst", "16q"], "16q")):
+                      (["results", d, "--burst", "16q"], "16q"),
+                      (["results", d, "--last", "0"], "--last must be >= 1"),
+                      (["results", d, "--last", "-1"], "--last must be >= 1 (the newest N rows), got -1"),
+                      (["results", d, "--engine", "vlm"], "unknown --engine 'vlm'; accepted: vllm, hf"),
+                      (["results", d, "--mode", "batch"], "unknown --mode 'batch'; accepted: offline, serve")):
         assert main(argv) == 2
         assert msg in capsys.readouterr().err
 

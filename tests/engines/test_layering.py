@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULES = ("kvarn.engines", "kvarn.engines.gpus", "kvarn.engines.hf", "kvarn.engines.process",
+MODULES = ("kvarn.engines", "kvarn.engines.gpus", "kvarn.engines.hf", "kvarn.engines.launch", "kvarn.engines.process",
            "kvarn.engines.vllm_args", "kvarn.engines.vllm_log", "kvarn.engines.vllm_worker")
 
 

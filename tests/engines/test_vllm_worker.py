@@ -1,5 +1,5 @@
 """The one vLLM worker process: bench's cells and eval's jobs behind one entry point, dispatched on the spec's mode
-(the modes themselves run end to end in tests/bench/test_bench_vllm_worker.py and tests/eval/test_eval_vllm.py)."""
+(the modes themselves run end to end in tests/bench/engines/test_vllm_engine.py and tests/eval/test_eval_vllm.py)."""
 import json
 import subprocess
 import sys

@@ -78,9 +78,9 @@ def test_generation_names_the_decode_step(overflow_model):
 def test_a_nan_perplexity_from_any_engine_is_a_failed_row(tmp_path):
     """An engine that hands back NaN log-likelihoods (vLLM's prompt log-probs of an overflowing model): the row is
     failed with the reason, never ok with ppl NaN."""
-    from tests.eval.test_eval_runner import FakeEngine
     from kvarn.eval import runner as R
     from kvarn.eval.engines import ScoreResult
+    from tests.eval.helpers import FakeEngine
 
     class NanEngine(FakeEngine):
         def score(self, fmt, windows, chunk):

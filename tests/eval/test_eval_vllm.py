@@ -15,7 +15,7 @@ from kvarn.engines import gpus
 from kvarn.eval import runner as R
 from kvarn.eval.engines import VLLMConfig, VLLMEngine
 from kvarn.results import ResultsStore
-from tests.eval.test_eval_runner import FakeTok
+from tests.eval.helpers import FakeTok
 
 FAKE = textwrap.dedent('''
     import json, os, sys, time

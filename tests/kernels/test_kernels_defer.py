@@ -11,7 +11,7 @@ import torch
 from kvarn.formats import get_format
 from kvarn.kernels import decode_attention, store_decode, store_tiles
 from kvarn.kernels.store import flush_layers
-from tests.kernels.test_kernels import decode_reference, paged_setup, rel_err
+from tests.kernels.helpers import decode_reference, paged_setup, rel_err
 
 SINK = 16
 # padded; completes tile 0 (sink inside the tail tile); completes a later tile; mid-tile; one past a boundary

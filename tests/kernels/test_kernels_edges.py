@@ -13,7 +13,7 @@ from kvarn.formats import get_format
 from kvarn.kernels import decode_attention, store_decode
 from kvarn.method.reference import dequantize_tiles, quantize_tiles, reference_attention
 from kvarn.vllm_plugin.dense_prefill import dense_prefill
-from tests.kernels.test_kernels import decode_reference, paged_setup, rel_err, request_kv
+from tests.kernels.helpers import decode_reference, paged_setup, rel_err, request_kv
 
 
 def _decode(name, D, Hq, Hk, dtype, lens, splits=2, poison=None):

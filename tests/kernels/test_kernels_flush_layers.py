@@ -49,17 +49,32 @@ def test_flush_layers_rejects_mismatched_layers_and_bad_ids():
         flush_layers(tk[:1], tk[:1], caches[:1], ids.long(), ids, fmt)
 
 
-def test_compile_flush_layers_launches_once_on_scratch_and_keeps_no_table():
+def test_compile_flush_layers_launches_on_scratch_and_keeps_none_of_it(monkeypatch):
     """The backend's engine-start compile of flush_layers (KVARN_DEFER_FLUSH=1): one launch on scratch buffers of
-    the serving shapes, so the first deferred flush of a run does not JIT-compile; no address table is kept for
-    the scratch set, and a real flush afterwards still matches store_tiles."""
+    the serving shapes, so the first deferred flush of a run does not JIT-compile; none of the scratch buffers stays
+    alive afterwards (no device memory held, no cached address table taking a real set's place), and a real flush
+    afterwards still matches store_tiles."""
+    import gc
+    import weakref
+
     from kvarn.kernels import store as S
 
     fmt = get_format("kvarn_k4v2_g64")
     g, D, H = fmt.group, 64, 2
-    before = dict(S._TABLES)
+    made = []
+    for name in ("zeros", "zeros_like", "empty", "empty_like"):
+        real = getattr(torch, name)
+
+        def spy(*a, _real=real, **kw):
+            t = _real(*a, **kw)
+            made.append(weakref.ref(t))
+            return t
+
+        monkeypatch.setattr(torch, name, spy)
     S.compile_flush_layers(H, D, fmt.tail_rows, torch.bfloat16, fmt, "cpu")
-    assert S._TABLES == before
+    monkeypatch.undo()
+    gc.collect()
+    assert made and all(r() is None for r in made), f"{sum(r() is not None for r in made)} scratch tensors kept"
     tk = [torch.randn(2, H, fmt.tail_rows, D).to(torch.bfloat16)]
     tv = [torch.randn_like(tk[0])]
     cache = [torch.zeros(3, H, fmt.record_bytes(D), dtype=torch.uint8)]

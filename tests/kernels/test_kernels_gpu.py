@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvarn.formats import get_format, kvarn_formats  # noqa: F401
-from tests.kernels.test_kernels import decode_reference, paged_setup, prefill_reference, rel_err, window_lens
+from tests.kernels.helpers import decode_reference, paged_setup, prefill_reference, rel_err, window_lens
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -120,17 +120,29 @@ def test_gpu_decode_matches_reference(name, D, Hq, Hk, dtype):
         assert torch.count_nonzero(out[1]) == 0
 
 
-def test_gpu_decode_notes_its_occupancy_for_the_split_heuristic():
+def test_gpu_decode_feeds_its_measured_occupancy_to_the_split_heuristic(monkeypatch):
+    """The first launch measures the compiled records kernel's programs per SM; later calls size their splits with
+    it instead of the default guess of 4."""
     from kvarn.kernels import decode
-    from kvarn.kernels.records import layout
 
+    monkeypatch.setattr(decode, "_PROGRAMS_PER_SM", {})  # as in a fresh process: nothing measured yet
+    measured, asked = [], []
+    real_measure, real_splits = decode.programs_per_sm, decode.default_num_splits
+
+    def measure(kernel, dev):
+        measured.append(real_measure(kernel, dev))
+        return 7  # not the default 4: the next call shows whether it is used
+
+    monkeypatch.setattr(decode, "programs_per_sm", measure)
+    monkeypatch.setattr(decode, "default_num_splits", lambda *a: asked.append(a[4]) or real_splits(*a))
     fmt, D = get_format("kvarn_k4v2_g128"), 128
     st = paged_setup(fmt, D, 2, [700, 300], torch.bfloat16, device=DEV)
     q = torch.randn(2, 8, D, device=DEV).to(torch.bfloat16)
-    decode.decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
-                            st["tail_slots"], fmt, 1 / math.sqrt(D))
-    n = decode._PROGRAMS_PER_SM.get((layout(fmt, D), 4))
-    assert n is not None and 1 <= n <= 32, n  # 254 registers on 2 warps: 4
+    for _ in range(2):
+        decode.decode_attention(q, st["cache"], st["block_table"], st["seq_lens"], st["tail_k"], st["tail_v"],
+                                st["tail_slots"], fmt, 1 / math.sqrt(D))
+    assert len(measured) == 1 and 1 <= measured[0] <= 32, measured  # 254 registers on 2 warps: 4
+    assert asked == [4, 7], asked
 
 
 def test_gpu_decode_cuda_graph_capture():
@@ -297,7 +309,7 @@ def test_gpu_decode_sink_matches_reference(dtype):
     wl = window_lens(sl, fmt)
     cpu = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
     from kvarn.method.reference import reference_attention
-    from tests.kernels.test_kernels import request_kv
+    from tests.kernels.helpers import request_kv
 
     ref = torch.stack([torch.zeros(32, 128) if s == 0 else
                        reference_attention(q[b].float().cpu()[:, None], *request_kv(cpu, fmt, 128, b, int(sl[b])),
@@ -339,7 +351,7 @@ def test_gpu_decode_sink_lens_cuda_graph_replay():
     values (a prefix hit's 0) change the output as the reference says, without a new capture."""
     from kvarn.kernels import decode_attention
     from kvarn.method.reference import reference_attention
-    from tests.kernels.test_kernels import request_kv
+    from tests.kernels.helpers import request_kv
 
     fmt = get_format("kvarn_k4v2_g128")
     D, Hq, Hk = 128, 32, 8
@@ -410,7 +422,7 @@ def test_gpu_decode_defer_reads_the_completed_tile_from_the_tail():
     is read from the tail's g rows by the tensor-core tail kernel; the other rows read as without deferral."""
     from kvarn.kernels import decode_attention
     from kvarn.method.reference import reference_attention
-    from tests.kernels.test_kernels import request_kv
+    from tests.kernels.helpers import request_kv
 
     fmt = get_format("kvarn_k4v2_g128")
     gen = torch.Generator().manual_seed(23)

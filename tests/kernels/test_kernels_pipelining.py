@@ -1,12 +1,9 @@
-"""Does the decode kernel's tile loop overlap a program's loads with its own compute? Offline sm_90 compile (no GPU):
-the pipeliner gives the block-table index (an indirect load) a stage of its own, so at num_stages 2-4 the tile's
-async copies for t + 1 are issued at the end of iteration t and waited for in full (`async_wait {num = 0}`) at the
-top of t + 1; from 5 stages on the wait leaves the next tile's copies in flight during the compute. The records
-kernel runs RECORD_STAGES = 5 for that double buffer (kvarn.kernels.decode); this test keeps the reason true across
-Triton versions."""
+"""Does the decode kernel's tile loop overlap a program's loads with its own compute? Offline sm_90 compile (no GPU)
+of the records kernel at the pipeline depth it launches with (kvarn.kernels.decode): the wait at the top of the tile
+loop must leave the next tile's async copies in flight during the compute (the pipeliner gives the block-table index,
+an indirect load, a stage of its own, so a shallow pipeline waits for every copy, `async_wait {num = 0}`)."""
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,18 +61,14 @@ def _loop(stages: int) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_five_stages_keep_the_next_tile_in_flight_during_the_compute():
+def test_the_next_tile_stays_in_flight_during_the_compute():
     pytest.importorskip("triton.backends.nvidia")
     from kvarn.kernels.decode import RECORD_STAGES
 
-    assert RECORD_STAGES >= 5
     got = _loop(RECORD_STAGES)
     assert got["copies"] > 0 and got["waits"], got
     # the wait at the top of the loop leaves one tile's copies outstanding
     assert max(got["waits"]) > 0, got
-    base = _loop(3)  # the same kernel at Triton's usual depth
-    if re.match(r"3\.[69]\.", __import__("triton").__version__):  # seen with 3.6 and 3.9
-        assert max(base["waits"]) == 0, base  # 3 stages wait for everything: see the docstring
 
 
 def test_no_synchronous_load_in_the_tile_loop():

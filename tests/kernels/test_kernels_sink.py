@@ -12,7 +12,7 @@ from kvarn.errors import KvarnError
 from kvarn.formats import get_format
 from kvarn.kernels import decode_attention, store_decode, store_tiles
 from kvarn.method.reference import reference_attention
-from tests.kernels.test_kernels import decode_reference, paged_setup, rel_err, request_kv, window_lens
+from tests.kernels.helpers import decode_reference, paged_setup, rel_err, request_kv, window_lens
 
 SINK = 16
 # padded row, inside the sink, exactly the sink, past it in the first tile, one tile, tiles + tail

@@ -6,7 +6,6 @@ import pytest
 
 from kvarn.report.fixtures import bench_row
 from kvarn.results import ResultsStore
-from tests.bench import test_bench_runner as fake  # registers the fake engine
 from tests.helpers import run_cli
 
 CANDIDATES = ("kvarn_k4v2_g128", "fp8", "turboquant_4bit_nc", "turboquant_k3v4_nc")
@@ -26,9 +25,10 @@ def test_suite_plans_each_workload_as_one_paired_run():
     assert short[short.index("--kv-dtype") + 1].split(",")[1:] == list(CANDIDATES)
 
 
-def test_a_resumed_pair_reruns_its_fp16_cell_in_the_same_run(tmp_path):
+def test_a_resumed_pair_reruns_its_fp16_cell_in_the_same_run(tmp_path, fake_bench_engine):
     """Call 1 finishes the fp8 pair; call 2 (a new run) runs the KVarN pair: its FP16 cell runs again, first, so
     KVarN pairs within run 2. A candidate stored unpaired (its FP16 row from another run) runs again."""
+    fake = fake_bench_engine
     assert fake.bench(tmp_path, "--kv-dtype", "auto,fp8", "--pair-fp16") == 0
     assert fake.CALLS == [("auto", 0), ("fp8", 0)]
     assert fake.bench(tmp_path, "--kv-dtype", "auto,fp8", "--pair-fp16") == 0 and fake.CALLS == []  # done pair

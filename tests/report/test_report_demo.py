@@ -5,7 +5,7 @@ import pandas as pd
 from kvarn.report import build_report
 from kvarn.report.fixtures import DEMO_GPU, DEMO_MARKER, bench_row
 from kvarn.results import ResultsStore
-from tests.cli.test_cli_names import cli
+from tests.helpers import cli
 
 
 def _rows(d) -> pd.DataFrame:

@@ -15,9 +15,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ...engines import gpus
-from ...engines.process import GroupRunner
+from ...engines.launch import Launcher, child_env
 from ...engines.vllm_args import resolved_dtype
-from ...engines.vllm_log import classify_error, last_error_line
 from ...errors import KvarnError
 from ...formats import get_format
 from ...shapes import resolve_model
@@ -41,7 +40,7 @@ class VllmEngine(Engine):
     default_timeout_s = DEFAULT_TIMEOUT_S
 
     def __init__(self):
-        self.runner = GroupRunner()
+        self.runner = Launcher()
 
     def check(self, configs: list[BenchConfig]) -> None:
         super().check(configs)
@@ -87,23 +86,16 @@ class VllmEngine(Engine):
         result_path.unlink(missing_ok=True)
         (work / "progress.json").unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "kvarn.engines.vllm_worker", str(spec_path), str(result_path)]
-        env = dict(os.environ)
-        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        env.setdefault("PYTHONUNBUFFERED", "1")
         # every Triton compile in the cell's log with its time and duration: a stall in the burst is matched to one
-        env.setdefault("KVARN_LOG_COMPILES", "1")
-        # the engine before may still be handing its GPU memory back; the user's engine arguments win, as in vLLM's
-        c, extra = cell.config, cell.config.engine_arg_dict()
-        ranks = c.tp * int(extra.get("pipeline_parallel_size", 1) or 1)
-        busy = gpus.wait_for_free_memory(float(extra.get("gpu_memory_utilization", c.gpu_memory_utilization)), ranks)
-        if busy:
-            log.parent.mkdir(parents=True, exist_ok=True)
-            with open(log, "a") as f:
-                f.write(f"[kvarn] starting anyway: {busy}\n")
-        res = self.runner.run(cmd, log, timeout_s, env=env)
+        env = child_env(defaults={"KVARN_LOG_COMPILES": "1"})
+        # the user's engine arguments win, as in vLLM's: they set the memory fraction and ranks waited for
+        c = cell.config
+        engine_args = {"tensor_parallel_size": c.tp, "gpu_memory_utilization": c.gpu_memory_utilization,
+                       **c.engine_arg_dict()}
+        res = self.runner.run(cmd, log, timeout_s, env=env, engine_args=engine_args)
         try:
             text = log.read_text(errors="replace") if log.is_file() else ""
-            out = self._result(res, work, result_path, text, timeout_s)
+            out = self._result(res, work, result_path, timeout_s)
             # kernels that compiled during the timed burst (a stall of every running request), from the cell's log
             jit = midrun_compiles(text)
             if jit:
@@ -117,7 +109,7 @@ class VllmEngine(Engine):
             shutil.rmtree(work / "model", ignore_errors=True)
 
     @staticmethod
-    def _result(res, work: Path, result_path: Path, log_text: str, timeout_s: float) -> EngineResult:
+    def _result(res, work: Path, result_path: Path, timeout_s: float) -> EngineResult:
         if res.timed_out:  # what the worker reached (capacity, requests done) still goes into the row
             prog = read_progress(work)
             where = describe(prog, now=time.time())
@@ -127,7 +119,8 @@ class VllmEngine(Engine):
         if result_path.is_file():
             data = json.loads(result_path.read_text())
             return EngineResult(data["status"], data.get("error", ""), data.get("metrics", {}), data.get("info", {}))
-        return EngineResult(classify_error(log_text), f"worker exit {res.returncode}: {last_error_line(log_text)}")
+        kind, line = res.failure()
+        return EngineResult(kind, f"worker exit {res.returncode}: {line}")
 
     def interrupt(self) -> None:
         self.runner.stop()

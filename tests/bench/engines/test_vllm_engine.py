@@ -1,8 +1,7 @@
-"""The vllm engine end to end through its worker process, with a fake `vllm` package on PYTHONPATH that mimics
-the 0.26 surface the worker uses (LLM, SamplingParams, llm_engine.add_request/step, cache_config, get_metrics)."""
-import json
+"""The vllm bench engine (kvarn.bench.engines.vllm_engine, vllm_cell) end to end through its worker process, with a
+fake `vllm` package on PYTHONPATH that mimics the 0.26 surface the worker uses (LLM, SamplingParams,
+llm_engine.add_request/step, cache_config, get_metrics); the warm-up burst and the capacity a row reports."""
 import textwrap
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from kvarn.bench.config import BenchConfig, Cell
 from kvarn.bench.engines.vllm_engine import VllmEngine
 from kvarn.engines import gpus
+from tests.bench.helpers import vllm_logged_tokens
 
 FAKE_VLLM = '''
 import os, sys, time
@@ -88,14 +88,14 @@ def fake_vllm(tmp_path, monkeypatch, request):
     (pkg / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
     if request.param == "delta":  # vLLM's RequestOutputKind: the worker asks for only new tokens per step
         (pkg / "sampling_params.py").write_text("class RequestOutputKind:\n    DELTA = 'delta'\n")
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'site'}:{root}")
     monkeypatch.setenv("FAKE_VLLM_KWARGS", str(tmp_path / "kwargs.txt"))
     return tmp_path
 
 
 def _cell(tmp_path, kv="kvarn_k4v2_g128"):
-    shape = Path(__file__).resolve().parents[2] / "suites" / "models" / "qwen3-8b.json"
+    shape = Path(__file__).resolve().parents[3] / "suites" / "models" / "qwen3-8b.json"
     cfg = BenchConfig(model="Qwen/Qwen3-8B", kv_dtype=kv, tp=1, engine="vllm", mode="offline", burst=4096,
                       prompt_len=512, output_len=6, requests=3, gpu_memory_utilization=0.9, max_num_seqs=None,
                       dummy_weights=True, seed=0, model_path=str(shape))
@@ -163,41 +163,6 @@ def test_timeout_row_says_how_far_the_burst_got(fake_vllm, monkeypatch):
     assert "output_tok_s" not in m  # a partial burst gives no throughput figure
 
 
-def test_progress_describes_each_phase(tmp_path):
-    from kvarn.bench.progress import ProgressFile, describe, read_progress, row_metrics
-
-    assert read_progress(tmp_path) == {} and describe({}) == ""
-    p = ProgressFile(tmp_path, every_s=3600)
-    p.update(force=True, phase="engine start")
-    assert describe(read_progress(tmp_path)) == "reached: the engine start (not finished)"
-    p.update(force=True, phase="warm-up", engine_start_s=152.1, kv_tokens=1129216.0)
-    assert describe(read_progress(tmp_path)) == "reached: the warm-up (engine start 152.1 s)"
-    p.update(phase="burst", completed=79, num_requests=96, generated_tokens=171520, total_output_tokens=161792,
-             burst_s=548.2, burst_started_at=1000.0)
-    assert read_progress(tmp_path)["phase"] == "warm-up"  # not yet written: at most every every_s seconds
-    p.update(force=True)
-    assert describe(read_progress(tmp_path)) == ("reached: 548 s into the burst, 79 of 96 requests done, "
-                                                 "171,520 output tokens in the burst's first 548.2 s (313 out tok/s), "
-                                                 "engine start 152.1 s")
-    # killed later than the file's last write: the kill's seconds are said apart, the rate's seconds are the write's
-    # (171,520 / 548.2 = 312.9), so the figures multiply out
-    late = describe(read_progress(tmp_path), now=1600.0)
-    assert "600 s into the burst" in late
-    assert "171,520 output tokens in the burst's first 548.2 s (313 out tok/s)" in late
-    # at the kill: seconds from the burst's recorded start
-    assert describe(read_progress(tmp_path), now=1600.0).startswith("reached: 600 s into the burst, 79 of 96")
-    assert row_metrics(read_progress(tmp_path)) == {"engine_start_s": 152.1, "kv_tokens": 1129216.0,
-                                                    "completed": 79.0, "num_requests": 96.0,
-                                                    "total_output_tokens": 161792.0}
-    p.update(force=True, burst_tokens=196608)  # the burst's whole output (requests x output length)
-    assert "171,520 of 196,608 (87%) output tokens in the burst's first 548.2 s (313 out tok/s)" in \
-        describe(read_progress(tmp_path))
-    p.update(force=True, generated_tokens=None)  # serve: only the finished requests' tokens are known
-    assert "161,792 output tokens of finished requests" in describe(read_progress(tmp_path))
-    (tmp_path / "progress.json").write_text("{half")
-    assert read_progress(tmp_path) == {}
-
-
 def test_warmup_overflows_one_step_and_preemptions_exclude_it():
     from kvarn.bench.engines.vllm_cell import preemption_count, warmup_requests
 
@@ -224,31 +189,13 @@ def test_warmup_overflows_one_step_and_preemptions_exclude_it():
     assert preemption_count({}) != preemption_count({})  # nan when vLLM reports none
 
 
-def _vllm_logged_tokens(num_blocks: int, max_model_len: int, block: int) -> int:
-    # a copy of vLLM 0.26's get_kv_cache_capacity (kv_cache_utils): int(num_blocks / cdiv(L, block_size) * L)
-    return int(num_blocks / -(-max_model_len // block) * max_model_len)
-
-
-def test_pool_blocks_from_logged_tokens_inverts_vllms_rounding():
-    from kvarn.bench.metrics import pool_blocks_from_log
-
-    # an H200 run: Qwen3-8B shape, kvarn_k4v2_g128, 16 x (2,048 + 64), vLLM printed 3,397,338 for 27,346 blocks
-    assert _vllm_logged_tokens(27_346, 2112, 128) == 3_397_338
-    assert pool_blocks_from_log(3_397_338, 2112, 128) == 27_346
-    # whole-block lengths where the float product lands just below the integer: 61 blocks at 112 print 975, not 976
-    assert _vllm_logged_tokens(61, 112, 16) == 975 and pool_blocks_from_log(975, 112, 16) == 61
-    for blocks in (1, 7, 61, 1000, 27_345, 27_346, 49_487, 250_001):
-        for length, block in ((2112, 128), (16384, 128), (4000, 128), (1000, 16), (2112, 16), (100, 64)):
-            assert pool_blocks_from_log(_vllm_logged_tokens(blocks, length, block), length, block) == blocks
-
-
 def test_offline_capacity_is_the_pool_not_vllms_rounded_figure():
     from types import SimpleNamespace
 
     from kvarn.bench.engines.vllm_cell import _capacity
 
     cc = SimpleNamespace(num_gpu_blocks=27_346, block_size=128,
-                         kv_cache_size_tokens=_vllm_logged_tokens(27_346, 2112, 128))
+                         kv_cache_size_tokens=vllm_logged_tokens(27_346, 2112, 128))
     metrics, info = _capacity(cc, 2112)
     assert metrics["kv_tokens"] == 27_346 * 128 and info == {"kv_block_size": 128}
     assert metrics["max_concurrency"] == pytest.approx(27_346 / 17)
