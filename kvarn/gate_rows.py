@@ -56,7 +56,8 @@ def latest_rows(bench: pd.DataFrame) -> tuple[pd.DataFrame, int]:
     ok_keys = set(zip(ok["config_hash"].astype(str), ok["repeat"]))
     keep = keep.copy()
     keep[SUPERSEDED_OK] = [(str(h), r) in ok_keys and s != "ok"
-                           for h, r, s in zip(keep["config_hash"], keep["repeat"], keep.get("status", ""))]
+                           for h, r, s in zip(keep["config_hash"], keep["repeat"],
+                                              keep["status"] if "status" in keep else [""] * len(keep))]
     out = pd.concat([keep, b[~hashed]], sort=False).sort_values("_pos").drop(columns=["_pos", "_t"])
     out[SUPERSEDED_OK] = out[SUPERSEDED_OK].fillna(False).astype(bool)
     return out.reset_index(drop=True), len(b) - len(out)

@@ -294,11 +294,15 @@ def _setting(c: Cell) -> tuple:
 
 
 def paired_done(out: Path) -> set[tuple[str, int]]:
-    """(config_hash, repeat) finished for --pair-fp16: an ok FP16 row, or an ok candidate row whose ratios were
-    taken against an FP16 row of its own run (an unpaired one, e.g. resumed from an earlier call, runs again)."""
+    """(config_hash, repeat) finished for --pair-fp16: its newest row is an ok FP16 row, or an ok candidate row whose
+    ratios were taken against an FP16 row of its own run (an unpaired one, e.g. resumed from an earlier call or
+    rerun with --force alone, runs again)."""
     df = ResultsStore(out).read("bench")
     if df.empty:
         return set()
+    if "created_at" in df.columns:  # the newest row per cell and repeat decides, as the gate reads them
+        df = df.assign(_t=df["created_at"].fillna("").astype(str)).sort_values("_t", kind="stable")
+    df = df.drop_duplicates(subset=["config_hash", "repeat"], keep="last")
     scope = df["ratio_scope"] if "ratio_scope" in df.columns else None
     ok = df["status"] == "ok"
     paired = df["kv_dtype"].isin(FP16_NAMES) | (scope == "same-run" if scope is not None else False)

@@ -117,8 +117,9 @@ class Launcher:
             fired = threading.Event()
 
             def time_out():
-                fired.set()
-                killed.extend(process.kill_group(proc))
+                if proc.poll() is None:  # a worker that ended on its own in time is no timeout
+                    fired.set()
+                    killed.extend(process.kill_group(proc))
 
             timer = threading.Timer(timeout_s, time_out)
             timer.daemon = True
@@ -141,8 +142,7 @@ class Launcher:
                 raise
             finally:
                 timer.cancel()
-                if fired.is_set():
-                    timer.join()  # the group's end is complete before the next engine starts
+                timer.join()  # a kill under way completes before the next engine starts
                 if proc.poll() is None:  # the reader left early (an error, a closed iterator): end the group
                     killed.extend(process.kill_group(proc))
                 proc.wait()

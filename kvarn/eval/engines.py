@@ -4,6 +4,7 @@ failed rows, never hangs). Both take token-id prompts built here, so the two see
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -353,9 +354,11 @@ class VLLMEngine:
         jobf = log_dir / f"vllm-{fmt.name}-{stamp}.job.json"
         jobf.write_text(json.dumps(job))
         run = Launcher()
-        with open(log, "ab", buffering=0) as logf:  # the worker's other stdout lines, beside its stderr
-            for line in run.stream([sys.executable, "-m", "kvarn.engines.vllm_worker", str(jobf)], log,
-                                   self.cfg.timeout_s, env=child_env(), engine_args=job["llm"], until=DONE_TAG):
+        lines = run.stream([sys.executable, "-m", "kvarn.engines.vllm_worker", str(jobf)], log, self.cfg.timeout_s,
+                           env=child_env(), engine_args=job["llm"], until=DONE_TAG)
+        # closing: a consumer that stops early ends the worker at once, not when the generator is collected
+        with open(log, "ab", buffering=0) as logf, contextlib.closing(lines):  # other stdout lines beside stderr
+            for line in lines:
                 if line.startswith(RESULT_TAG):
                     yield json.loads(line[len(RESULT_TAG):])
                 else:

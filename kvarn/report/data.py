@@ -104,8 +104,8 @@ def normalise_bench(bench: pd.DataFrame) -> pd.DataFrame:
 
 def split_superseded(bench: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(current, superseded) rows of a normalised bench table: per cell (CELL_KEYS), the rows of its newest run, as a
-    rerun (`kvarn bench --force`) replaces what it measures again, a failed rerun included (as the gate judges it:
-    a broken rerun must not hide behind an older ok row). The valid rows of the cell's other runs are superseded,
+    rerun (`kvarn bench --force`) replaces what it measures again, a failed rerun included (a broken rerun must
+    not hide behind an older ok row). The gate reads rows per configuration and repeat instead (kvarn.gate_rows). The valid rows of the cell's other runs are superseded,
     `superseded_by` naming the run that replaced them; their failed rows are in neither (the report lists every
     failed row of the input on its own). A report cell then holds one run's repeats, whose ratios are that run's
     (or the cross-run baseline it names)."""
