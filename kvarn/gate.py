@@ -33,10 +33,12 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from .bench.ratios import CROSS_RUN, UNPAIRED
 from .errors import KvarnError, choices
-from .gate_rows import SUPERSEDED_OK, add_variants, latest_rows, variant_cells
+from .gate_rows import add_variants, variant_cells
 from .report.data import (CELL_KEYS, FP16_KV, eval_summary, family, load_results, normalise_bench,
                           of_kind)
+from .results.current import SUPERSEDED_OK, current_rows
 
 PASS, REGRESSION, UNUSABLE = "pass", "regression", "unusable"
 EXIT = {PASS: 0, REGRESSION: 1, UNUSABLE: 2}
@@ -226,8 +228,9 @@ def run_gate(results, baseline, policy: dict | None = None, *, policy_source: st
     base_df = load_results(baseline)
     v = _Verdict()
 
-    new_b, n_old = latest_rows(of_kind(new_df, "bench"))
-    base_b, _ = latest_rows(of_kind(base_df, "bench"))
+    new_b, old = current_rows(of_kind(new_df, "bench"))
+    base_b, _ = current_rows(of_kind(base_df, "bench"))
+    n_old = len(old)
     if n_old:
         v.notes.append(f"{results}: {n_old} bench row{'s' if n_old > 1 else ''} superseded by a newer row of the same "
                        "configuration and repeat (a resumed or forced rerun): the newest row of each counts")
@@ -376,7 +379,7 @@ def _gate_perf(new_b: pd.DataFrame, base_b: pd.DataFrame, policy: dict, v: _Verd
             if not _isnum(new_val) and not _isnum(base_val):
                 continue  # the metric does not exist for this cell (e.g. latency in throughput mode)
             done_metrics.add(m)
-            if m in RATIO_METRICS and not _isnum(new_val) and "unpaired" in str(rec.get("ratio_scope") or ""):
+            if m in RATIO_METRICS and not _isnum(new_val) and UNPAIRED in str(rec.get("ratio_scope") or ""):
                 unpaired.append(m)  # no FP16 row of its run: the input cannot answer, the code did not regress
                 continue
             v.checks.append(_perf_check(rule, cell, label, m, new_val, base_val, rec))
@@ -403,7 +406,7 @@ def _gate_perf(new_b: pd.DataFrame, base_b: pd.DataFrame, policy: dict, v: _Verd
 
 def _cross_run(rec: dict, metric: str) -> str:
     """' (cross-run: FP16 of run X)' when a ratio metric was taken against another run's FP16 row."""
-    if metric not in RATIO_METRICS or "cross-run" not in str(rec.get("ratio_scope") or ""):
+    if metric not in RATIO_METRICS or CROSS_RUN not in str(rec.get("ratio_scope") or ""):
         return ""
     return f"cross-run ratio: FP16 of run {rec.get('fp16_run_id') or '?'}"
 

@@ -1,9 +1,7 @@
 """Which bench rows `kvarn gate` judges, and how they form cells.
 
-* A redo (a resumed failure, `kvarn bench --force`) appends a row with the same `config_hash` and `repeat`; bench's
-  resume treats the cell as done once its redo is ok. The gate keeps the newest row of each (config_hash, repeat):
-  a failure followed by an ok retry is superseded, and so is an ok row followed by a failed forced rerun (a broken
-  rerun must not hide behind an older ok row).
+* The rows judged are the current ones (kvarn.results.current: the newest row of each configuration and repeat), as
+  the report and bench's resume read them.
 * Rows of one cell (CELL_KEYS) whose config hashes differ (a float16 and a float32 run, another engine setting)
   are different configurations: they are never pooled into one median. The configuration fields that tell them
   apart become the cell's `variant` ("model_dtype float16"), in the cell's key and label, in the results and the
@@ -18,7 +16,6 @@ from .report.data import CELL_KEYS, bench_cells
 # configuration fields that are hashed into config_hash but are not cell keys (kvarn/bench/config.py)
 VARIANT_COLUMNS = ("model_dtype", "engine_args", "backend_env", "gpu_memory_utilization", "max_num_seqs",
                    "dummy_weights", "seed", "request_rate", "burstiness", "concurrency_limit", "goodput")
-SUPERSEDED_OK = "superseded_ok"  # column: the kept row is a failure that replaced an older ok row
 
 
 def _norm(v):
@@ -38,29 +35,6 @@ def _norm(v):
     except (TypeError, ValueError):
         return str(v)
     return int(f) if f.is_integer() else f
-
-
-def latest_rows(bench: pd.DataFrame) -> tuple[pd.DataFrame, int]:
-    """The newest row of each (config_hash, repeat) by created_at, then store order; rows without a config hash are
-    all kept. Returns the rows and how many were superseded."""
-    if bench.empty or "config_hash" not in bench.columns or "repeat" not in bench.columns:
-        return bench, 0
-    b = bench.reset_index(drop=True).copy()
-    b["_pos"] = range(len(b))
-    b["_t"] = b["created_at"].fillna("").astype(str) if "created_at" in b.columns else ""
-    b = b.sort_values(["_t", "_pos"], kind="stable")
-    hashed = b["config_hash"].notna() & (b["config_hash"].astype(str).str.strip() != "")
-    keyed = b[hashed]
-    keep = keyed.drop_duplicates(subset=["config_hash", "repeat"], keep="last")
-    ok = keyed[keyed["status"] == "ok"] if "status" in keyed.columns else keyed.iloc[0:0]
-    ok_keys = set(zip(ok["config_hash"].astype(str), ok["repeat"]))
-    keep = keep.copy()
-    keep[SUPERSEDED_OK] = [(str(h), r) in ok_keys and s != "ok"
-                           for h, r, s in zip(keep["config_hash"], keep["repeat"],
-                                              keep["status"] if "status" in keep else [""] * len(keep))]
-    out = pd.concat([keep, b[~hashed]], sort=False).sort_values("_pos").drop(columns=["_pos", "_t"])
-    out[SUPERSEDED_OK] = out[SUPERSEDED_OK].fillna(False).astype(bool)
-    return out.reset_index(drop=True), len(b) - len(out)
 
 
 def _cell_key(rec: dict) -> tuple:

@@ -15,11 +15,13 @@ from ..errors import KvarnError, choices
 from ..formats import FP16_NAMES, parse_formats
 from ..method.textdata import SMOLLM2
 from ..results import ResultsStore
+from ..results.current import current_rows
 from ..shapes import ModelShape, resolve_model
 from ..settings import result_env
 from .config import MODE_ALIASES, MODES, OFFLINE, SERVE, BenchConfig, Cell
 from .engines import Engine, get_engine
 from .parsing import parse_engine_args, parse_goodput, parse_token_list, parse_tokens, parse_tp
+from .ratios import SAME_RUN
 
 DEFAULT_MODEL = "smollm2-135m"  # the embedded default: runs on a CPU with the `data` extra
 DEFAULT_KV_DTYPES = ("auto", "fp8", "kvarn_k4v2_g128", "turboquant_4bit_nc", "turboquant_k3v4_nc")
@@ -300,12 +302,10 @@ def paired_done(out: Path) -> set[tuple[str, int]]:
     df = ResultsStore(out).read("bench")
     if df.empty:
         return set()
-    if "created_at" in df.columns:  # the newest row per cell and repeat decides, as the gate reads them
-        df = df.assign(_t=df["created_at"].fillna("").astype(str)).sort_values("_t", kind="stable")
-    df = df.drop_duplicates(subset=["config_hash", "repeat"], keep="last")
+    df, _ = current_rows(df)  # the newest row per configuration and repeat decides, as the gate and report read them
     scope = df["ratio_scope"] if "ratio_scope" in df.columns else None
     ok = df["status"] == "ok"
-    paired = df["kv_dtype"].isin(FP16_NAMES) | (scope == "same-run" if scope is not None else False)
+    paired = df["kv_dtype"].isin(FP16_NAMES) | (scope == SAME_RUN if scope is not None else False)
     d = df[ok & paired]
     return set(zip(d["config_hash"].astype(str), d["repeat"].astype(int)))
 

@@ -14,7 +14,7 @@ from ..formats import FP16_NAMES
 from ..tablefit import drop_to_fit
 from .config import Cell
 from .plan import BenchPlan
-from .ratios import as_float, fp16_reference, ratios
+from .ratios import CROSS_RUN, SAME_RUN, UNPAIRED, as_float, fp16_reference, ratios
 
 
 def _f(x, fmt: str = "{:,.1f}", none: str = "-") -> str:
@@ -166,15 +166,15 @@ def _scope(m: dict) -> str:
     """Where a candidate's ratios come from, shown only when that is not this run's FP16 row."""
     if m["kv_dtype"] in FP16_NAMES or m.get("status") != "ok":
         return ""
-    return m.get("ratio_scope") if m.get("ratio_scope") in ("cross-run", "unpaired") else ""
+    return m.get("ratio_scope") if m.get("ratio_scope") in (CROSS_RUN, UNPAIRED) else ""
 
 
 def scope_caption(med: list[dict]) -> str:
     """What the "fp16 from" labels mean, with the baseline runs the cross-run ratios name."""
-    cross = sorted({str(m.get("fp16_run_id") or "?") for m in med if _scope(m) == "cross-run"})
+    cross = sorted({str(m.get("fp16_run_id") or "?") for m in med if _scope(m) == CROSS_RUN})
     lines = [f"cross-run: ratios against the FP16 row(s) of run {', '.join(cross)}, not of the candidate's own run"
              ] if cross else []
-    if any(_scope(m) == "unpaired" for m in med):
+    if any(_scope(m) == UNPAIRED for m in med):
         lines.append("unpaired: no FP16 row of the candidate's own run, so no ratio (--pair-fp16 measures one)")
     return "\n".join(lines)
 
@@ -199,13 +199,13 @@ def summary_table(rows: list[dict], title: str = "kvarn bench summary (medians o
         # the label names what the median ratios were taken over: repeats of other runs (a resume) that found no
         # FP16 row of their run add no ratio, so the cell is unpaired only when none of its ok repeats is paired
         scopes = [r.get("ratio_scope") for r in ok]
-        cross = [r for r in ok if r.get("ratio_scope") == "cross-run"]
+        cross = [r for r in ok if r.get("ratio_scope") == CROSS_RUN]
         if cross:
-            base.update(ratio_scope="cross-run", fp16_run_id=cross[-1].get("fp16_run_id"))
-        elif ok and "same-run" not in scopes and "unpaired" in scopes:
-            base["ratio_scope"] = "unpaired"
-        elif "same-run" in scopes:
-            base["ratio_scope"] = "same-run"
+            base.update(ratio_scope=CROSS_RUN, fp16_run_id=cross[-1].get("fp16_run_id"))
+        elif ok and SAME_RUN not in scopes and UNPAIRED in scopes:
+            base["ratio_scope"] = UNPAIRED
+        elif SAME_RUN in scopes:
+            base["ratio_scope"] = SAME_RUN
         base["status"] = "ok" if ok else rs[-1]["status"]
         base["n_ok"], base["n"] = len(ok), len(rs)
         base["repeat"] = -1

@@ -9,6 +9,7 @@ through vllm_log.classify_error.
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import threading
 import time
@@ -79,6 +80,51 @@ class Launched:
         return classify_error("\n".join(latest_attempt(text))), last_error_line(text)
 
 
+DRAIN_S = 5.0  # after the worker exits, how long its pipe may stay open (a line still in flight) before reading stops
+
+
+class _StdoutReader:
+    """A worker's stdout line by line, read by a thread of its own so that reading ends when the worker has ended even
+    if a descendant that escaped its session and group still holds the pipe open (an EOF would never come): at once
+    after a timeout, else DRAIN_S after the worker exited."""
+
+    def __init__(self, proc: subprocess.Popen, fired: threading.Event):
+        self.proc, self.fired, self.queue = proc, fired, queue.Queue()
+        self.thread = threading.Thread(target=self._pump, daemon=True, name=f"kvarn-stdout-{proc.pid}")
+        self.thread.start()
+
+    def _pump(self) -> None:
+        try:
+            for line in self.proc.stdout:
+                self.queue.put(line)
+        except (OSError, ValueError):  # the pipe was closed under the reader
+            pass
+        self.queue.put(None)
+
+    def __iter__(self) -> Iterator[str]:
+        exited_at = None
+        while True:
+            try:
+                line = self.queue.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is None:
+                    continue
+                exited_at = exited_at or time.monotonic()
+                if self.fired.is_set() or time.monotonic() - exited_at > DRAIN_S:
+                    return
+                continue
+            if line is None:
+                return
+            yield line
+
+    def close(self) -> None:
+        """Close the pipe, unless the reader thread is still blocked on it (a closed file under a reading thread
+        is undefined; the daemon thread ends with the holder or with kvarn)."""
+        self.thread.join(timeout=1.0)
+        if not self.thread.is_alive():
+            self.proc.stdout.close()
+
+
 class Launcher:
     """Runs one worker at a time; `stop()` ends it from elsewhere (bench's interrupt handler)."""
 
@@ -125,9 +171,11 @@ class Launcher:
             timer.daemon = True
             timer.start()
             done = False
+            reader = None
             try:
                 if pipe:
-                    for line in proc.stdout:
+                    reader = _StdoutReader(proc, fired)
+                    for line in reader:
                         if until and line.startswith(until):
                             done = True
                             break
@@ -146,11 +194,11 @@ class Launcher:
                 if proc.poll() is None:  # the reader left early (an error, a closed iterator): end the group
                     killed.extend(process.kill_group(proc))
                 proc.wait()
-                if proc.stdout is not None:
-                    proc.stdout.close()
                 # workers can leave children behind (a crashed engine core): they keep GPU memory
                 if process.session_members(proc.pid):
                     killed.extend(process.kill_group(proc, grace_s=2.0))
+                if reader is not None:
+                    reader.close()
                 self.proc = None
             if fired.is_set():
                 log.write(f"\n[kvarn] timeout after {timeout_s:.0f} s: killed process group {proc.pid} "

@@ -3,8 +3,8 @@
 A *cell* is one configuration (model, TP, engine, mode, burst, lengths, requests, kv dtype); its repeats are the raw
 runs. A run is *valid* when its status is ok, every request completed and its throughput is a positive number: the
 report plots medians over valid runs only and lists the others; the gate refuses to let an invalid run hide inside a
-median (see kvarn/gate.py). The report takes each configuration's cell from one `kvarn bench` run, the newest
-(`split_superseded`), so that a cell's medians and its ratios come from the same rows.
+median (see kvarn/gate.py). A cell's rows are its current ones (`split_superseded`): the newest row of each
+configuration and repeat, the rows the gate judges; each row's ratios are against the FP16 row of its own run.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import pandas as pd
 from ..errors import KvarnError
 from ..formats import FP16_NAMES, REGISTRY
 from ..results import ResultsStore
+from ..bench.ratios import CROSS_RUN, SAME_RUN, UNPAIRED
+from ..results.current import SUPERSEDED_OK, current_rows
 
 FP16_KV = set(FP16_NAMES) | {"fp16"}
 CELL_KEYS = ("model", "tp", "engine", "mode", "burst", "prompt_len", "output_len", "requests", "kv_dtype")
@@ -103,31 +105,14 @@ def normalise_bench(bench: pd.DataFrame) -> pd.DataFrame:
 
 
 def split_superseded(bench: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(current, superseded) rows of a normalised bench table: per cell (CELL_KEYS), the rows of its newest run, as a
-    rerun (`kvarn bench --force`) replaces what it measures again, a failed rerun included (a broken rerun must
-    not hide behind an older ok row). The gate reads rows per configuration and repeat instead (kvarn.gate_rows). The valid rows of the cell's other runs are superseded,
-    `superseded_by` naming the run that replaced them; their failed rows are in neither (the report lists every
-    failed row of the input on its own). A report cell then holds one run's repeats, whose ratios are that run's
-    (or the cross-run baseline it names)."""
+    """(current, superseded) rows of a normalised bench table by the one rule the gate and bench's resume also read
+    (kvarn.results.current: the newest row of each configuration and repeat, a failed rerun included). The valid
+    superseded rows come back with `superseded_by` naming the run that replaced them; failed ones are in neither (the
+    report lists every failed row of the input on its own)."""
     if bench.empty:
         return bench, bench.iloc[0:0]
-    b = bench.copy()
-    b["_run"] = b["run_id"].astype("object").where(b["run_id"].notna(), "").astype(str) if "run_id" in b else ""
-    b["_at"] = b["created_at"].astype(str).where(b["created_at"].notna(), "") if "created_at" in b else ""
-    b["_pos"] = range(len(b))
-    keep = pd.Series(True, index=b.index)
-    by = pd.Series("", index=b.index, dtype=object)
-    for _, g in b.groupby(list(CELL_KEYS), dropna=False, sort=False):
-        if g["_run"].nunique() < 2:
-            continue
-        runs = g.groupby("_run", sort=False).agg(at=("_at", "max"), pos=("_pos", "max")).sort_values(["at", "pos"])
-        newest = runs.index[-1]
-        old = g.index[g["_run"] != newest]
-        keep[old] = False
-        by[old] = newest
-    b = b.drop(columns=["_run", "_at", "_pos"])
-    sup = b[~keep & b["valid"]].assign(superseded_by=by[~keep & b["valid"]])
-    return b[keep].reset_index(drop=True), sup.reset_index(drop=True)
+    cur, old = current_rows(bench)
+    return cur.drop(columns=SUPERSEDED_OK), old[old["valid"]].reset_index(drop=True)
 
 
 def superseded_cells(bench: pd.DataFrame, superseded: pd.DataFrame) -> pd.DataFrame:
@@ -203,8 +188,10 @@ def bench_cells(bench: pd.DataFrame) -> pd.DataFrame:
             den = float(np.median(base[skey(rec)])) if skey(rec) in base else math.nan
             computed.append(rec[src] / den if den and not math.isnan(den) else math.nan)
         computed = pd.Series(computed, index=cells.index, dtype=float)
-        if ratio in cells.columns:
-            cells[ratio] = pd.to_numeric(cells[ratio], errors="coerce").where(cells[ratio].notna(), computed)
+        if ratio in cells.columns:  # a stored scope stands (an unpaired row keeps no ratio); older rows get one
+            stored = cells[ratio].notna() | pd.Series([bool(_scopes(r)) for r in cells.to_dict("records")],
+                                                      index=cells.index)
+            cells[ratio] = pd.to_numeric(cells[ratio], errors="coerce").where(stored, computed)
         else:
             cells[ratio] = computed
     if "kv_cache_gib" in cells.columns:  # no KV pool (hf engine): capacity = fp16's cache bytes / the format's
@@ -212,7 +199,8 @@ def bench_cells(bench: pd.DataFrame) -> pd.DataFrame:
         by_bytes = pd.Series([base_b.get(skey(r), math.nan) / r["kv_cache_gib"] if r["kv_cache_gib"] > 0 else math.nan
                               for r in cells.to_dict("records")], index=cells.index, dtype=float)
         old = cells["kv_ratio_vs_fp16"] if "kv_ratio_vs_fp16" in cells else pd.Series(math.nan, index=cells.index)
-        cells["kv_ratio_vs_fp16"] = pd.to_numeric(old, errors="coerce").where(old.notna(), by_bytes)
+        stored = old.notna() | pd.Series([bool(_scopes(r)) for r in cells.to_dict("records")], index=cells.index)
+        cells["kv_ratio_vs_fp16"] = pd.to_numeric(old, errors="coerce").where(stored, by_bytes)
     cells["ratio_vs"] = [ratio_label(r) for r in cells.to_dict("records")]
     cells["family"] = cells["kv_dtype"].map(family)
     order = {n: i for i, n in enumerate(format_order(cells["kv_dtype"]))}
@@ -222,16 +210,24 @@ def bench_cells(bench: pd.DataFrame) -> pd.DataFrame:
 
 
 def ratio_label(cell: dict) -> str:
-    """Where a cell's ratios come from: 'same run', 'cross-run (FP16 of run X)', 'unpaired' (no FP16 of its run)."""
+    """Where a cell's ratios come from, from its rows' stored ratio_scope (as the gate reads it): 'same-run',
+    'cross-run (FP16 of run X)' or 'unpaired' (no FP16 row of its run). Rows older than the column count as same-run
+    where the cell's ratio could be computed (only ever against the same run), else unpaired."""
     if cell.get("kv_dtype") in FP16_KV:
-        return "same run"
-    scopes = {s.strip() for s in str(cell.get("ratio_scope") or "").split(",") if s.strip()}
-    if "cross-run" in scopes:
-        return f"cross-run (FP16 of run {cell.get('fp16_run_id') or '?'})"
+        return SAME_RUN
+    scopes = _scopes(cell)
+    if CROSS_RUN in scopes:
+        return f"{CROSS_RUN} (FP16 of run {cell.get('fp16_run_id') or '?'})"
+    if SAME_RUN in scopes:
+        return SAME_RUN
     ratio = cell.get("kv_ratio_vs_fp16")
-    if ratio is None or (isinstance(ratio, float) and math.isnan(ratio)):
-        return "unpaired"
-    return "same run"
+    if UNPAIRED in scopes or ratio is None or (isinstance(ratio, float) and math.isnan(ratio)):
+        return UNPAIRED
+    return SAME_RUN
+
+
+def _scopes(cell: dict) -> set[str]:
+    return {s.strip() for s in str(cell.get("ratio_scope") or "").split(",") if s.strip()}
 
 
 def eval_summary(evals: pd.DataFrame) -> pd.DataFrame:
@@ -368,7 +364,7 @@ def frontier(cells: pd.DataFrame, ev: pd.DataFrame, task: str | None, burst: int
         axes = [c for c in ("x", "y", "cap") if g[c].notna().any()]
         if axes:
             f.loc[g.index, "pareto"] = pareto_mask(g, axes)
-    f.loc[f["ratio_vs"] == "unpaired", "pareto"] = False  # no ratio to be optimal on
+    f.loc[f["ratio_vs"] == UNPAIRED, "pareto"] = False  # no ratio to be optimal on
     order = {n: i for i, n in enumerate(format_order(f["kv_dtype"]))}
     f["_o"] = f["kv_dtype"].map(order)
     return f.sort_values(["model", "tp", "_o"]).drop(columns="_o").reset_index(drop=True)

@@ -1,9 +1,10 @@
 """The README's results table from stored bench rows: one line per workload x candidate format, each ratio with the
 FP16 row (row id, run, device) it was taken against.
 
-A line shows the newest ok row of its cell whose ratios pair with an FP16 row of the same run (or of the run given
-as `baseline_run`, then labelled cross-run); a cell with ok rows but none paired is shown as unpaired, one with no
-ok row by its status. `kvarn results DIR --table readme` prints it.
+A line reads the cell's current rows (kvarn.results.current, as the report and the gate do: the newest row of each
+configuration and repeat) and shows the newest ok one whose ratios pair with an FP16 row of the same run (or of the
+run given as `baseline_run`, then labelled cross-run); a cell with ok rows but none paired is shown as unpaired, one
+with no ok row by its status. `kvarn results DIR --table readme` prints it.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pandas as pd
 
 from ..bench.ratios import CROSS_RUN, SAME_RUN, with_ratios
 from ..formats import FP16_NAMES
+from ..results.current import current_rows
 from .data import format_order
 
 WORKLOAD = ("model", "tp", "engine", "mode", "burst", "prompt_len", "output_len", "requests")
@@ -56,11 +58,13 @@ def readme_lines(bench: pd.DataFrame, baseline_run: str | None = None) -> list[d
     """One dict per (workload, candidate): the figures, the ratios and the FP16 row they came from."""
     if bench.empty:
         return []
-    rows = with_ratios(bench, baseline_run).to_dict("records")
+    rows = with_ratios(bench, baseline_run)
+    current = set(current_rows(rows)[0]["row_id"].astype(str)) if "row_id" in rows else None
+    rows = rows.to_dict("records")
     by_id = {str(r.get("row_id")): r for r in rows}
     cells: dict[tuple, list[dict]] = {}
     for r in rows:
-        if r.get("kv_dtype") in FP16_NAMES:
+        if r.get("kv_dtype") in FP16_NAMES or (current is not None and str(r.get("row_id")) not in current):
             continue
         cells.setdefault((_key(r), str(r.get("kv_dtype"))), []).append(r)
     order = {n: i for i, n in enumerate(format_order({k[1] for k in cells}))}

@@ -22,7 +22,7 @@ from . import plots
 from .fixtures import DEMO_RUN_ID
 from .data import (FP16_KV, PROVENANCE, bench_cells, eval_summary, format_order, frontier, load_results,
                    normalise_bench, of_kind, split_superseded, superseded_cells, task_metric)
-from .scope import BYTES, frontier_note, ratio_text, ratios_sentence
+from .scope import BYTES, CROSS_RUN, frontier_note, ratio_text, ratios_sentence
 
 
 @dataclass
@@ -162,6 +162,10 @@ def build_report(results, out: str | Path, *, task: str | None = None, burst: in
 
     # --- which tasks: the accuracy ones first, then perplexity ---------------------------------------------------
     tasks: list[str] = []
+    if task and ev.empty:
+        raise KvarnError(f"--task {task!r}: every eval row in {results} failed, so there is no accuracy to plot"
+                         if not eval_raw.empty else
+                         f"--task {task!r}: {results} has no eval rows (measure one with `kvarn eval {task}`)")
     if not ev.empty:
         all_tasks = list(dict.fromkeys(ev["task"]))
         if task:
@@ -245,7 +249,7 @@ def build_report(results, out: str | Path, *, task: str | None = None, burst: in
     for fn, name, cap, what in (
         (lambda: plots.capacity_png(cells, out / "capacity.png"), "capacity",
          "KV capacity per format vs fp16 (a bar labelled cross-run: against another run's FP16 cell)."
-         if cells.get("ratio_vs", pd.Series(dtype=str)).astype(str).str.startswith("cross-run").any()
+         if cells.get("ratio_vs", pd.Series(dtype=str)).astype(str).str.startswith(CROSS_RUN).any()
          else "KV capacity per format vs the fp16 cell of the same run.", None),
         (lambda: plots.throughput_png(cells, out / "throughput_vs_burst.png"), "throughput",
          "Output tokens/s against burst context.", None),

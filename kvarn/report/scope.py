@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-CROSS_RUN = "cross-run"
-UNPAIRED = "unpaired"
+from ..bench.ratios import CROSS_RUN, SAME_RUN, UNPAIRED
+
 BYTES = "format bytes (no bench row)"
 
 
@@ -34,8 +34,8 @@ def ratios_sentence(labels) -> str:
     labels = [str(x or "") for x in labels]
     if BYTES in labels and all(x in ("", BYTES) for x in labels):
         return "No bench rows: KV ÷ fp16 is what each format's bytes give the model's shape, not a measured ratio."
-    text = ("Ratios are medians over valid repeats against the fp16 cell of the same setting measured in the same "
-            "run (one run per configuration: the newest)")
+    text = ("Ratios are medians over valid repeats, each repeat against the fp16 row of the same setting measured in "
+            "its own run (the newest row of each configuration and repeat)")
     if any(is_cross(x) for x in labels):
         text += ("; a ratio marked cross-run is against the FP16 cell of another run, the one “ratios vs” names "
                  "(asked for with kvarn bench --baseline-run)")

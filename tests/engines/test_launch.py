@@ -4,6 +4,8 @@ streamed output."""
 import sys
 import time
 
+import pytest
+
 from kvarn.engines import gpus, launch
 from tests.helpers import STUBBORN_FAMILY, alive, kill_quietly, wait_gone
 
@@ -91,3 +93,31 @@ def test_child_env_keeps_the_users_choice(monkeypatch):
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["KVARN_LOG_COMPILES"] == "1"
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER")
     assert launch.child_env()["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+
+
+# the worker double-forks a sleeper into a session of its own: its parent exits at once, so it is no descendant of
+# the worker, in none of its groups, and it holds the worker's stdout open (no EOF) for a minute
+ORPHAN_HOLDS_STDOUT = """
+import subprocess, sys, time
+subprocess.run([sys.executable, "-c", "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', "
+                "'import time; time.sleep(60)'], start_new_session=True); open(sys.argv[1], 'w').write(str(p.pid))",
+                sys.argv[1]], check=True)
+print("one", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("worker_s, timeout_s", [(0.2, 60), (60, 3)], ids=["exits", "times_out"])
+def test_reading_ends_with_the_worker_while_an_orphan_holds_its_pipe(tmp_path, worker_s, timeout_s):
+    pidfile = tmp_path / "orphan"
+    run = launch.Launcher()
+    t0 = time.monotonic()
+    got = list(run.stream([sys.executable, "-c", ORPHAN_HOLDS_STDOUT, str(pidfile), str(worker_s)],
+                          tmp_path / "w.log", timeout_s))
+    orphan = int(pidfile.read_text())
+    try:
+        assert got == ["one\n"]
+        assert run.result.timed_out == (timeout_s == 3)
+        assert time.monotonic() - t0 < 30  # not the orphan's 60 s
+    finally:
+        kill_quietly([orphan])

@@ -98,7 +98,7 @@ def test_report_cells_label_where_ratios_come_from(tmp_path):
     import pandas as pd
 
     cells = bench_cells(normalise_bench(pd.DataFrame(_rows()))).set_index("kv_dtype")
-    assert cells.loc["kvarn_k4v2_g128", "ratio_vs"] == "same run"
+    assert cells.loc["kvarn_k4v2_g128", "ratio_vs"] == "same-run"
     assert cells.loc["turboquant_4bit_nc", "ratio_vs"] == "unpaired"
     assert pd.isna(cells.loc["turboquant_4bit_nc", "kv_ratio_vs_fp16"])  # no fallback to another run's FP16 cell
 
@@ -111,4 +111,4 @@ def test_report_html_says_where_each_ratio_comes_from(tmp_path):
     ResultsStore(tmp_path / "res").append(rows)
     rep = build_report(tmp_path / "res", tmp_path / "rep")
     html = rep.html.read_text()
-    assert "ratios vs" in html and "cross-run (FP16 of run b)" in html and "same run" in html
+    assert "ratios vs" in html and "cross-run (FP16 of run b)" in html and "same-run" in html

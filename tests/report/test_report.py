@@ -70,6 +70,10 @@ def test_bench_only_says_accuracy_is_missing(tmp_path):
     assert "one burst context only" in text and "No latency percentiles" in text
     names = {p.name for p in rep.pngs}
     assert "frontier.png" in names and "accuracy.png" not in names and "latency.png" not in names
+    # a task asked for by name must be in the results: a bench-only run has none, said in one line, exit 2
+    r = run_cli("report", str(tmp_path / "b"), "--out", str(tmp_path / "cli"), "--task", "gsm8k")
+    assert r.returncode == 2 and "--task 'gsm8k'" in r.stderr and "has no eval rows" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_eval_only_says_throughput_is_missing(tmp_path):

@@ -47,7 +47,7 @@ def test_cross_run_ratios_are_labelled_in_the_headline_and_summary(cross_run, tm
     md = (tmp_path / "rep" / "summary.md").read_text()
     kv = _line(md, "kvarn_k4v2_g128")
     assert "0.80× (cross-run)" in kv and "2.40× (cross-run)" in kv and "cross-run (FP16 of run runA)" in kv
-    assert "same run" in _line(md, "fp16 (auto)")
+    assert "same-run" in _line(md, "fp16 (auto)")
     # the caption under which the ratios stand says that some are another run's
     assert "cross-run is against the FP16 cell of another run" in md
     page = _text(rep.html.read_text())
@@ -102,7 +102,7 @@ def test_a_forced_rerun_without_fp16_replaces_the_cell_and_is_unpaired(tmp_path)
     cells = page[page.index("Bench cells (medians"):page.index("Eval summaries")]
     assert "runA, runB" not in cells and "10.50" not in cells
     old = page[page.index("Superseded runs (listed"):page.index("Provenance run_id")]
-    assert "kvarn_k4v2_g128 runA" in old and "0.80×" in old and "same run" in old and old.rstrip().endswith("runB")
+    assert "kvarn_k4v2_g128 runA" in old and "0.80×" in old and "same-run" in old and old.rstrip().endswith("runB")
     assert "Superseded runs" in " ".join(rep.notes)
     r = run_cli("report", str(tmp_path / "res"), "--out", str(tmp_path / "cli"))
     assert r.returncode == 0, r.stderr
