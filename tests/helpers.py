@@ -1,6 +1,9 @@
 """Small test helpers shared by test modules."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
+
 import os
 import subprocess
 import sys
@@ -171,3 +174,16 @@ def kill_quietly(pids) -> None:
             os.kill(p, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+@contextlib.contextmanager
+def one_engine_at_a_time():
+    """Held while a test's vLLM engine starts and runs: the GPU suite runs test processes side by side, and vLLM sizes
+    its KV pool from the memory it sees grow while it profiles, so another engine starting at that moment takes the
+    pool away ("No available memory for the cache blocks"). A lock file serializes engines across processes."""
+    with open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "kvarn-test-engine.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import ATOL_KERNEL_PATH, RTOL_KERNEL_PATH, kernel_path_vs_torch_path
+from tests.helpers import ATOL_KERNEL_PATH, RTOL_KERNEL_PATH, kernel_path_vs_torch_path, one_engine_at_a_time
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.cuda.is_available()
@@ -66,8 +66,9 @@ print("RESULT", json.dumps({"blocks": cc.num_gpu_blocks, "block": cc.block_size,
 
 
 def _engine(kv: str, eager: bool, env: dict) -> dict:
-    p = subprocess.run([sys.executable, "-c", ENGINE, kv, "1" if eager else "0", SMOL], capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0", **env})
+    with one_engine_at_a_time():
+        p = subprocess.run([sys.executable, "-c", ENGINE, kv, "1" if eager else "0", SMOL], capture_output=True,
+                           text=True, timeout=600, env={**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0", **env})
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     assert p.returncode == 0 and line, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(line[-1][7:])
