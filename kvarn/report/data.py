@@ -176,6 +176,8 @@ def bench_cells(bench: pd.DataFrame) -> pd.DataFrame:
     def skey(rec) -> tuple:
         return tuple(None if isinstance(rec[s], float) and math.isnan(rec[s]) else rec[s] for s in setting)
 
+    # a stored scope stands (an unpaired row keeps no ratio); rows older than the column get a computed one
+    scoped = pd.Series([bool(_scopes(r)) for r in cells.to_dict("records")], index=cells.index)
     for ratio, src in RATIO_SOURCES.items():
         if src not in cells.columns:
             continue
@@ -188,10 +190,8 @@ def bench_cells(bench: pd.DataFrame) -> pd.DataFrame:
             den = float(np.median(base[skey(rec)])) if skey(rec) in base else math.nan
             computed.append(rec[src] / den if den and not math.isnan(den) else math.nan)
         computed = pd.Series(computed, index=cells.index, dtype=float)
-        if ratio in cells.columns:  # a stored scope stands (an unpaired row keeps no ratio); older rows get one
-            stored = cells[ratio].notna() | pd.Series([bool(_scopes(r)) for r in cells.to_dict("records")],
-                                                      index=cells.index)
-            cells[ratio] = pd.to_numeric(cells[ratio], errors="coerce").where(stored, computed)
+        if ratio in cells.columns:
+            cells[ratio] = pd.to_numeric(cells[ratio], errors="coerce").where(cells[ratio].notna() | scoped, computed)
         else:
             cells[ratio] = computed
     if "kv_cache_gib" in cells.columns:  # no KV pool (hf engine): capacity = fp16's cache bytes / the format's
@@ -199,8 +199,7 @@ def bench_cells(bench: pd.DataFrame) -> pd.DataFrame:
         by_bytes = pd.Series([base_b.get(skey(r), math.nan) / r["kv_cache_gib"] if r["kv_cache_gib"] > 0 else math.nan
                               for r in cells.to_dict("records")], index=cells.index, dtype=float)
         old = cells["kv_ratio_vs_fp16"] if "kv_ratio_vs_fp16" in cells else pd.Series(math.nan, index=cells.index)
-        stored = old.notna() | pd.Series([bool(_scopes(r)) for r in cells.to_dict("records")], index=cells.index)
-        cells["kv_ratio_vs_fp16"] = pd.to_numeric(old, errors="coerce").where(stored, by_bytes)
+        cells["kv_ratio_vs_fp16"] = pd.to_numeric(old, errors="coerce").where(old.notna() | scoped, by_bytes)
     cells["ratio_vs"] = [ratio_label(r) for r in cells.to_dict("records")]
     cells["family"] = cells["kv_dtype"].map(family)
     order = {n: i for i, n in enumerate(format_order(cells["kv_dtype"]))}

@@ -59,12 +59,10 @@ def readme_lines(bench: pd.DataFrame, baseline_run: str | None = None) -> list[d
     if bench.empty:
         return []
     rows = with_ratios(bench, baseline_run)
-    current = set(current_rows(rows)[0]["row_id"].astype(str)) if "row_id" in rows else None
-    rows = rows.to_dict("records")
-    by_id = {str(r.get("row_id")): r for r in rows}
+    by_id = {str(r.get("row_id")): r for r in rows.to_dict("records")}  # every FP16 row a ratio may name
     cells: dict[tuple, list[dict]] = {}
-    for r in rows:
-        if r.get("kv_dtype") in FP16_NAMES or (current is not None and str(r.get("row_id")) not in current):
+    for r in current_rows(rows)[0].to_dict("records"):
+        if r.get("kv_dtype") in FP16_NAMES:
             continue
         cells.setdefault((_key(r), str(r.get("kv_dtype"))), []).append(r)
     order = {n: i for i, n in enumerate(format_order({k[1] for k in cells}))}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from ..bench.ratios import CROSS_RUN, SAME_RUN, UNPAIRED
+from ..bench.ratios import CROSS_RUN, UNPAIRED
 
 BYTES = "format bytes (no bench row)"
 
