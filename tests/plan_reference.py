@@ -32,7 +32,7 @@ def build_plan_reference(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np
     n_tok = int(qsl[-1]) if R else 0
 
     t_rows, t_cols = [], []
-    new_dst, new_src, tl_dst, tl_slot, tl_pos = [], [], [], [], []
+    t_first, t_old, t_slot = [], [], []
     tail_tok, tail_slot, tail_pos = [], [], []
     n_tiles = 0
     for i in range(R):
@@ -42,15 +42,10 @@ def build_plan_reference(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np
         c, s, slot, q0 = int(ctx[i]), int(seq[i]), int(tail_slots_np[i]), int(qsl[i])
         first, last_full = c // g, s // g  # tiles [first, last_full) complete in this step
         for j in range(first, last_full):
-            base = n_tiles * g
             lo = j * g
-            old = max(0, c - lo)  # positions of this tile written in earlier steps -> from the tail
-            if old:
-                tl_dst.append(base + np.arange(old))
-                tl_slot.append(np.full(old, slot))
-                tl_pos.append(np.arange(old))
-            new_dst.append(base + np.arange(old, g))
-            new_src.append(q0 + (lo + np.arange(old, g) - c))
+            t_old.append(max(0, c - lo))  # positions of this tile written in earlier steps -> from the tail
+            t_first.append(q0 + lo - c)  # the new-token index position 0 would have
+            t_slot.append(slot)
             t_rows.append(i)
             t_cols.append(j)
             n_tiles += 1
@@ -89,10 +84,8 @@ def build_plan_reference(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np
     return StepPlan(
         num_reqs=R, num_tokens=n_tok, group=g, qsl=qsl, seq_lens=seq, ctx_lens=ctx,
         tail_slots_np=np.asarray(tail_slots_np[:R], dtype=np.int32),
-        num_tiles=n_tiles, tile_block_ids=tile_block_ids,
-        tile_new_dst=_t(cat(new_dst), np.int64, device), tile_new_src=_t(cat(new_src), np.int64, device),
-        tile_tail_dst=_t(cat(tl_dst), np.int64, device), tile_tail_slot=_t(cat(tl_slot), np.int64, device),
-        tile_tail_pos=_t(cat(tl_pos), np.int64, device),
+        num_tiles=n_tiles, tile_block_ids=tile_block_ids, tile_first=_t(np.array(t_first), np.int64, device),
+        tile_old=_t(np.array(t_old), np.int32, device), tile_slot=_t(np.array(t_slot), np.int32, device),
         tail_tok=_t(cat(tail_tok), np.int64, device), tail_slot=_t(cat(tail_slot), np.int64, device),
         tail_pos=_t(cat(tail_pos), np.int64, device),
         tail_slots=torch.from_numpy(np.asarray(tail_slots_np[:R], dtype=np.int32)).to(device, non_blocking=True),

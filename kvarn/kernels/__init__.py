@@ -1,6 +1,6 @@
 """Triton kernels for the KVarN paged cache (docs/format.md), by role:
 
-    store      quantize-on-write: store_tiles, store_decode, flush_layers
+    store      quantize-on-write: store_tiles, store_step_tiles, store_decode, flush_layers
     decode     decode_attention: split-K attention of one query token per request over records + tail
     tail       the tail's attention (run inside the decode launch) and the merge of the split partials
     dequant    dequantize_to_rows: records -> 16-bit K / V rows, for the dense prefill path
@@ -12,11 +12,11 @@ Imported lazily so that `import kvarn` never needs triton.
 """
 from __future__ import annotations
 
-__all__ = ["store_tiles", "store_decode", "flush_layers", "dequantize_to_rows", "decode_attention"]
+__all__ = ["store_tiles", "store_step_tiles", "store_decode", "flush_layers", "dequantize_to_rows", "decode_attention"]
 
 
 def __getattr__(name):
-    if name in ("store_tiles", "store_decode", "flush_layers"):
+    if name in ("store_tiles", "store_step_tiles", "store_decode", "flush_layers"):
         from . import store
 
         return getattr(store, name)

@@ -14,6 +14,11 @@ Public API (the vLLM backend codes against these; signatures are stable):
         factors score within that noise of the tie margin may take the other one, a different but equally good
         rounding of that row).
 
+    store_step_tiles(k, v, tail_k, tail_v, cache, block_ids, first, old, slots, fmt, iters=None) -> None
+        The tiles a prefill / mixed step completes, read in place: tile t's position j is new token first[t] + j of
+        k, v [N, H, D], or, for j < old[t] (written in earlier steps), tail row slots[t] at position j. No gather of
+        the tiles before the launch.
+
     store_decode(k, v, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, iters=None) -> None
         The whole KV write of a one-token-per-row (decode) step: k, v [B, H, D]; row b's token goes to the tail at
         position (seq_lens[b] - 1) % g of row tail_slots[b]; a tile it completes is quantized from the tail into
@@ -35,6 +40,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from ..errors import KvarnError
 from ..formats import KVFormat
@@ -51,8 +57,12 @@ GAIN_MIN = tl.constexpr(ref.GAIN_MIN)
 GAIN_MAX = tl.constexpr(ref.GAIN_MAX)
 
 @triton.jit
-def _round_half_even(x):
-    # torch.round semantics (ties to even) without libdevice, exact for the small code range
+def _round_half_even(x, COMPILED: tl.constexpr):
+    # torch.round semantics (ties to even): one cvt.rni on a GPU (the range search rounds every value tile eleven
+    # times: this is most of its arithmetic), a floor-based form in the interpreter (no libdevice), exact for the
+    # small code range
+    if COMPILED:
+        return libdevice.rint(x)
     r = tl.floor(x + 0.5)
     tie = (r - x) == 0.5
     odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
@@ -85,7 +95,7 @@ def _keep_best(imb, best, er, best_er, ec, best_ec):
 
 
 @triton.jit
-def _value_range(t, w, QMAX: tl.constexpr, STEPS: tl.constexpr):
+def _value_range(t, w, QMAX: tl.constexpr, STEPS: tl.constexpr, COMPILED: tl.constexpr):
     """Per row of the balanced tile t [R, C] (w [C]: squared column factors): the range [a * min, a * max],
     a = 1, 0.95, ... (STEPS factors), whose rounding is best correlated with the row, and the gain that makes the
     rounding's projection on the row exact (kvarn.method.reference._value_range says why)."""
@@ -104,7 +114,7 @@ def _value_range(t, w, QMAX: tl.constexpr, STEPS: tl.constexpr):
         sc = (hi - lo) / QMAX
         safe = sc > 1e-12
         inv = tl.where(safe, 1.0 / tl.where(safe, sc, 1.0), 0.0)
-        q = tl.minimum(tl.maximum(_round_half_even((t - lo[:, None]) * inv[:, None]), 0.0), QMAX)
+        q = tl.minimum(tl.maximum(_round_half_even((t - lo[:, None]) * inv[:, None], COMPILED), 0.0), QMAX)
         xh = q * sc[:, None] + lo[:, None]
         ip = tl.sum(xh * tw, axis=1)
         nh = tl.sum(xh * xh * w[None, :], axis=1)
@@ -121,7 +131,7 @@ def _value_range(t, w, QMAX: tl.constexpr, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _codes_from_factors(x, best_ec, best_er, BITS: tl.constexpr, SEARCH: tl.constexpr):
+def _codes_from_factors(x, best_ec, best_er, BITS: tl.constexpr, SEARCH: tl.constexpr, COMPILED: tl.constexpr):
     """Round x [R, C] per row after balancing by the factors ec (columns) and er (rows); returns codes, and the
     folded fp16 vectors s, z (rows) and c (columns). SEARCH (values): the range search and gain of _value_range,
     else min-max. Multiplies by reciprocals where the reference divides element-wise (codes may move by one on a
@@ -130,7 +140,7 @@ def _codes_from_factors(x, best_ec, best_er, BITS: tl.constexpr, SEARCH: tl.cons
     QMAX: tl.constexpr = (1 << BITS) - 1
     if SEARCH > 0:
         col = 1.0 / best_ec
-        mn, mx, gain = _value_range(t, col * col, QMAX, SEARCH)
+        mn, mx, gain = _value_range(t, col * col, QMAX, SEARCH, COMPILED)
     else:
         mn = tl.min(t, axis=1)
         mx = tl.max(t, axis=1)
@@ -142,7 +152,7 @@ def _codes_from_factors(x, best_ec, best_er, BITS: tl.constexpr, SEARCH: tl.cons
     s_ok = tl.abs(s) > 1e-12
     s_inv = tl.where(s_ok, 1.0 / tl.where(s_ok, s, 1.0), 0.0)  # 0: a constant row gets code 0
     q = (x * (1.0 / c_safe)[None, :] - z[:, None]) * s_inv[:, None]
-    q = tl.minimum(tl.maximum(_round_half_even(q), 0.0), QMAX)
+    q = tl.minimum(tl.maximum(_round_half_even(q, COMPILED), 0.0), QMAX)
     if SEARCH > 0:  # the levels scaled, the codes kept
         s = _to_f16_range(s * gain)
         z = _to_f16_range(z * gain)
@@ -223,7 +233,7 @@ def _balance_and_round(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, 
         rmax, rmin = _max_min(vr, COMPILED)  # rows span the warps: one exchange for both
         imb = tl.sqrt(cmax / cmin) + tl.sqrt(rmax / rmin)
         best, best_er, best_ec = _keep_best(imb, best, er, best_er, ec, best_ec)
-    return _codes_from_factors(x, best_ec, best_er, BITS, SEARCH)
+    return _codes_from_factors(x, best_ec, best_er, BITS, SEARCH, COMPILED)
 
 
 @triton.jit
@@ -245,14 +255,12 @@ def _sanitize(x):
 
 
 @triton.jit
-def _values_rotated_blocked(vp, stride_vg, D: tl.constexpr, G: tl.constexpr, RB: tl.constexpr,
-                            COMPILED: tl.constexpr):
+def _values_rotated_blocked(vtok, D: tl.constexpr, G: tl.constexpr, RB: tl.constexpr, COMPILED: tl.constexpr):
     # Y = V @ Hn [g, D] accumulated over RB-channel blocks of V: Y += V[:, blk] @ H[blk, :]
-    gi = tl.arange(0, G)
     acc = tl.zeros([G, D], dtype=tl.float32)
     for kb in range(0, D, RB):
         ki = kb + tl.arange(0, RB)
-        vt = _sanitize(tl.load(vp + gi[:, None] * stride_vg + ki[None, :]).to(tl.float32))
+        vt = _sanitize(tl.load(vtok[:, None] + ki[None, :]).to(tl.float32))
         acc = x_times_h_acc(vt, hadamard_pm1_block(RB, D, kb, 0, COMPILED), acc, COMPILED)
     return rot_scale(acc, D)
 
@@ -268,13 +276,14 @@ def _quantize_pack(x, dst, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr,
 
 
 @triton.jit
-def _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, stride_kh, stride_kg, stride_vt,
-               stride_vh, stride_vg, stride_cb, stride_ch, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr,
-               VB: tl.constexpr, ITERS: tl.constexpr, OFF_PK: tl.constexpr, OFF_SK: tl.constexpr,
-               OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr, OFF_PV: tl.constexpr, OFF_SV: tl.constexpr,
-               OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr, COMPILED: tl.constexpr, RB: tl.constexpr):
-    """One (tile, head): keys when program_id(1) == 0, else values, from tile row `src` into record row `blk`:
-    sanitize (NaN -> 0, clamp to the fp16 range), rotate the values by Hn, balance and round, pack, store the
+def _store_one(ktok, vtok, cache_ptr, cache16_ptr, blk, head, stride_cb, stride_ch, G: tl.constexpr,
+               D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr, OFF_PK: tl.constexpr,
+               OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr, OFF_PV: tl.constexpr,
+               OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr, COMPILED: tl.constexpr,
+               RB: tl.constexpr):
+    """One (tile, head): keys when program_id(1) == 0, else values, into record row `blk`. ktok / vtok [G]: where
+    token j's D channels of this head start (each token may come from another buffer: the step's new K/V or the
+    tail). Sanitize (NaN -> 0, clamp to the fp16 range), rotate the values by Hn, balance and round, pack, store the
     vectors."""
     base = blk.to(tl.int64) * stride_cb + head * stride_ch  # byte offset of the record
     b16 = base // 2
@@ -283,63 +292,86 @@ def _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, 
     if tl.program_id(1) == 0:
         # keys: K^T [D, g], rows = channels, in the original basis: per-channel rounding already gives every
         # channel its own range, and a rotation would spread the RoPE'd key biases over all of them
-        kp = k_ptr + src * stride_kt + head * stride_kh
-        x = _sanitize(tl.load(kp + gi[None, :] * stride_kg + di[:, None]).to(tl.float32))
+        x = _sanitize(tl.load(ktok[None, :] + di[:, None]).to(tl.float32))
         sk, zk, rk = _quantize_pack(x, cache_ptr + base + OFF_PK, D, G, KB, ITERS, COMPILED, 0)
         tl.store(cache16_ptr + b16 + OFF_SK // 2 + di, sk.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_ZK // 2 + di, zk.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_RK // 2 + gi, rk.to(tl.float16))
     else:
         # values: Y = V @ Hn  [g, D], rows = tokens
-        vp = v_ptr + src * stride_vt + head * stride_vh
         if RB == 0:
-            vt = _sanitize(tl.load(vp + gi[:, None] * stride_vg + di[None, :]).to(tl.float32))
+            vt = _sanitize(tl.load(vtok[:, None] + di[None, :]).to(tl.float32))
             y = x_times_h(vt, hadamard_pm1_block(D, D, 0, 0, COMPILED), D, COMPILED)
         else:
-            y = _values_rotated_blocked(vp, stride_vg, D, G, RB, COMPILED)
+            y = _values_rotated_blocked(vtok, D, G, RB, COMPILED)
         sv, zv, cv = _quantize_pack(y, cache_ptr + base + OFF_PV, G, D, VB, ITERS, COMPILED, VALUE_CLIP_STEPS)
         tl.store(cache16_ptr + b16 + OFF_SV // 2 + gi, sv.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_ZV // 2 + gi, zv.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_CV // 2 + di, cv.to(tl.float16))
 
 
+# where _store_tiles_kernel finds a tile's tokens
+TILES = tl.constexpr(0)  # k / v [T, H, g, D]: tile t is k[t]
+STEP = tl.constexpr(1)  # the step's new tokens [N, H, D] and the tail: positions < old[t] from tail row slot[t]
+DECODE = tl.constexpr(2)  # the tail alone: row src_rows[b] when batch row b's new token completes its tile
+
+
 @serving_jit(ints=["n_rows", "stride_bt"],
-             index_ptrs=["block_ids_ptr", "src_rows_ptr", "seq_lens_ptr", "bt_ptr", "defer_ptr"])
+             index_ptrs=["block_ids_ptr", "first_ptr", "old_ptr", "src_rows_ptr", "seq_lens_ptr", "bt_ptr",
+                         "defer_ptr"])
 def _store_tiles_kernel(
-    k_ptr, v_ptr, cache_ptr, cache16_ptr, block_ids_ptr, src_rows_ptr, seq_lens_ptr, bt_ptr, defer_ptr,
+    k_ptr, v_ptr, tk_ptr, tv_ptr, cache_ptr, cache16_ptr, block_ids_ptr, first_ptr, old_ptr, src_rows_ptr,
+    seq_lens_ptr, bt_ptr, defer_ptr,
     stride_kt, stride_kh, stride_kg, stride_vt, stride_vh, stride_vg,
+    stride_ts, stride_th, stride_tg, stride_us, stride_uh, stride_ug,
     stride_cb, stride_ch, stride_bt, n_rows,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
-    COMPILED: tl.constexpr, DECODE: tl.constexpr, RB: tl.constexpr, DEFER: tl.constexpr = 0,
+    COMPILED: tl.constexpr, SOURCE: tl.constexpr, RB: tl.constexpr, DEFER: tl.constexpr = 0,
 ):
     """Grid (tiles * H, 2): program (tile, head, keys | values). Axis 1 puts the keys' and the values' balancing
-    chains (the kernel's latency) on different SMs.
-    DECODE: tile = batch row b of a one-token-per-row step; its tile is complete iff seq_lens[b] is a positive
-    multiple of G, its tokens are tail row src_rows[b], its block comes from the block table. Everything is derived
-    on the device, so the launch is the same every step (CUDA-graph safe). DEFER: the step's flag defer_ptr[0] set
-    means the completed tiles stay in the tail (flush_layers writes them later); device data, so one captured graph
-    serves steps with and without it.
+    chains (the kernel's latency) on different SMs. Token j of tile t is read from k at
+    first * stride_kt + j * stride_kg (+ head * stride_kh), where SOURCE says what `first` is:
+    TILES: t (k is [T, H, g, D]); STEP: first_ptr[t], a token index of the step's new tokens (k is [N, H, D],
+    stride_kt == stride_kg), except positions j < old_ptr[t], which the request wrote in earlier steps: those are
+    tail row src_rows[t] (tk, position j); DECODE: tile = batch row b of a one-token-per-row step, complete iff
+    seq_lens[b] is a positive multiple of G, its tokens tail row src_rows[b] (k is the tail), its block from the
+    block table: everything derived on the device, so the launch is the same every step (CUDA-graph safe). DEFER:
+    the step's flag defer_ptr[0] set means the completed tiles stay in the tail (flush_layers writes them later);
+    device data, so one captured graph serves steps with and without it.
     RB > 0: the values' rotation accumulates over RB-channel blocks (D = 256: the whole-tile dots would overflow an
     sm_90's shared memory)."""
     pid = tl.program_id(0)
     tile = pid // H
     head = pid % H
-    if DECODE:
+    if SOURCE == DECODE:
         s = tl.load(seq_lens_ptr + tile)
         full = (s > 0) & (s % G == 0)
         if DEFER:
             full = full & (tl.load(defer_ptr) == 0)
         blk = tl.load(bt_ptr + tile.to(tl.int64) * stride_bt + tl.maximum(s // G - 1, 0), mask=full, other=-1)
-        src = tl.load(src_rows_ptr + tile, mask=full, other=0).to(tl.int64)
+        first = tl.load(src_rows_ptr + tile, mask=full, other=0).to(tl.int64)
+    elif SOURCE == STEP:
+        blk = tl.load(block_ids_ptr + tile)
+        first = tl.load(first_ptr + tile).to(tl.int64)
     else:
         blk = tl.load(block_ids_ptr + tile)
-        src = tile.to(tl.int64)
+        first = tile.to(tl.int64)
     if blk >= 0:
-        _store_one(k_ptr, v_ptr, cache_ptr, cache16_ptr, src, blk, head, stride_kt, stride_kh, stride_kg,
-                   stride_vt, stride_vh, stride_vg, stride_cb, stride_ch, G, D, KB, VB, ITERS, OFF_PK, OFF_SK,
-                   OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, COMPILED, RB)
+        gi = tl.arange(0, G)
+        # int64 before the multiply: first * stride can pass 2^31 in a large step or cache
+        ktok = k_ptr + first * stride_kt + head * stride_kh + gi.to(tl.int64) * stride_kg
+        vtok = v_ptr + first * stride_vt + head * stride_vh + gi.to(tl.int64) * stride_vg
+        if SOURCE == STEP:
+            # positions before old: tail row `slot` (a negative first never reaches memory: those lanes are replaced)
+            old = tl.load(old_ptr + tile)
+            slot = tl.load(src_rows_ptr + tile).to(tl.int64)
+            from_tail = gi < old
+            ktok = tl.where(from_tail, tk_ptr + slot * stride_ts + head * stride_th + gi * stride_tg, ktok)
+            vtok = tl.where(from_tail, tv_ptr + slot * stride_us + head * stride_uh + gi * stride_ug, vtok)
+        _store_one(ktok, vtok, cache_ptr, cache16_ptr, blk, head, stride_cb, stride_ch, G, D, KB, VB, ITERS,
+                   OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, COMPILED, RB)
 
 
 @serving_jit(ints=["n_tiles"], index_ptrs=["slots_ptr", "blk_ptr"])
@@ -373,9 +405,12 @@ def _flush_layers_kernel(
         else:
             kp = ka.to(tl.pointer_type(tl.float16))
             vp = va.to(tl.pointer_type(tl.float16))
-        _store_one(kp, vp, ca.to(tl.pointer_type(tl.uint8)), ca.to(tl.pointer_type(tl.float16)), src, blk, head,
-                   stride_kt, stride_kh, stride_kg, stride_vt, stride_vh, stride_vg, stride_cb, stride_ch, G, D, KB,
-                   VB, ITERS, OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, COMPILED, RB)
+        gi = tl.arange(0, G)
+        ktok = kp + src * stride_kt + head * stride_kh + gi * stride_kg
+        vtok = vp + src * stride_vt + head * stride_vh + gi * stride_vg
+        _store_one(ktok, vtok, ca.to(tl.pointer_type(tl.uint8)), ca.to(tl.pointer_type(tl.float16)), blk, head,
+                   stride_cb, stride_ch, G, D, KB, VB, ITERS, OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV,
+                   OFF_CV, COMPILED, RB)
 
 
 class LayerTable:
@@ -470,18 +505,27 @@ def compile_flush_layers(num_kv_heads: int, head_dim: int, tail_rows: int, dtype
 ROTATION_BLOCK = {64: 0, 128: 0, 256: 64}
 
 
-def _launch_store(k, v, cache, lay, n_tiles, H, iters, *, block_ids=None, src_rows=None, seq_lens=None,
-                  block_table=None, defer_flag=None):
-    """k, v: tile sources [*, H, g, D] (strided). Plain mode: block_ids [n_tiles]; decode mode: src_rows, seq_lens,
-    block_table [n_tiles, *] (the block ids are derived in the kernel)."""
-    decode = block_ids is None
-    dummy = seq_lens if decode else block_ids  # unused pointer arguments of the other mode
+def _launch_store(k, v, cache, lay, n_tiles, H, iters, source, *, block_ids=None, first=None, old=None,
+                  tails=None, src_rows=None, seq_lens=None, block_table=None, defer_flag=None):
+    """One launch of _store_tiles_kernel over n_tiles tiles (its docstring says what each SOURCE reads). k, v: the
+    tiles [T, H, g, D] (TILES), the step's new tokens [N, H, D] (STEP) or the tails (DECODE); tails: (tail_k, tail_v)
+    in STEP mode; the index tensors of the mode (the others get a placeholder pointer: never read)."""
+    decode = source == DECODE.value
+    some = seq_lens if decode else block_ids
+    tk, tv = tails if tails is not None else (k, v)
+    if source == STEP.value:
+        sk = (k.stride(0), k.stride(1), k.stride(0))
+        sv = (v.stride(0), v.stride(1), v.stride(0))
+    else:
+        sk, sv = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
     _store_tiles_kernel[(n_tiles * H, 2)](
-        k, v, cache, f16_view(cache), dummy if decode else block_ids, src_rows if decode else dummy,
-        seq_lens if decode else dummy, block_table if decode else dummy, dummy if defer_flag is None else defer_flag,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        k, v, tk, tv, cache, f16_view(cache), some if block_ids is None else block_ids,
+        some if first is None else first, some if old is None else old, some if src_rows is None else src_rows,
+        some if seq_lens is None else seq_lens, some if block_table is None else block_table,
+        some if defer_flag is None else defer_flag, *sk, *sv,
+        tk.stride(0), tk.stride(1), tk.stride(2), tv.stride(0), tv.stride(1), tv.stride(2),
         cache.stride(0), cache.stride(1), block_table.stride(0) if decode else 0, n_tiles,
-        **_tile_constexprs(lay, H, k.shape[-1], iters), DECODE=decode, DEFER=int(defer_flag is not None),
+        **_tile_constexprs(lay, H, k.shape[-1], iters), SOURCE=source, DEFER=int(defer_flag is not None),
     )
 
 
@@ -513,7 +557,37 @@ def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids
         return
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
-    _launch_store(k, v, cache, lay, T, H, iters, block_ids=block_ids)
+    _launch_store(k, v, cache, lay, T, H, iters, TILES.value, block_ids=block_ids)
+
+
+def store_step_tiles(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
+                     cache: torch.Tensor, block_ids: torch.Tensor, first: torch.Tensor, old: torch.Tensor,
+                     slots: torch.Tensor, fmt: KVFormat | str, iters: int | None = None) -> None:
+    """The tiles a step completes, read where they are (no gather): tile t's position j is the step's new token
+    first[t] + j (k, v [N, H, D]), except positions j < old[t], written in earlier steps, which are tail row slots[t]
+    at position j (tail_k / tail_v [S, H, g (+ sink + 2W), D]). Records go to cache[block_ids[t]] (< 0: skipped).
+    block_ids, old, slots int32 [T]; first int64 [T] (entries where old[t] == g are not read)."""
+    fmt = as_format(fmt)
+    iters = fmt.balance_iters if iters is None else iters
+    if k.dim() != 3 or k.shape != v.shape:
+        raise KvarnError(f"k and v must both be [N, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    _, H, D = k.shape
+    lay = layout(fmt, D)
+    check_cache(cache, lay)
+    check_tail(tail_k, tail_v, H, lay.g, D, fmt.window_tokens)
+    if cache.shape[1] != H:
+        raise KvarnError(f"cache has {cache.shape[1]} kv heads, k has {H}")
+    T = block_ids.shape[0]
+    for name, t, dt in (("block_ids", block_ids, torch.int32), ("first", first, torch.int64),
+                        ("old", old, torch.int32), ("slots", slots, torch.int32)):
+        if t.shape != (T,) or t.dtype != dt:
+            raise KvarnError(f"{name} must be {dt} [T={T}], got {t.dtype} {tuple(t.shape)}")
+    if T == 0:
+        return
+    # one element type per load: the tail's (the backend's new K/V already have it)
+    k, v = (x if x.dtype == tail_k.dtype and x.stride(-1) == 1 else x.to(tail_k.dtype).contiguous() for x in (k, v))
+    _launch_store(k, v, cache, lay, T, H, iters, STEP.value, block_ids=block_ids, first=first, old=old,
+                  tails=(tail_k, tail_v), src_rows=slots)
 
 
 @triton.jit
@@ -584,8 +658,8 @@ def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ta
     flag = defer_flag(defer, cache.device, "cache")
     if flag is True:  # always deferred: no flush launch at all
         return
-    _launch_store(tail_k, tail_v, cache, lay, B, H, iters, src_rows=tail_slots, seq_lens=seq_lens,
+    _launch_store(tail_k, tail_v, cache, lay, B, H, iters, DECODE.value, src_rows=tail_slots, seq_lens=seq_lens,
                   block_table=block_table, defer_flag=flag)
 
 
-__all__ = ["store_tiles", "store_decode", "flush_layers"]
+__all__ = ["store_tiles", "store_step_tiles", "store_decode", "flush_layers"]

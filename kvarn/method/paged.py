@@ -38,6 +38,22 @@ def store_tiles_torch(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, blo
     cache[block_ids.long()] = rec.to(cache.device)
 
 
+def step_tiles_torch(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
+                     first: torch.Tensor, old: torch.Tensor, slots: torch.Tensor, g: int):
+    """The tiles a step completes, assembled [T, H, g, D] as kvarn.kernels.store_step_tiles reads them: position
+    j of tile t is new token first[t] + j of k / v [N, H, D], or tail row slots[t] at position j where j < old[t]."""
+    j = torch.arange(g, device=k.device)[None, :]
+    from_tail = j < old.to(k.device).long()[:, None]  # [T, g]
+    tok = torch.where(from_tail, 0, first.to(k.device).long()[:, None] + j)
+    slot = slots.to(tail_k.device).long()[:, None].expand_as(tok)
+    out = []
+    for new, tail in ((k, tail_k), (v, tail_v)):
+        x = new[tok].to(tail.dtype)  # [T, g, H, D]
+        x[from_tail] = tail[slot[from_tail], :, j.expand_as(tok)[from_tail]]
+        out.append(x.transpose(1, 2))
+    return out[0], out[1]
+
+
 def _dequantize_into(cache, bids, dst0, k, v, fmt: KVFormat) -> None:
     # records cache[bids] -> rows dst0[t] .. + g - 1 of k / v (the reference decoder, in passes)
     g, Hk, D = fmt.group, k.shape[1], k.shape[2]

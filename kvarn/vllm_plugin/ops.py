@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..formats import KVFormat
-from ..method.paged import cached_attention_torch, raw_attention_torch, store_tiles_torch
+from ..method.paged import cached_attention_torch, raw_attention_torch, step_tiles_torch, store_tiles_torch
 from .dense_prefill import dense_prefill
 from .step_plan import StepPlan
 
@@ -49,39 +49,27 @@ def _host(x: torch.Tensor | None):
 def store(plan: StepPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, tail_k: torch.Tensor,
           tail_v: torch.Tensor, fmt: KVFormat, iters: int | None = None, use_kernels: bool | None = None) -> None:
     """k, v [N, Hk, D] new tokens (N >= plan.num_tokens); cache uint8 [num_blocks, Hk, R]; tails
-    [S+1, Hk, g + sink + 2W, D]. Complete tiles are assembled (tail + new) and quantized first, then the unfinished
-    tiles' tokens go to the tail and the sink's and window's to their rows."""
+    [S+1, Hk, g + sink + 2W, D]. Complete tiles are quantized first (their earlier positions read from the tail),
+    then the unfinished tiles' tokens go to the tail and the sink's and window's to their rows."""
     g = plan.group
     if tail_k.shape[2] != g + plan.sink + 2 * plan.window:
         raise ValueError(f"kvarn: tail buffers of {tail_k.shape[2]} rows, the plan wants {g} + sink {plan.sink} + "
                          f"window 2 x {plan.window}")
     if plan.num_tiles:
-        T = plan.num_tiles
-        H, D = k.shape[1], k.shape[2]
-        tk = k.new_empty(T * g, H, D)
-        tv = v.new_empty(T * g, H, D)
-        if plan.tile_new_dst is not None:
-            tk[plan.tile_new_dst] = k[plan.tile_new_src].to(tk.dtype)
-            tv[plan.tile_new_dst] = v[plan.tile_new_src].to(tv.dtype)
-        if plan.tile_tail_dst is not None:
-            tk[plan.tile_tail_dst] = tail_k[plan.tile_tail_slot, :, plan.tile_tail_pos].to(tk.dtype)
-            tv[plan.tile_tail_dst] = tail_v[plan.tile_tail_slot, :, plan.tile_tail_pos].to(tv.dtype)
-        tk = tk.view(T, g, H, D).transpose(1, 2).contiguous()
-        tv = tv.view(T, g, H, D).transpose(1, 2).contiguous()
-        store_tiles(tk, tv, cache, plan.tile_block_ids, fmt, iters, use_kernels)
+        fn = _kernel("store", "store_step_tiles", k.is_cuda) if (k.is_cuda if use_kernels is None else use_kernels) \
+            else None
+        if fn is not None:
+            fn(k, v, tail_k, tail_v, cache, plan.tile_block_ids, plan.tile_first, plan.tile_old, plan.tile_slot, fmt,
+               iters)
+        else:
+            tk, tv = step_tiles_torch(k, v, tail_k, tail_v, plan.tile_first, plan.tile_old, plan.tile_slot, g)
+            store_tiles_torch(tk, tv, cache, plan.tile_block_ids, fmt, iters=iters)
     if plan.tail_tok is not None:
         tail_k[plan.tail_slot, :, plan.tail_pos] = k[plan.tail_tok].to(tail_k.dtype)
         tail_v[plan.tail_slot, :, plan.tail_pos] = v[plan.tail_tok].to(tail_v.dtype)
     if plan.sink_tok is not None:
         tail_k[plan.sink_slot, :, plan.sink_pos] = k[plan.sink_tok].to(tail_k.dtype)
         tail_v[plan.sink_slot, :, plan.sink_pos] = v[plan.sink_tok].to(tail_v.dtype)
-
-
-def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor, fmt: KVFormat,
-                iters: int | None = None, use_kernels: bool | None = None) -> None:
-    """k, v [T, H, g, D] complete tiles -> records in cache at block_ids (< 0 skipped)."""
-    fn = _kernel("store", "store_tiles", k.is_cuda) if (k.is_cuda if use_kernels is None else use_kernels) else None
-    (fn or store_tiles_torch)(k, v, cache, block_ids, fmt, iters=iters)
 
 
 def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, tail_k, tail_v, fmt: KVFormat,

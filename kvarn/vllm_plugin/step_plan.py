@@ -2,8 +2,9 @@
 `query_start_loc` / `seq_lens` and shared by all layers (no vLLM import; tested on CPU). For the flattened new
 tokens of the batch it says:
 
-* which tiles complete in this step (batch row, tile index -> block id from the block table) and, for each of their
-  g positions, where the 16-bit token comes from: this step's new K/V, or the request's tail row (earlier steps);
+* which tiles complete in this step (batch row, tile index -> block id from the block table) and where their g
+  16-bit tokens are: the first `old` in the request's tail row (written in earlier steps), the rest this step's new
+  K/V from a token index on (the store reads them there, no gather);
 * which new tokens go to the tail (those of the unfinished last tile) at which tail row / position, and which also
   to the sink rows and to the window rows (a tile's last W positions, in the half of its tile's parity);
 * how attention splits: rows with no prior context (first prefill chunk) attend to the raw new Q/K/V (exact, as
@@ -36,11 +37,9 @@ class StepPlan:
     # store (device)
     num_tiles: int
     tile_block_ids: torch.Tensor | None  # int32 [T]
-    tile_new_dst: torch.Tensor | None  # int64 [n1]: flat (tile * g + offset) filled from new tokens
-    tile_new_src: torch.Tensor | None  # int64 [n1]: new-token index
-    tile_tail_dst: torch.Tensor | None  # int64 [n2]: flat (tile * g + offset) filled from the tail
-    tile_tail_slot: torch.Tensor | None  # int64 [n2]
-    tile_tail_pos: torch.Tensor | None  # int64 [n2]
+    tile_first: torch.Tensor | None  # int64 [T]: new-token index of the tile's position 0 (read from position old)
+    tile_old: torch.Tensor | None  # int32 [T]: positions [0, old) come from the tail (earlier steps)
+    tile_slot: torch.Tensor | None  # int32 [T]: the tail row of the tile's request
     tail_tok: torch.Tensor | None  # int64 [n3]: new tokens of unfinished tiles
     tail_slot: torch.Tensor | None  # int64 [n3]
     tail_pos: torch.Tensor | None  # int64 [n3]
@@ -121,7 +120,7 @@ def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, b
         return StepPlan(
             num_reqs=R, num_tokens=n_tok, group=g, qsl=qsl, seq_lens=seq, ctx_lens=ctx,
             tail_slots_np=np.asarray(tail_slots_np[:R], dtype=np.int32), num_tiles=0, tile_block_ids=None,
-            tile_new_dst=None, tile_new_src=None, tile_tail_dst=None, tile_tail_slot=None, tile_tail_pos=None,
+            tile_first=None, tile_old=None, tile_slot=None,
             tail_tok=None, tail_slot=None, tail_pos=None, tail_slots=tail_slots_dev,
             raw_rows=np.zeros(0, dtype=np.int64),
             raw_tok=None, raw_cu=None, raw_max=0, dec_rows=act, dec_rows_t=None, dec_tok=None,
@@ -133,27 +132,19 @@ def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, b
     first, last_full = c // g, s // g
     t_seg, t_cols = ragged_ranges(first, np.maximum(last_full - first, 0))
     n_tiles = len(t_seg)
-    tile_block_ids = None
-    new_dst = new_src = tl_dst = tl_slot = tl_pos = None
+    tile_block_ids = t_first = t_old = t_slot = None
     if n_tiles:
         t_rows = act[t_seg]
         rows_t = to_device(t_rows, np.int64, device)
         cols_t = to_device(t_cols, np.int64, device)
         tile_block_ids = block_table[rows_t, cols_t].to(torch.int32)
-        # offsets [0, old) of a tile were written in earlier steps (tail), [old, g) come from the new tokens
+        # positions [0, old) of a tile were written in earlier steps (tail), [old, g) are new tokens from
+        # t_first + old on (t_first, the index position 0 would have, is negative when old > row 0's start)
         lo = t_cols * g
         tc = c[t_seg]
-        old = np.maximum(0, tc - lo)
-        off = np.arange(g)[None, :]
-        dst = np.arange(n_tiles)[:, None] * g + off  # [T, g]
-        from_new = off >= old[:, None]
-        new_dst = dst[from_new]
-        new_src = ((q0[t_seg] + lo - tc)[:, None] + off)[from_new]
-        if not from_new.all():
-            from_tail = ~from_new
-            tl_dst = dst[from_tail]
-            tl_slot = np.broadcast_to(slot[t_seg][:, None], from_new.shape)[from_tail]
-            tl_pos = np.broadcast_to(off, from_new.shape)[from_tail]
+        t_old = np.maximum(0, tc - lo)
+        t_first = q0[t_seg] + lo - tc
+        t_slot = slot[t_seg]
     # new tokens of the unfinished tile: positions [max(c, last_full * g), s) -> tail
     start = np.maximum(c, last_full * g)
     u_seg, pos = ragged_ranges(start, np.maximum(s - start, 0))
@@ -198,10 +189,8 @@ def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, b
     return StepPlan(
         num_reqs=R, num_tokens=n_tok, group=g, qsl=qsl, seq_lens=seq, ctx_lens=ctx,
         tail_slots_np=np.asarray(tail_slots_np[:R], dtype=np.int32),
-        num_tiles=n_tiles, tile_block_ids=tile_block_ids,
-        tile_new_dst=to_device(new_dst, np.int64, device), tile_new_src=to_device(new_src, np.int64, device),
-        tile_tail_dst=to_device(tl_dst, np.int64, device), tile_tail_slot=to_device(tl_slot, np.int64, device),
-        tile_tail_pos=to_device(tl_pos, np.int64, device),
+        num_tiles=n_tiles, tile_block_ids=tile_block_ids, tile_first=to_device(t_first, np.int64, device),
+        tile_old=to_device(t_old, np.int32, device), tile_slot=to_device(t_slot, np.int32, device),
         tail_tok=to_device(tail_tok, np.int64, device), tail_slot=to_device(tail_slot, np.int64, device),
         tail_pos=to_device(tail_pos, np.int64, device),
         tail_slots=(tail_slots_dev if tail_slots_dev is not None else

@@ -6,8 +6,9 @@
 # Each side: the decode microbench (B=64 x 16K, Qwen3-8B heads), the showcase burst (Qwen3-8B shape, dummy weights,
 # 96 x (14,336 + 2,048): FP16 and kvarn_k4v2_g128 in one `kvarn bench` run), SmolLM2 chunked perplexity (2 x 4096,
 # chunk 128) through vLLM; on request the store microbench (`store`: one tile x 36 layers, and 128 tiles x 36
-# layers as a 16K-token prefill step stores them). KVARN_BA_SIDES picks base, head or base,head (the default);
-# KVARN_BA_PARTS some of mb,store,bench,ppl (default mb,bench,ppl); KVARN_BA_BASE_DTYPES the base side's bench
+# layers as a 16K-token prefill step stores them) and the served short burst (`serve`: Qwen3-0.6B shape through
+# `vllm serve`, 32 x (1,024 + 256) at once: TTFT and ITL). KVARN_BA_SIDES picks base, head or base,head (the
+# default); KVARN_BA_PARTS some of mb,store,bench,serve,ppl (default mb,bench,ppl); KVARN_BA_BASE_DTYPES the base side's bench
 # formats (default FP16 and KVarN; kvarn_k4v2_g128 alone when only KVarN's code changed, vLLM's FP16 then measured
 # once, beside this tree's KVarN); KVARN_BA_HEAD_DTYPES this tree's (default FP16 and KVarN; KVarN alone when the
 # FP16 pairing is measured elsewhere and one call must hold both sides). Results under $OUT/<side>/.
@@ -41,6 +42,11 @@ side() {  # name, site dir, bench formats: the kvarn that side imports (vLLM and
     kv $(( 40 + 400 * cells )) python3 -m kvarn_cli.app bench --engine vllm --model qwen3-8b --dummy-weights \
       --kv-dtype "$dtypes" --burst 16k --requests 96 --prompt-len 14336 --output-len 2048 \
       --max-num-seqs 96 --timeout 380 --out "$d/bench" > "$d/bench.log" 2>&1 ;; esac
+  case $PARTS in *,serve,*)
+    local cells; cells=$(echo "$dtypes" | tr ',' '\n' | wc -l)
+    kv $(( 40 + 240 * cells )) python3 -m kvarn_cli.app bench --engine vllm --mode serve --model qwen3-0.6b \
+      --dummy-weights --kv-dtype "$dtypes" --burst 1280 --prompt-len 1024 --requests 32 --max-num-seqs 32 \
+      --gpu-memory-utilization 0.5 --timeout 230 --out "$d/serve" > "$d/serve.log" 2>&1 ;; esac
   bash "$(dirname "$0")/free_gpu.sh"
   case $PARTS in *,ppl,*)
     kv 300 python3 -m kvarn_cli.app eval ppl --engine vllm --model smollm2-135m --weights "$SMOL" --context 4096 \
@@ -87,4 +93,17 @@ for side in ("base", "head"):
           f"{f(st.get('flush_layers_ms'), 3):>10} {f(tok.get('auto')):>11} "
           f"{f(tok.get('kvarn_k4v2_g128')):>12} {f(ratio, 2):>6} {f(kvx, 2):>5} {f(ppl.get('auto'), 3):>9} "
           f"{f(ppl.get('kvarn_k4v2_g128'), 3):>10}")
+serve = []
+for side in ("base", "head"):
+    try:
+        serve += [(side, r) for r in ResultsStore(root / side / "serve").read("bench").to_dict("records")]
+    except Exception:  # noqa: BLE001 - not run
+        pass
+if serve:
+    print(f"\nserved, Qwen3-0.6B, 32 x (1,024 + 256)\n{'side':5} {'kv dtype':16} {'status':8} {'out tok/s':>10} "
+          f"{'TTFT p50':>9} {'TTFT p90':>9} {'ITL p50':>8} {'ITL p99':>8} {'start s':>8}")
+    for side, r in serve:
+        print(f"{side:5} {r['kv_dtype']:16} {r['status']:8} {f(r.get('output_tok_s')):>10} "
+              f"{f(r.get('ttft_ms_p50')):>9} {f(r.get('ttft_ms_p90')):>9} {f(r.get('itl_ms_p50'), 2):>8} "
+              f"{f(r.get('itl_ms_p99'), 2):>8} {f(r.get('engine_start_s')):>8}")
 PY

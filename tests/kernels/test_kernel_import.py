@@ -13,15 +13,24 @@ import torch
 from kvarn.formats import get_format
 from kvarn.method.paged import store_tiles_torch
 from kvarn.vllm_plugin import dense_prefill, ops
+from kvarn.vllm_plugin.step_plan import plan_step
 
 FMT = get_format("kvarn_k4v2_g64")
 
 
-def _tiles(T=2, H=2, D=64):
+def _step(D=64, H=2):
+    """A fresh prompt of two tiles and three tokens more, planned as the backend plans it, with its K/V, cache and
+    tails."""
+    g = FMT.group
     gen = torch.Generator().manual_seed(3)
-    k = torch.randn(T, H, FMT.group, D, generator=gen).half()
-    v = torch.randn(T, H, FMT.group, D, generator=gen).half()
-    return k, v, torch.zeros(T + 1, H, FMT.record_bytes(D), dtype=torch.uint8), torch.tensor([2, 0], dtype=torch.int32)
+    n = 2 * g + 3
+    plan = plan_step(np.array([0, n]), np.array([n]), 1, np.array([0], dtype=np.int32),
+                     torch.tensor([[2, 0, 1]], dtype=torch.int32), g, "cpu", sink=FMT.sink_tokens,
+                     window=FMT.window_tokens)
+    k = torch.randn(n, H, D, generator=gen).half()
+    v = torch.randn(n, H, D, generator=gen).half()
+    tails = [torch.zeros(2, H, FMT.tail_rows, D, dtype=torch.float16) for _ in range(2)]
+    return plan, k, v, torch.zeros(3, H, FMT.record_bytes(D), dtype=torch.uint8), tails
 
 
 @pytest.fixture
@@ -48,18 +57,22 @@ def broken_build(monkeypatch):
 
 
 def test_cpu_without_triton_runs_the_torch_reference(no_triton):
-    k, v, cache, ids = _tiles()
-    ops.store_tiles(k, v, cache, ids, FMT, use_kernels=True)
+    plan, k, v, cache, (tk, tv) = _step()
+    ops.store(plan, k, v, cache, tk, tv, FMT, use_kernels=True)
+    g = FMT.group
     ref = torch.zeros_like(cache)
-    store_tiles_torch(k, v, ref, ids, FMT)
-    assert torch.equal(cache, ref) and cache.any()
+    tiles = [x[:2 * g].view(2, g, *x.shape[1:]).transpose(1, 2) for x in (k, v)]
+    store_tiles_torch(*tiles, ref, torch.tensor([2, 0], dtype=torch.int32), FMT)
+    assert torch.equal(cache, ref) and cache[[0, 2]].any()
     assert not ops.decode_kernels_available()
 
 
 def test_cuda_tensors_without_kernels_are_an_error(no_triton):
     gpu = SimpleNamespace(is_cuda=True)
+    plan = SimpleNamespace(group=FMT.group, sink=FMT.sink_tokens, window=FMT.window_tokens, num_tiles=1)
+    tail = SimpleNamespace(shape=(1, 1, FMT.tail_rows, 1))
     with pytest.raises(RuntimeError, match=r"CUDA tensors need the Triton kernels.*kvarn\.kernels\.store"):
-        ops.store_tiles(gpu, gpu, gpu, None, FMT)
+        ops.store(plan, gpu, gpu, gpu, tail, tail, FMT)
     plan = SimpleNamespace(num_reqs=1)
     with pytest.raises(RuntimeError, match=r"kvarn\.kernels\.store"):
         ops.decode_step(plan, gpu, None, None, None, None, None, None, None, None, None, FMT, 1.0)
@@ -69,9 +82,9 @@ def test_cuda_tensors_without_kernels_are_an_error(no_triton):
 
 
 def test_a_broken_kernel_build_raises_instead_of_falling_back(broken_build):
-    k, v, cache, ids = _tiles()
+    plan, k, v, cache, (tk, tv) = _step()
     with pytest.raises(AttributeError, match="triton.language"):
-        ops.store_tiles(k, v, cache, ids, FMT, use_kernels=True)
+        ops.store(plan, k, v, cache, tk, tv, FMT, use_kernels=True)
     with pytest.raises(AttributeError, match="triton.language"):
         dense_prefill.materialize_dense(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
                                         np.zeros(1, dtype=np.int64), cache, None, None, None, FMT, torch.float16,

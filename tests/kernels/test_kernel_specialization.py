@@ -16,7 +16,8 @@ import pytest
 # kernel -> (module, the step-varying ints, the index pointers that may be slices)
 SERVING_KERNELS = {
     "_store_tiles_kernel": ("store", {"n_rows", "stride_bt"},
-                            {"block_ids_ptr", "src_rows_ptr", "seq_lens_ptr", "bt_ptr", "defer_ptr"}),
+                            {"block_ids_ptr", "first_ptr", "old_ptr", "src_rows_ptr", "seq_lens_ptr", "bt_ptr",
+                             "defer_ptr"}),
     "_flush_layers_kernel": ("store", {"n_tiles"}, {"slots_ptr", "blk_ptr"}),
     "_dequant_kernel": ("dequant", set(), {"block_ids_ptr", "dst_ptr"}),
     "scale_queries_kernel": ("decode", {"R"}, set()),

@@ -328,7 +328,10 @@ def test_plan_counts_and_tail_positions():
     # row 0: decode of position 63 completes tile 0 (63 tail tokens + 1 new); row 1: ctx 100 -> tiles 1..3 complete
     assert plan.num_tiles == 1 + 3
     assert plan.tile_block_ids.tolist() == [0, 21, 22, 23]
-    assert plan.tile_tail_dst.numel() == 63 + (100 - 64)
+    # tile 0 of row 0: 63 positions from slot 3's tail, the last is new token 0; row 1's tile 1: 100 - 64 from
+    # slot 1's tail, then new tokens 1.. (position 0 would be token 1 - 36); tiles 2, 3 whole from new tokens
+    assert plan.tile_old.tolist() == [63, 100 - 64, 0, 0] and plan.tile_slot.tolist() == [3, 1, 1, 1]
+    assert plan.tile_first.tolist() == [-63, 1 - 36, 1 + 128 - 100, 1 + 192 - 100]
     assert plan.tail_tok.tolist() == list(range(1 + (256 - 100), 201))  # row 1 positions 256..299 -> tail
     assert set(plan.tail_pos.tolist()) == set(range(0, 44))
     assert plan.dec_rows.tolist() == [0] and plan.cont_rows.tolist() == [1] and len(plan.raw_rows) == 0
