@@ -255,12 +255,31 @@ def _sanitize(x):
 
 
 @triton.jit
-def _values_rotated_blocked(vtok, D: tl.constexpr, G: tl.constexpr, RB: tl.constexpr, COMPILED: tl.constexpr):
+def _load_tokens(tok, tail, old, ci, TOKEN_AXIS: tl.constexpr, MIXED: tl.constexpr):
+    """fp32 tokens x channels ci of one head (tokens along TOKEN_AXIS): token j at tok[j] (pointers [G]), or with
+    MIXED at tail[j] where j < old. Two masked loads rather than one load through a select of the pointers: each
+    keeps the alignment Triton proves for its buffer, so both stay 16-byte vector loads."""
+    if TOKEN_AXIS == 1:
+        ptr = tok[None, :] + ci[:, None]
+    else:
+        ptr = tok[:, None] + ci[None, :]
+    if MIXED:
+        gi = tl.arange(0, tok.shape[0])
+        in_tail = (gi[None, :] if TOKEN_AXIS == 1 else gi[:, None]) < old
+        tptr = tail[None, :] + ci[:, None] if TOKEN_AXIS == 1 else tail[:, None] + ci[None, :]
+        x = tl.where(in_tail, tl.load(tptr, mask=in_tail, other=0.0), tl.load(ptr, mask=~in_tail, other=0.0))
+    else:
+        x = tl.load(ptr)
+    return _sanitize(x.to(tl.float32))
+
+
+@triton.jit
+def _values_rotated_blocked(tok, tail, old, D: tl.constexpr, RB: tl.constexpr, COMPILED: tl.constexpr,
+                            MIXED: tl.constexpr):
     # Y = V @ Hn [g, D] accumulated over RB-channel blocks of V: Y += V[:, blk] @ H[blk, :]
-    acc = tl.zeros([G, D], dtype=tl.float32)
+    acc = tl.zeros([tok.shape[0], D], dtype=tl.float32)
     for kb in range(0, D, RB):
-        ki = kb + tl.arange(0, RB)
-        vt = _sanitize(tl.load(vtok[:, None] + ki[None, :]).to(tl.float32))
+        vt = _load_tokens(tok, tail, old, kb + tl.arange(0, RB), 0, MIXED)
         acc = x_times_h_acc(vt, hadamard_pm1_block(RB, D, kb, 0, COMPILED), acc, COMPILED)
     return rot_scale(acc, D)
 
@@ -276,15 +295,15 @@ def _quantize_pack(x, dst, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr,
 
 
 @triton.jit
-def _store_one(ktok, vtok, cache_ptr, cache16_ptr, blk, head, stride_cb, stride_ch, G: tl.constexpr,
-               D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr, OFF_PK: tl.constexpr,
-               OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr, OFF_PV: tl.constexpr,
-               OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr, COMPILED: tl.constexpr,
-               RB: tl.constexpr):
+def _store_one(ktok, vtok, ktail, vtail, old, cache_ptr, cache16_ptr, blk, head, stride_cb, stride_ch,
+               G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
+               OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
+               OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
+               COMPILED: tl.constexpr, RB: tl.constexpr, MIXED: tl.constexpr):
     """One (tile, head): keys when program_id(1) == 0, else values, into record row `blk`. ktok / vtok [G]: where
-    token j's D channels of this head start (each token may come from another buffer: the step's new K/V or the
-    tail). Sanitize (NaN -> 0, clamp to the fp16 range), rotate the values by Hn, balance and round, pack, store the
-    vectors."""
+    token j's D channels of this head start in K / V; with MIXED, positions j < old are at ktail / vtail[j] instead
+    (the tail rows of a tile begun in earlier steps). Sanitize (NaN -> 0, clamp to the fp16 range), rotate the
+    values by Hn, balance and round, pack, store the vectors."""
     base = blk.to(tl.int64) * stride_cb + head * stride_ch  # byte offset of the record
     b16 = base // 2
     di = tl.arange(0, D)
@@ -292,7 +311,7 @@ def _store_one(ktok, vtok, cache_ptr, cache16_ptr, blk, head, stride_cb, stride_
     if tl.program_id(1) == 0:
         # keys: K^T [D, g], rows = channels, in the original basis: per-channel rounding already gives every
         # channel its own range, and a rotation would spread the RoPE'd key biases over all of them
-        x = _sanitize(tl.load(ktok[None, :] + di[:, None]).to(tl.float32))
+        x = _load_tokens(ktok, ktail, old, di, 1, MIXED)
         sk, zk, rk = _quantize_pack(x, cache_ptr + base + OFF_PK, D, G, KB, ITERS, COMPILED, 0)
         tl.store(cache16_ptr + b16 + OFF_SK // 2 + di, sk.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_ZK // 2 + di, zk.to(tl.float16))
@@ -300,10 +319,10 @@ def _store_one(ktok, vtok, cache_ptr, cache16_ptr, blk, head, stride_cb, stride_
     else:
         # values: Y = V @ Hn  [g, D], rows = tokens
         if RB == 0:
-            vt = _sanitize(tl.load(vtok[:, None] + di[None, :]).to(tl.float32))
+            vt = _load_tokens(vtok, vtail, old, di, 0, MIXED)
             y = x_times_h(vt, hadamard_pm1_block(D, D, 0, 0, COMPILED), D, COMPILED)
         else:
-            y = _values_rotated_blocked(vtok, D, G, RB, COMPILED)
+            y = _values_rotated_blocked(vtok, vtail, old, D, RB, COMPILED, MIXED)
         sv, zv, cv = _quantize_pack(y, cache_ptr + base + OFF_PV, G, D, VB, ITERS, COMPILED, VALUE_CLIP_STEPS)
         tl.store(cache16_ptr + b16 + OFF_SV // 2 + gi, sv.to(tl.float16))
         tl.store(cache16_ptr + b16 + OFF_ZV // 2 + gi, zv.to(tl.float16))
@@ -364,14 +383,18 @@ def _store_tiles_kernel(
         ktok = k_ptr + first * stride_kt + head * stride_kh + gi.to(tl.int64) * stride_kg
         vtok = v_ptr + first * stride_vt + head * stride_vh + gi.to(tl.int64) * stride_vg
         if SOURCE == STEP:
-            # positions before old: tail row `slot` (a negative first never reaches memory: those lanes are replaced)
+            # positions before old: tail row `slot` (where first is negative, those lanes of ktok are never read)
             old = tl.load(old_ptr + tile)
             slot = tl.load(src_rows_ptr + tile).to(tl.int64)
-            from_tail = gi < old
-            ktok = tl.where(from_tail, tk_ptr + slot * stride_ts + head * stride_th + gi * stride_tg, ktok)
-            vtok = tl.where(from_tail, tv_ptr + slot * stride_us + head * stride_uh + gi * stride_ug, vtok)
-        _store_one(ktok, vtok, cache_ptr, cache16_ptr, blk, head, stride_cb, stride_ch, G, D, KB, VB, ITERS,
-                   OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, COMPILED, RB)
+            ktail = tk_ptr + slot * stride_ts + head * stride_th + gi * stride_tg
+            vtail = tv_ptr + slot * stride_us + head * stride_uh + gi * stride_ug
+        else:
+            old = 0
+            ktail = ktok
+            vtail = vtok
+        _store_one(ktok, vtok, ktail, vtail, old, cache_ptr, cache16_ptr, blk, head, stride_cb, stride_ch, G, D, KB,
+                   VB, ITERS, OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, COMPILED, RB,
+                   SOURCE == STEP)
 
 
 @serving_jit(ints=["n_tiles"], index_ptrs=["slots_ptr", "blk_ptr"])
@@ -406,11 +429,15 @@ def _flush_layers_kernel(
             kp = ka.to(tl.pointer_type(tl.float16))
             vp = va.to(tl.pointer_type(tl.float16))
         gi = tl.arange(0, G)
-        ktok = kp + src * stride_kt + head * stride_kh + gi * stride_kg
-        vtok = vp + src * stride_vt + head * stride_vh + gi * stride_vg
-        _store_one(ktok, vtok, ca.to(tl.pointer_type(tl.uint8)), ca.to(tl.pointer_type(tl.float16)), blk, head,
-                   stride_cb, stride_ch, G, D, KB, VB, ITERS, OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV,
-                   OFF_CV, COMPILED, RB)
+        # one pointer vector per program (its loads are scalar either way: the tables' addresses carry no
+        # alignment), fewer registers held through the quantizer
+        if tl.program_id(1) == 0:
+            tok = kp + src * stride_kt + head * stride_kh + gi * stride_kg
+        else:
+            tok = vp + src * stride_vt + head * stride_vh + gi * stride_vg
+        _store_one(tok, tok, tok, tok, 0, ca.to(tl.pointer_type(tl.uint8)), ca.to(tl.pointer_type(tl.float16)),
+                   blk, head, stride_cb, stride_ch, G, D, KB, VB, ITERS, OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV,
+                   OFF_SV, OFF_ZV, OFF_CV, COMPILED, RB, False)
 
 
 class LayerTable:

@@ -23,6 +23,34 @@ DECODE_CASES = [(f.name, 128, 32, 8) for f in kvarn_formats()] + [
     ("kvarn_k4v2_g128", 128, 64, 8)]
 
 
+@pytest.mark.parametrize("D", [128, 256])
+def test_gpu_step_store_writes_what_store_tiles_writes(D):
+    """store_step_tiles (a prefill / mixed step's tiles read in place: new K/V views into one qkv buffer, earlier
+    positions from the tail) = store_tiles of the same tiles assembled, byte for byte, at a prefill step's size."""
+    from kvarn.kernels import store_step_tiles, store_tiles
+    from kvarn.method.paged import step_tiles_torch
+
+    fmt = get_format("kvarn_k4v2_g128")
+    g, H, T = fmt.group, 8, 64
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    n = T * g + 77
+    qkv = torch.randn(n, 4 * H, D, device=DEV, generator=gen).bfloat16()
+    k, v = qkv[:, 2 * H:3 * H], qkv[:, 3 * H:]
+    tail_k = torch.randn(T, H, fmt.tail_rows, D, device=DEV, generator=gen).bfloat16()
+    tail_v = torch.randn_like(tail_k)
+    old = torch.randint(0, g, (T,), device=DEV, generator=gen, dtype=torch.int32)
+    old[: T // 2] = 0  # half the tiles whole in the new tokens, as a prefill step has them
+    first = torch.arange(T, device=DEV, dtype=torch.int64) * g + 77 - old.long()
+    slots = torch.randperm(T, device=DEV, generator=gen).int()
+    ids = torch.randperm(T + 1, device=DEV, generator=gen)[:T].int()
+    ids[5] = -1
+    got = torch.zeros(T + 1, H, fmt.record_bytes(D), dtype=torch.uint8, device=DEV)
+    want = got.clone()
+    store_step_tiles(k, v, tail_k, tail_v, got, ids, first, old, slots, fmt)
+    store_tiles(*step_tiles_torch(k, v, tail_k, tail_v, first, old, slots, g), want, ids, fmt)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("name,D", STORE_CASES)
 def test_gpu_store_matches_reference(name, D):
     from kvarn.kernels import store_tiles

@@ -1,0 +1,101 @@
+"""What the tile store kernels compile to for sm_90, without a GPU: per variant, registers and spills (ptxas -v,
+Triton's bundled ptxas), 16-byte vector loads and cvt.rni roundings in the PTX. The Triton on PYTHONPATH decides
+the version (the device runs the one vLLM pins).
+
+    python scripts/store_codegen.py [--head-dim 128] [--modes tiles,step,decode,flush] [--json]
+
+Variants: `tiles` (store_tiles, [T, H, g, D] input), `step` (store_step_tiles: a prefill / mixed step's tiles from
+the new K/V and the tail), `decode` (store_decode's flush, deferred-flag variant), `flush` (flush_layers).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kvarn.formats import get_format
+from kvarn.kernels import store as S
+from kvarn.kernels.records import layout
+
+MODES = ("tiles", "step", "decode", "flush")
+
+
+def _compile(kernel, const: dict, types: dict, aligned, warps: int):
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in names}
+    return triton.compile(ASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in const.items()},
+                                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned}),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+
+
+def _ptxas(ptx: str) -> dict:
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                           text=True, timeout=300)
+    finally:
+        os.unlink(f.name)
+    txt = r.stdout + r.stderr
+    num = lambda pat: int(m.group(1)) if (m := re.search(pat, txt)) else None  # noqa: E731
+    return {"registers": num(r"Used (\d+) registers"), "spill_stores": num(r"(\d+) bytes spill stores"),
+            "spill_loads": num(r"(\d+) bytes spill loads"), "stack": num(r"(\d+) bytes stack frame")}
+
+
+def codegen(mode: str, head_dim: int = 128, fmt_name: str = "kvarn_k4v2_g128", ptxas: bool = True) -> dict:
+    """The compiled facts of one store variant at this head dim (bf16 tensors, 8 KV heads)."""
+    const = S._tile_constexprs(layout(get_format(fmt_name), head_dim), 8, head_dim, 3)
+    warps = const.pop("num_warps")
+    if mode == "flush":
+        kernel = S._flush_layers_kernel
+        const["TAIL_DT"] = 1
+        types = {n: "*i64" for n in ("ktab_ptr", "vtab_ptr", "ctab_ptr")}
+        aligned = [*types, *(n for n in kernel.arg_names if n.startswith("stride_"))]
+    else:
+        kernel = S._store_tiles_kernel
+        const.update(SOURCE={"tiles": S.TILES, "step": S.STEP, "decode": S.DECODE}[mode].value,
+                     DEFER=int(mode == "decode"))
+        types = {"k_ptr": "*bf16", "v_ptr": "*bf16", "tk_ptr": "*bf16", "tv_ptr": "*bf16", "cache_ptr": "*u8",
+                 "cache16_ptr": "*fp16", "first_ptr": "*i64"}
+        # as a launch specialises them: tensors 16-byte aligned, strides multiples of 16
+        aligned = [n for n in kernel.arg_names
+                   if (n in types and n != "first_ptr") or (n.startswith("stride_") and n != "stride_bt")]
+    ptx = _compile(kernel, const, types, aligned, warps).asm["ptx"]
+    out = {"mode": mode, "head_dim": head_dim, "triton": triton.__version__,
+           "vector_loads": len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.v[248]\.", ptx)),
+           "loads": len(re.findall(r"ld\.global", ptx)), "rni": len(re.findall(r"cvt\.rni\.f32\.f32", ptx))}
+    return {**out, **(_ptxas(ptx) if ptxas else {})}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--no-ptxas", action="store_true", help="PTX facts only (no register / spill counts)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per variant")
+    a = ap.parse_args()
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        ap.error(f"--modes {','.join(bad)}: accepted are {', '.join(MODES)}")
+    rows = [codegen(m, a.head_dim, ptxas=not a.no_ptxas) for m in modes]
+    if a.json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    cols = ("mode", "head_dim", "registers", "spill_stores", "spill_loads", "stack", "vector_loads", "loads", "rni")
+    print(f"triton {rows[0]['triton']}, sm_90\n" + " ".join(f"{c:>12}" for c in cols))
+    for r in rows:
+        print(" ".join(f"{str(r.get(c, '-')):>12}" for c in cols))
+
+
+if __name__ == "__main__":
+    main()
