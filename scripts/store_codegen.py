@@ -45,6 +45,9 @@ def _ptxas(ptx: str) -> dict:
     finally:
         os.unlink(f.name)
     txt = r.stdout + r.stderr
+    if r.returncode != 0:
+        raise SystemExit(f"ptxas ({ptxas}) failed on this Triton's PTX: {txt.strip().splitlines()[-1:]}; "
+                         "--no-ptxas reports the PTX facts alone")
     num = lambda pat: int(m.group(1)) if (m := re.search(pat, txt)) else None  # noqa: E731
     return {"registers": num(r"Used (\d+) registers"), "spill_stores": num(r"(\d+) bytes spill stores"),
             "spill_loads": num(r"(\d+) bytes spill loads"), "stack": num(r"(\d+) bytes stack frame")}

@@ -43,8 +43,12 @@ def build_plan_reference(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np
         first, last_full = c // g, s // g  # tiles [first, last_full) complete in this step
         for j in range(first, last_full):
             lo = j * g
-            t_old.append(max(0, c - lo))  # positions of this tile written in earlier steps -> from the tail
-            t_first.append(q0 + lo - c)  # the new-token index position 0 would have
+            # where each of the tile's positions is: written in an earlier step (the tail) or this step's token
+            new = [q0 + (lo + o - c) for o in range(g) if lo + o >= c]
+            old = g - len(new)
+            assert all(lo + o < c for o in range(old)) and new == list(range(new[0], new[0] + len(new)))
+            t_old.append(old)
+            t_first.append(new[0] - old)  # the index position 0 would have: position old is new token new[0]
             t_slot.append(slot)
             t_rows.append(i)
             t_cols.append(j)

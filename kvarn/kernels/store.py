@@ -429,8 +429,8 @@ def _flush_layers_kernel(
             kp = ka.to(tl.pointer_type(tl.float16))
             vp = va.to(tl.pointer_type(tl.float16))
         gi = tl.arange(0, G)
-        # one pointer vector per program (its loads are scalar either way: the tables' addresses carry no
-        # alignment), fewer registers held through the quantizer
+        # one pointer vector per program, K's or V's (the loads are scalar either way: the tables' addresses carry
+        # no alignment): fewer spills than holding both through the quantizer
         if tl.program_id(1) == 0:
             tok = kp + src * stride_kt + head * stride_kh + gi * stride_kg
         else:
@@ -557,7 +557,8 @@ def _launch_store(k, v, cache, lay, n_tiles, H, iters, source, *, block_ids=None
 
 
 def _tile_constexprs(lay, H: int, D: int, iters) -> dict:
-    """What every launch of _store_one's tile quantizer passes alike (store_tiles / store_decode, flush_layers).
+    """What every launch of _store_one's tile quantizer passes alike (store_tiles, store_step_tiles, store_decode,
+    flush_layers).
     Warps: one program per (tile, head, K|V) holds a whole [128, 128] fp32 tile; 8 warps (16 for 256 x 128) to hide
     the balancing chain's latency."""
     return dict(H=H, G=lay.g, D=D, KB=lay.kb, VB=lay.vb, ITERS=int(iters), **lay.offsets(),
@@ -587,6 +588,20 @@ def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids
     _launch_store(k, v, cache, lay, T, H, iters, TILES.value, block_ids=block_ids)
 
 
+def _token_args(k, v, cache, tail_k, tail_v, fmt, iters, rows: str):
+    """The checks of a store from token rows k, v [rows, H, D] with tails: (format, iters, record layout, H, sink)."""
+    fmt = as_format(fmt)
+    iters = fmt.balance_iters if iters is None else iters
+    if k.dim() != 3 or k.shape != v.shape:
+        raise KvarnError(f"k and v must both be [{rows}, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    H, D = k.shape[1], k.shape[2]
+    lay = layout(fmt, D)
+    check_cache(cache, lay)
+    if cache.shape[1] != H:
+        raise KvarnError(f"cache has {cache.shape[1]} kv heads, k has {H}")
+    return fmt, iters, lay, H, check_tail(tail_k, tail_v, H, lay.g, D, fmt.window_tokens)
+
+
 def store_step_tiles(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
                      cache: torch.Tensor, block_ids: torch.Tensor, first: torch.Tensor, old: torch.Tensor,
                      slots: torch.Tensor, fmt: KVFormat | str, iters: int | None = None) -> None:
@@ -594,21 +609,15 @@ def store_step_tiles(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tai
     first[t] + j (k, v [N, H, D]), except positions j < old[t], written in earlier steps, which are tail row slots[t]
     at position j (tail_k / tail_v [S, H, g (+ sink + 2W), D]). Records go to cache[block_ids[t]] (< 0: skipped).
     block_ids, old, slots int32 [T]; first int64 [T] (entries where old[t] == g are not read)."""
-    fmt = as_format(fmt)
-    iters = fmt.balance_iters if iters is None else iters
-    if k.dim() != 3 or k.shape != v.shape:
-        raise KvarnError(f"k and v must both be [N, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
-    _, H, D = k.shape
-    lay = layout(fmt, D)
-    check_cache(cache, lay)
-    check_tail(tail_k, tail_v, H, lay.g, D, fmt.window_tokens)
-    if cache.shape[1] != H:
-        raise KvarnError(f"cache has {cache.shape[1]} kv heads, k has {H}")
+    fmt, iters, lay, H, _ = _token_args(k, v, cache, tail_k, tail_v, fmt, iters, "N")
+    if tail_k.dtype not in _TAIL_DTYPES or tail_v.dtype != tail_k.dtype:
+        raise KvarnError(f"tails must be fp16, bf16 or fp32 alike, got {tail_k.dtype} and {tail_v.dtype}")
     T = block_ids.shape[0]
     for name, t, dt in (("block_ids", block_ids, torch.int32), ("first", first, torch.int64),
                         ("old", old, torch.int32), ("slots", slots, torch.int32)):
-        if t.shape != (T,) or t.dtype != dt:
-            raise KvarnError(f"{name} must be {dt} [T={T}], got {t.dtype} {tuple(t.shape)}")
+        if t.shape != (T,) or t.dtype != dt or t.device != cache.device:
+            raise KvarnError(f"{name} must be {dt} [T={T}] on {cache.device}, got {t.dtype} {tuple(t.shape)} on "
+                             f"{t.device}")
     if T == 0:
         return
     # one element type per load: the tail's (the backend's new K/V already have it)
@@ -661,14 +670,8 @@ def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ta
     defer: True: the tail write only; a completed tile stays in the tail (decode_attention(defer=True) reads it
     there) until flush_layers quantizes it. An int32 [1] tensor: the same when its value is 1 at run time, the
     immediate flush when 0 (a captured graph serves both)."""
-    fmt = as_format(fmt)
-    iters = fmt.balance_iters if iters is None else iters
-    if k.dim() != 3 or k.shape != v.shape:
-        raise KvarnError(f"k and v must both be [B, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
-    B, H, D = k.shape
-    lay = layout(fmt, D)
-    check_cache(cache, lay)
-    sink = check_tail(tail_k, tail_v, H, lay.g, D, fmt.window_tokens)
+    fmt, iters, lay, H, sink = _token_args(k, v, cache, tail_k, tail_v, fmt, iters, "B")
+    B, D = k.shape[0], k.shape[2]
     if seq_lens.shape[0] < B or tail_slots.shape[0] < B or block_table.dim() != 2 or block_table.shape[0] < B:
         raise KvarnError(f"seq_lens, tail_slots and block_table need {B} rows, got {tuple(seq_lens.shape)}, "
                          f"{tuple(tail_slots.shape)}, {tuple(block_table.shape)}")

@@ -56,8 +56,8 @@ def store(plan: StepPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
         raise ValueError(f"kvarn: tail buffers of {tail_k.shape[2]} rows, the plan wants {g} + sink {plan.sink} + "
                          f"window 2 x {plan.window}")
     if plan.num_tiles:
-        fn = _kernel("store", "store_step_tiles", k.is_cuda) if (k.is_cuda if use_kernels is None else use_kernels) \
-            else None
+        kernels = k.is_cuda if use_kernels is None else use_kernels
+        fn = _kernel("store", "store_step_tiles", k.is_cuda) if kernels else None
         if fn is not None:
             fn(k, v, tail_k, tail_v, cache, plan.tile_block_ids, plan.tile_first, plan.tile_old, plan.tile_slot, fmt,
                iters)

@@ -139,7 +139,8 @@ def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, b
         cols_t = to_device(t_cols, np.int64, device)
         tile_block_ids = block_table[rows_t, cols_t].to(torch.int32)
         # positions [0, old) of a tile were written in earlier steps (tail), [old, g) are new tokens from
-        # t_first + old on (t_first, the index position 0 would have, is negative when old > row 0's start)
+        # t_first + old on (t_first, the index position 0 would have, is negative when old exceeds the row's first
+        # new-token index q0)
         lo = t_cols * g
         tc = c[t_seg]
         t_old = np.maximum(0, tc - lo)

@@ -40,7 +40,7 @@ def _torch_varlen(scale: float):
 def synthetic_steps(num_kv_heads: int, num_heads: int, head_size: int, dtype: torch.dtype, fmt: KVFormat,
                     device, *, defer: bool = False) -> list:
     """Steps of two requests through ops, as the backend's forward runs them: (1) two fresh prompts that complete
-    a tile each and leave tokens in the tail (store_tiles, raw attention); (2) a mixed step, one decode row
+    a tile each and leave tokens in the tail (store_step_tiles, raw attention); (2) a mixed step, one decode row
     (decode_attention, eagerly) and one continuation chunk over a stored tile (the record decoder + varlen
     attention); (3) a decode-only step run eagerly (store_decode + decode_attention: batches above
     the largest captured size, --enforce-eager), with `defer` (on a GPU) as the backend then runs every decode-only

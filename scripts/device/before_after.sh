@@ -5,10 +5,11 @@
 #   bash scripts/device/run.sh before_after:590      # carrying .device/base (and the bundle's .device/c5, bin, data)
 # Each side: the decode microbench (B=64 x 16K, Qwen3-8B heads), the showcase burst (Qwen3-8B shape, dummy weights,
 # 96 x (14,336 + 2,048): FP16 and kvarn_k4v2_g128 in one `kvarn bench` run), SmolLM2 chunked perplexity (2 x 4096,
-# chunk 128) through vLLM; on request the store microbench (`store`: one tile x 36 layers, and 128 tiles x 36
-# layers as a 16K-token prefill step stores them) and the served short burst (`serve`: Qwen3-0.6B shape through
-# `vllm serve`, 32 x (1,024 + 256) at once: TTFT and ITL). KVARN_BA_SIDES picks base, head or base,head (the
-# default); KVARN_BA_PARTS some of mb,store,bench,serve,ppl (default mb,bench,ppl); KVARN_BA_BASE_DTYPES the base side's bench
+# chunk 128) through vLLM; on request the store microbench (`store`: one tile x 36 layers, 128 tiles x 36 layers,
+# and a prefill step's store as the backend runs it, scripts/device/step_store.py: 32 prompts of 987 tokens x 28
+# layers) and the served short burst (`serve`: Qwen3-0.6B shape through `vllm serve`, 32 x (1,024 + 256) at once:
+# TTFT and ITL). KVARN_BA_SIDES picks base, head or base,head (the default); KVARN_BA_PARTS some of
+# mb,store,bench,serve,ppl (default mb,bench,ppl); KVARN_BA_BASE_DTYPES the base side's bench
 # formats (default FP16 and KVarN; kvarn_k4v2_g128 alone when only KVarN's code changed, vLLM's FP16 then measured
 # once, beside this tree's KVarN); KVARN_BA_HEAD_DTYPES this tree's (default FP16 and KVarN; KVarN alone when the
 # FP16 pairing is measured elsewhere and one call must hold both sides). Results under $OUT/<side>/.
@@ -35,13 +36,15 @@ side() {  # name, site dir, bench formats: the kvarn that side imports (vLLM and
   case $PARTS in *,store,*)
     kv 150 python3 -m kvarn_cli.app microbench store --batch 128 --context 2048 --q-heads 32 --kv-heads 8 \
       --head-dim 128 --model qwen3-8b --kv-dtype kvarn_k4v2_g128 --check --json 2>"$d/store.err" | tail -n 1 \
-      > "$d/store.json" ;; esac
+      > "$d/store.json"
+    kv 120 python3 scripts/device/step_store.py > "$d/step_store.json" 2> "$d/step_store.err" ;; esac
   case $PARTS in *,bench,*)
     # --timeout is per cell (engine start + burst); the wrapper allows every cell its own
     local cells; cells=$(echo "$dtypes" | tr ',' '\n' | wc -l)
     kv $(( 40 + 400 * cells )) python3 -m kvarn_cli.app bench --engine vllm --model qwen3-8b --dummy-weights \
       --kv-dtype "$dtypes" --burst 16k --requests 96 --prompt-len 14336 --output-len 2048 \
       --max-num-seqs 96 --timeout 380 --out "$d/bench" > "$d/bench.log" 2>&1 ;; esac
+  bash "$(dirname "$0")/free_gpu.sh"
   case $PARTS in *,serve,*)
     local cells; cells=$(echo "$dtypes" | tr ',' '\n' | wc -l)
     kv $(( 40 + 240 * cells )) python3 -m kvarn_cli.app bench --engine vllm --mode serve --model qwen3-0.6b \
@@ -93,6 +96,13 @@ for side in ("base", "head"):
           f"{f(st.get('flush_layers_ms'), 3):>10} {f(tok.get('auto')):>11} "
           f"{f(tok.get('kvarn_k4v2_g128')):>12} {f(ratio, 2):>6} {f(kvx, 2):>5} {f(ppl.get('auto'), 3):>9} "
           f"{f(ppl.get('kvarn_k4v2_g128'), 3):>10}")
+for side in ("base", "head"):
+    try:
+        r = json.loads((root / side / "step_store.json").read_text())
+        print(f"{side}: a prefill step's store, {r['requests']} x {r['prompt']} tokens x {r['layers']} layers "
+              f"({r['tiles']} tiles): {r['step_store_ms']:.3f} ms")
+    except Exception:  # noqa: BLE001 - not run
+        pass
 serve = []
 for side in ("base", "head"):
     try:

@@ -6,12 +6,14 @@
 # Qwen3-8B shape, dummy weights, B=64 requests prefilled to C=4096 (lengths staggered over one tile), then 20 decode
 # steps under torch.profiler + CUDA events, for `auto` (FP16 baseline) and kvarn_k4v2_g128, each in its own engine
 # process (~60-80 s start each). KVARN_PROFILE_PHASE=prefill profiles the fill instead; KVARN_PROFILE_MODEL (a
-# bundled shape), KVARN_PROFILE_BATCH and KVARN_PROFILE_CONTEXT change the model, B and C. Results: $OUT/profile (JSON, worker logs, chrome traces). Tables last.
+# bundled shape), KVARN_PROFILE_BATCH and KVARN_PROFILE_CONTEXT change the model, B and C. Results: $OUT/profile
+# (JSON, worker logs, chrome traces). Tables last.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT/profile"
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false COLUMNS=200
 KVARN="kvarn"; command -v kvarn >/dev/null 2>&1 || KVARN="python3 -m kvarn_cli.app"
-ARGS=(--model "${KVARN_PROFILE_MODEL:-qwen3-8b}" --batch "${KVARN_PROFILE_BATCH:-64}" --context "${KVARN_PROFILE_CONTEXT:-4096}"
+ARGS=(--model "${KVARN_PROFILE_MODEL:-qwen3-8b}" --batch "${KVARN_PROFILE_BATCH:-64}"
+      --context "${KVARN_PROFILE_CONTEXT:-4096}"
       --phase "${KVARN_PROFILE_PHASE:-decode}" --steps "${KVARN_PROFILE_STEPS:-20}" --timeout 150
       --workdir "$OUT/profile/work")
 [ -n "${KVARN_PROFILE_TRACE:-}" ] && ARGS+=(--trace "$OUT/profile/traces")

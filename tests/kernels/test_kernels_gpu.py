@@ -40,6 +40,7 @@ def test_gpu_step_store_writes_what_store_tiles_writes(D):
     tail_v = torch.randn_like(tail_k)
     old = torch.randint(0, g, (T,), device=DEV, generator=gen, dtype=torch.int32)
     old[: T // 2] = 0  # half the tiles whole in the new tokens, as a prefill step has them
+    old[0] = 100  # and one whose position 0 would be token -23: those lanes must come from the tail alone
     first = torch.arange(T, device=DEV, dtype=torch.int64) * g + 77 - old.long()
     slots = torch.randperm(T, device=DEV, generator=gen).int()
     ids = torch.randperm(T + 1, device=DEV, generator=gen)[:T].int()
