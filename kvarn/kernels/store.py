@@ -455,8 +455,7 @@ class LayerTable:
                     raise KvarnError("flush_layers: every layer's tails and cache must have the same shape, strides, "
                                      f"dtype and device; got {tuple(a.shape)} {a.dtype} against {tuple(b.shape)} "
                                      f"{b.dtype}")
-        if tails_k[0].dtype not in _TAIL_DTYPES or tails_v[0].dtype != tails_k[0].dtype:
-            raise KvarnError(f"flush_layers: tails must be fp16, bf16 or fp32, got {tails_k[0].dtype}")
+        _check_tail_dtypes(tails_k[0], tails_v[0], "flush_layers")
         dev = caches[0].device
         self.k, self.v, self.c = (torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)
                                   for ts in (tails_k, tails_v, caches))
@@ -466,6 +465,12 @@ class LayerTable:
 
 _TABLES: dict = {}
 _TAIL_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # flush_layers' TAIL_DT
+
+
+def _check_tail_dtypes(tail_k: torch.Tensor, tail_v: torch.Tensor, what: str) -> None:
+    """The tails the kernels read: K and V alike, fp16, bf16 or fp32."""
+    if tail_k.dtype not in _TAIL_DTYPES or tail_v.dtype != tail_k.dtype:
+        raise KvarnError(f"{what}: tails must be fp16, bf16 or fp32 alike, got {tail_k.dtype} and {tail_v.dtype}")
 
 
 def layer_table(tails_k, tails_v, caches) -> LayerTable:
@@ -610,8 +615,7 @@ def store_step_tiles(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tai
     at position j (tail_k / tail_v [S, H, g (+ sink + 2W), D]). Records go to cache[block_ids[t]] (< 0: skipped).
     block_ids, old, slots int32 [T]; first int64 [T] (entries where old[t] == g are not read)."""
     fmt, iters, lay, H, _ = _token_args(k, v, cache, tail_k, tail_v, fmt, iters, "N")
-    if tail_k.dtype not in _TAIL_DTYPES or tail_v.dtype != tail_k.dtype:
-        raise KvarnError(f"tails must be fp16, bf16 or fp32 alike, got {tail_k.dtype} and {tail_v.dtype}")
+    _check_tail_dtypes(tail_k, tail_v, "store_step_tiles")
     T = block_ids.shape[0]
     for name, t, dt in (("block_ids", block_ids, torch.int32), ("first", first, torch.int64),
                         ("old", old, torch.int32), ("slots", slots, torch.int32)):
