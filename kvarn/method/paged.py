@@ -9,6 +9,7 @@ position's.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -65,6 +66,93 @@ def _dequantize_into(cache, bids, dst0, k, v, fmt: KVFormat) -> None:
         v[idx] = vd.transpose(1, 2).reshape(-1, Hk, D).to(v.dtype)
 
 
+@dataclass
+class PostStoreIndex:
+    """Where each key post_store_kv returns comes from, for some batch rows of one step: the host work and the
+    host-to-device copies are done once, and every layer of the step gathers through the same index."""
+    cu_k: np.ndarray  # int64 [rows + 1], host: row i's keys are [cu_k[i], cu_k[i + 1])
+    tile_bids: torch.Tensor | None  # int64 [T]: the record of each full tile
+    tile_dst: torch.Tensor | None  # int64 [T]: the output row of its first position
+    # keys read from tail rows (the unfinished tile, the sink, the window; disjoint output rows): output row, tail
+    # slot, tail row, and whether the request may read it (None: every one; else sink / window rows of a slot that
+    # holds another request's tokens keep the record's value)
+    row_dst: torch.Tensor | None  # int64 [n]
+    row_slot: torch.Tensor | None  # int64 [n]
+    row_src: torch.Tensor | None  # int64 [n]
+    row_use: torch.Tensor | None  # bool [n, 1, 1]
+
+    @property
+    def num_keys(self) -> int:
+        return int(self.cu_k[-1])
+
+
+def post_store_index(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, block_table, tail_rows: int,
+                     fmt: KVFormat, sink_lens=None, win_lens=None) -> PostStoreIndex:
+    """The PostStoreIndex of post_store_kv (its arguments; tail_rows: the tail buffers' row count g + sink + 2W, or g
+    for tails with neither sink nor window). Host->device copies are asynchronous: no sync."""
+    g = fmt.group
+    dev = block_table.device
+    s = np.asarray(seq_lens, dtype=np.int64)
+    slots = np.asarray(slots, dtype=np.int64)
+    rows = np.asarray(rows, dtype=np.int64)
+    zeros = np.zeros(len(rows), dtype=np.int64)
+    cu_k = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(s, out=cu_k[1:])
+
+    def dev_(x):
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(dev, non_blocking=True)
+
+    n_full = s // g
+    seg, cols = ragged_ranges(zeros, n_full)  # (row, tile index) of every full tile
+    tile_bids = tile_dst = None
+    if len(seg):
+        tile_bids = block_table[dev_(rows[seg]), dev_(cols)].long()
+        tile_dst = dev_(cu_k[seg] + cols * g)
+    W = fmt.window_tokens if tail_rows > g else 0  # [.., g, D] tails: no sink, no window
+    sink = tail_rows - g - 2 * W  # rows with a quantized first tile read its first positions from the sink rows
+    # (segment, output row, tail row, position in the part that a request may not own, that part's lens)
+    parts = []
+    tseg, tpos = ragged_ranges(zeros, s - n_full * g)  # the unfinished tile: always the request's own
+    parts.append((tseg, cu_k[tseg] + n_full[tseg] * g + tpos, tpos, None, None))
+    if sink:  # sink_lens[i] of row i's sink rows are its own
+        sseg, spos = ragged_ranges(zeros, np.where(n_full > 0, sink, 0))
+        parts.append((sseg, cu_k[sseg] + spos, g + spos, spos, sink_lens))
+        if W:  # the window half of the tile before the newest position's, where win_lens[i] > 0 (its own)
+            wt = (s - 1) // g - 1
+            wseg, wj = ragged_ranges(zeros, np.where(s > g, W, 0))
+            parts.append((wseg, cu_k[wseg] + wt[wseg] * g + g - W + wj, g + sink + (wt[wseg] % 2) * W + wj, wj,
+                          None if win_lens is None else (win_lens > 0).to(torch.int64) * W))
+    parts = [p for p in parts if len(p[0])]
+    if not parts:
+        return PostStoreIndex(cu_k, tile_bids, tile_dst, None, None, None, None)
+    use = None
+    if any(lens is not None for *_, lens in parts):
+        use = torch.cat([torch.ones(len(seg), dtype=torch.bool, device=dev) if lens is None else
+                         dev_(j) < lens.to(dev).reshape(-1)[dev_(seg)] for seg, _, _, j, lens in parts])[:, None, None]
+    cat = lambda i: dev_(np.concatenate([p[i] for p in parts]))  # noqa: E731
+    return PostStoreIndex(cu_k, tile_bids, tile_dst, cat(1), dev_(slots[np.concatenate([p[0] for p in parts])]),
+                          cat(2), use)
+
+
+def gather_post_store(ix: PostStoreIndex, cache, tail_k, tail_v, fmt: KVFormat, dtype,
+                      dequantize: Callable | None = None):
+    """The keys and values an index names: (k, v [ix.num_keys, Hk, D] in `dtype`). Records are dequantized to the
+    original basis by `dequantize(cache, block_ids, dst_rows, k, v, fmt)` (kvarn.kernels.dequantize_to_rows) or, when
+    None, by the reference decoder."""
+    k = torch.empty(ix.num_keys, cache.shape[1], tail_k.shape[-1], dtype=dtype, device=cache.device)
+    v = torch.empty_like(k)
+    if ix.tile_bids is not None:
+        (dequantize or _dequantize_into)(cache, ix.tile_bids, ix.tile_dst, k, v, fmt)
+    if ix.row_dst is not None:
+        tk = tail_k[ix.row_slot, :, ix.row_src].to(dtype)
+        tv = tail_v[ix.row_slot, :, ix.row_src].to(dtype)
+        if ix.row_use is not None:
+            tk, tv = torch.where(ix.row_use, tk, k[ix.row_dst]), torch.where(ix.row_use, tv, v[ix.row_dst])
+        k[ix.row_dst] = tk
+        v[ix.row_dst] = tv
+    return k, v
+
+
 def post_store_kv(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cache, block_table, tail_k, tail_v,
                   fmt: KVFormat, dtype, sink_lens=None, dequantize: Callable | None = None, win_lens=None):
     """The K/V the attention of batch rows `rows` sees after this step's store (seq_lens / slots: their lengths and
@@ -74,52 +162,9 @@ def post_store_kv(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cac
     from the tail rows; rows whose first tile is quantized take their first `sink` positions (sink_lens[i] of them,
     a device tensor, where given) from the sink rows, and the window of the tile before their newest position's from
     its window rows (where win_lens[i] > 0, a device tensor, where given)."""
-    g = fmt.group
-    s = np.asarray(seq_lens, dtype=np.int64)
-    slots = np.asarray(slots, dtype=np.int64)
-    cu_k = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(s, out=cu_k[1:])
-    Hk, D = cache.shape[1], tail_k.shape[-1]
-    dev = cache.device
-    k = torch.empty(int(cu_k[-1]), Hk, D, dtype=dtype, device=dev)
-    v = torch.empty_like(k)
-    n_full = s // g
-    seg, cols = ragged_ranges(np.zeros(len(rows), dtype=np.int64), n_full)  # (row, tile index) of every full tile
-    if len(seg):
-        bids = block_table[torch.from_numpy(np.asarray(rows)[seg]).to(dev), torch.from_numpy(cols).to(dev)].long()
-        dst0 = torch.from_numpy(cu_k[seg] + cols * g).to(dev)
-        (dequantize or _dequantize_into)(cache, bids, dst0, k, v, fmt)
-    tseg, tpos = ragged_ranges(np.zeros(len(rows), dtype=np.int64), s - n_full * g)
-    if len(tseg):
-        dst = torch.from_numpy(cu_k[tseg] + n_full[tseg] * g + tpos).to(dev)
-        sl, ps = torch.from_numpy(slots[tseg]).to(dev), torch.from_numpy(tpos).to(dev)
-        k[dst] = tail_k[sl, :, ps].to(dtype)
-        v[dst] = tail_v[sl, :, ps].to(dtype)
-    W = fmt.window_tokens if tail_k.shape[2] > g else 0  # [.., g, D] tails: no sink, no window
-    sink = tail_k.shape[2] - g - 2 * W  # rows with a quantized first tile read its first positions from the sink rows
-
-    def from_tail_rows(seg, dst, row, lens, j):
-        # positions dst of rows seg read tail rows `row` of their slots, where j < lens[seg] (a device tensor, so
-        # no sync; None: everywhere)
-        dst, sl, ps = (torch.from_numpy(x).to(dev) for x in (dst, slots[seg], row))
-        tk, tv = tail_k[sl, :, ps].to(dtype), tail_v[sl, :, ps].to(dtype)
-        if lens is not None:
-            use = (torch.from_numpy(j).to(dev) < lens.to(dev)[torch.from_numpy(seg).to(dev)])[:, None, None]
-            tk, tv = torch.where(use, tk, k[dst]), torch.where(use, tv, v[dst])
-        k[dst] = tk
-        v[dst] = tv
-
-    if sink:  # sink_lens[i] of row i's sink rows are its own
-        sseg, spos = ragged_ranges(np.zeros(len(rows), dtype=np.int64), np.where(n_full > 0, sink, 0))
-        if len(sseg):
-            from_tail_rows(sseg, cu_k[sseg] + spos, g + spos, sink_lens, spos)
-    if W and sink:  # the window half of the tile before the newest position's, where win_lens[i] > 0 (its own)
-        wt = (s - 1) // g - 1
-        wseg, wj = ragged_ranges(np.zeros(len(rows), dtype=np.int64), np.where(s > g, W, 0))
-        if len(wseg):
-            from_tail_rows(wseg, cu_k[wseg] + wt[wseg] * g + g - W + wj, g + sink + (wt[wseg] % 2) * W + wj,
-                           None if win_lens is None else (win_lens > 0).to(torch.int64) * W, wj)
-    return k, v, cu_k
+    ix = post_store_index(rows, seq_lens, slots, block_table, tail_k.shape[2], fmt, sink_lens, win_lens)
+    k, v = gather_post_store(ix, cache, tail_k, tail_v, fmt, dtype, dequantize)
+    return k, v, ix.cu_k
 
 
 def varlen_attention_torch(q, k, v, cu_q, cu_k, scale):

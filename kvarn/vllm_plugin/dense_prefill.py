@@ -9,13 +9,21 @@ would see them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
 from ..formats import KVFormat
-from ..method.paged import post_store_kv, ragged_ranges, varlen_attention_torch
+from ..method.paged import (
+    PostStoreIndex,
+    gather_post_store,
+    post_store_index,
+    post_store_kv,
+    ragged_ranges,
+    varlen_attention_torch,
+)
 from .step_plan import StepPlan
 
 DENSE_KEY_BUDGET = 65536  # keys materialized at once (16-bit K + V: 256 MiB at Hk 8, D 128)
@@ -58,6 +66,48 @@ def _groups(lens: np.ndarray, budget: int):
         yield a, len(lens)
 
 
+@dataclass
+class DenseGroup:
+    """Continuation rows materialized at once (<= the key budget), with every index their attention needs; built
+    once per step, on its first layer, and read by every layer."""
+    index: PostStoreIndex
+    q0: int  # their queries are qc[q0:q1] (qc: the continuation rows' queries, in row order)
+    q1: int
+    own_dst: torch.Tensor  # int64 [q1 - q0]: the key rows of each row's own chunk (its last q_len positions)
+    cu_q: np.ndarray  # int64 [rows + 1], host
+    cu_q_dev: torch.Tensor  # int32, for FlashAttention
+    cu_k_dev: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def dense_groups(plan: StepPlan, block_table, tail_rows: int, fmt: KVFormat, key_budget: int) -> list[DenseGroup]:
+    """The continuation rows of a step in groups of at most `key_budget` keys (a longer row alone), indexed."""
+    rows = plan.cont_rows
+    dev = block_table.device
+    s = plan.seq_lens[rows].astype(np.int64)
+    qlen = (plan.qsl[rows + 1] - plan.qsl[rows]).astype(np.int64)
+    q_cu = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(qlen, out=q_cu[1:])
+    rows_dev = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(dev, non_blocking=True)
+
+    def dev_(x, dtype=np.int64):
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=dtype)).to(dev, non_blocking=True)
+
+    def lens_of(lens, a, e):  # the group's rows of a device [R] tensor (a device gather: no sync)
+        return None if lens is None else lens.to(dev)[rows_dev[a:e]]
+
+    out = []
+    for a, e in _groups(s, key_budget):
+        ix = post_store_index(rows[a:e], s[a:e], plan.tail_slots_np[rows[a:e]], block_table, tail_rows, fmt,
+                              lens_of(plan.sink_lens, a, e), lens_of(plan.win_lens, a, e))
+        seg, pos = ragged_ranges(np.zeros(e - a, dtype=np.int64), qlen[a:e])
+        cu_q = q_cu[a:e + 1] - q_cu[a]
+        out.append(DenseGroup(ix, int(q_cu[a]), int(q_cu[e]), dev_(ix.cu_k[seg + 1] - qlen[a:e][seg] + pos), cu_q,
+                              dev_(cu_q, np.int32), dev_(ix.cu_k, np.int32), int(qlen[a:e].max()), int(s[a:e].max())))
+    return out
+
+
 def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: KVFormat, scale: float,
                   varlen: Callable | None = None, key_budget: int | None = None, use_kernels: bool | None = None,
                   own_k=None, own_v=None):
@@ -65,30 +115,25 @@ def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: K
     of rows holding at most `key_budget` keys (bounds the transient 16-bit buffer): varlen(q, k, v, cu_q, max_q,
     cu_k=, max_k=) (vLLM's FlashAttention) when given, else the torch varlen. Returns [n, Hq, D].
     own_k / own_v [n, Hk, D] (the chunks' new K/V, in qc's order): each chunk reads its own tokens raw. Without them
-    every position reads the stored state (tiles the chunk completed come back quantized)."""
-    rows = plan.cont_rows
+    every position reads the stored state (tiles the chunk completed come back quantized).
+    The groups and their indexes are built on the first call for a plan and kept on it (plan.dense): the step's
+    other layers reuse them, with no host work or host->device copies of their own."""
     key_budget = DENSE_KEY_BUDGET if key_budget is None else key_budget
-    s = plan.seq_lens[rows].astype(np.int64)
-    qlen = (plan.qsl[rows + 1] - plan.qsl[rows]).astype(np.int64)
-    q_cu = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(qlen, out=q_cu[1:])
+    key = (key_budget, tail_k.shape[2], fmt.name, str(cache.device))
+    cached = getattr(plan, "dense", None)
+    if cached is None or cached[0] != key:
+        cached = (key, dense_groups(plan, block_table, tail_k.shape[2], fmt, key_budget))
+        plan.dense = cached
+    decoder = _record_decoder(cache.is_cuda if use_kernels is None else use_kernels, cache.is_cuda)
     outs = []
-    for a, e in _groups(s, key_budget):
-        k, v, cu_k = materialize_dense(rows[a:e], s[a:e], plan.tail_slots_np[rows[a:e]], cache, block_table,
-                                       tail_k, tail_v, fmt, qc.dtype, use_kernels,
-                                       None if plan.sink_lens is None else plan.sink_lens[rows[a:e]],
-                                       None if plan.win_lens is None else plan.win_lens[rows[a:e]])
-        if own_k is not None:  # row i's last qlen[i] positions are its own chunk: raw
-            seg, pos = ragged_ranges(np.zeros(e - a, dtype=np.int64), qlen[a:e])
-            dst = torch.from_numpy(cu_k[seg + 1] - qlen[a:e][seg] + pos).to(k.device)
-            k[dst] = own_k[int(q_cu[a]):int(q_cu[e])].to(k.dtype)
-            v[dst] = own_v[int(q_cu[a]):int(q_cu[e])].to(v.dtype)
-        q = qc[int(q_cu[a]):int(q_cu[e])]
-        cu_q = q_cu[a:e + 1] - q_cu[a]
+    for grp in cached[1]:
+        k, v = gather_post_store(grp.index, cache, tail_k, tail_v, fmt, qc.dtype, decoder)
+        if own_k is not None:  # row i's last q_len positions are its own chunk: raw
+            k[grp.own_dst] = own_k[grp.q0:grp.q1].to(k.dtype)
+            v[grp.own_dst] = own_v[grp.q0:grp.q1].to(v.dtype)
+        q = qc[grp.q0:grp.q1]
         if varlen is not None:
-            to_dev = lambda x: torch.from_numpy(x.astype(np.int32)).to(qc.device, non_blocking=True)  # noqa: E731
-            outs.append(varlen(q, k, v, to_dev(cu_q), int(qlen[a:e].max()), cu_k=to_dev(cu_k),
-                               max_k=int(s[a:e].max())))
+            outs.append(varlen(q, k, v, grp.cu_q_dev, grp.max_q, cu_k=grp.cu_k_dev, max_k=grp.max_k))
         else:
-            outs.append(varlen_attention_torch(q, k, v, cu_q, cu_k, scale))
+            outs.append(varlen_attention_torch(q, k, v, grp.cu_q, grp.index.cu_k, scale))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -79,6 +79,9 @@ class StepPlan:
     # int32 [R] device: `window` where the row's slot holds the window of its tile before the newest position's
     # (that tile's block is the one the slot's window tag names), else 0; None = all (update_window_lens)
     win_lens: torch.Tensor | None = None
+    # the continuation rows' dense-attention groups and indexes (kvarn.vllm_plugin.dense_prefill), built by the
+    # step's first layer and reused by the others: (their key, [DenseGroup])
+    dense: tuple | None = None
 
     @property
     def pure_prefill(self) -> bool:

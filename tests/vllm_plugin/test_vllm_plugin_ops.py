@@ -3,6 +3,8 @@ prefill, mixed batches, decode, a preemption and resume, with padded rows; every
 built from the true K/V and the reference quantizer."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -305,6 +307,39 @@ def test_dense_prefill_calls_varlen_like_flash_attention(monkeypatch):
     monkeypatch.setattr(ops, "attention", lambda *x, **kw: real_attention(*x, **{**kw, "raw_varlen": fake_fa}))
     eng.step([(a, 90), (b, 30)])  # a continues over a completed quantized tile + its tail; b is a first chunk
     assert calls == [([0, 30], [0, 30]), ([0, 90], [0, 160])]  # b raw; a over its 160 post-store tokens
+
+
+def test_dense_index_is_built_once_per_step_and_read_by_every_layer(monkeypatch, small_key_budget):
+    """A step's first layer builds the continuation rows' groups and indexes and keeps them on the plan; a later
+    layer (other queries, another cache and tails) reads through them and gets what a fresh plan gives it."""
+    gen = torch.Generator().manual_seed(11)
+    eng = Engine(sink=16)
+    a, b = Req("a", 200, gen), Req("b", 150, gen)
+    eng.step([(a, 100), (b, 70)])
+    builds = []
+    real_index = dense_prefill.post_store_index
+    monkeypatch.setattr(dense_prefill, "post_store_index", lambda *x, **kw: builds.append(1) or real_index(*x, **kw))
+    real_attention = ops.attention
+    layers = []
+
+    def two_layers(plan, q, k, v, out, cache, bt, seq_t, tk, tv, fmt, scale, **kw):
+        real_attention(plan, q, k, v, out, cache, bt, seq_t, tk, tv, fmt, scale, **kw)
+        kept = plan.dense
+        assert kept is not None and len(builds) == 2  # a's 160 keys, then b's 120: two groups of <= 150
+        q2, cache2, tk2, tv2 = torch.randn(q.shape, generator=gen), cache.flip(0), tk * 0.5, tv + 1.0
+        outs = []
+        for p in (plan, dataclasses.replace(plan, dense=None)):
+            o = torch.full_like(out, float("nan"))
+            real_attention(p, q2, k, v, o, cache2, bt, seq_t, tk2, tv2, fmt, scale, **kw)
+            outs.append(o)
+        assert plan.dense is kept and len(builds) == 4  # the kept plan built nothing; the fresh one its own
+        n = int(plan.qsl[-1])
+        assert torch.equal(outs[0][:n], outs[1][:n]) and not torch.allclose(outs[0][:n], out[:n])
+        layers.append(n)
+
+    monkeypatch.setattr(ops, "attention", two_layers)
+    eng.step([(a, 60), (b, 50)])  # two continuation rows (a completes tile 1 from its tail and new tokens)
+    assert layers == [110]
 
 
 def test_minimal_plan_only_for_decode_steps_and_only_with_kernels():
