@@ -6,8 +6,8 @@
 # Each side: the decode microbench (B=64 x 16K, Qwen3-8B heads), the showcase burst (Qwen3-8B shape, dummy weights,
 # 96 x (14,336 + 2,048): FP16 and kvarn_k4v2_g128 in one `kvarn bench` run), SmolLM2 chunked perplexity (2 x 4096,
 # chunk 128) through vLLM; on request the store microbench (`store`: one tile x 36 layers, 128 tiles x 36 layers,
-# and a prefill step's store as the backend runs it, scripts/device/step_store.py: 32 prompts of 987 tokens x 28
-# layers) and the served short burst (`serve`: Qwen3-0.6B shape through `vllm serve`, 32 x (1,024 + 256) at once:
+# a prefill step's store as the backend runs it, scripts/device/step_store.py: 32 prompts of 987 tokens x 28
+# layers, and with --mixed a chunked-prefill step's store and attention) and the served short burst (`serve`: Qwen3-0.6B shape through `vllm serve`, 32 x (1,024 + 256) at once:
 # TTFT and ITL). KVARN_BA_SIDES picks base, head or base,head (the default); KVARN_BA_PARTS some of
 # mb,store,bench,serve,ppl (default mb,bench,ppl); KVARN_BA_BASE_DTYPES the base side's bench
 # formats (default FP16 and KVarN; kvarn_k4v2_g128 alone when only KVarN's code changed, vLLM's FP16 then measured
@@ -37,7 +37,8 @@ side() {  # name, site dir, bench formats: the kvarn that side imports (vLLM and
     kv 150 python3 -m kvarn_cli.app microbench store --batch 128 --context 2048 --q-heads 32 --kv-heads 8 \
       --head-dim 128 --model qwen3-8b --kv-dtype kvarn_k4v2_g128 --check --json 2>"$d/store.err" | tail -n 1 \
       > "$d/store.json"
-    kv 120 python3 scripts/device/step_store.py > "$d/step_store.json" 2> "$d/step_store.err" ;; esac
+    kv 120 python3 scripts/device/step_store.py > "$d/step_store.json" 2> "$d/step_store.err"
+    kv 120 python3 scripts/device/step_store.py --mixed > "$d/step_mixed.json" 2> "$d/step_mixed.err" ;; esac
   case $PARTS in *,bench,*)
     # --timeout is per cell (engine start + burst); the wrapper allows every cell its own
     local cells; cells=$(echo "$dtypes" | tr ',' '\n' | wc -l)
@@ -96,13 +97,14 @@ for side in ("base", "head"):
           f"{f(st.get('flush_layers_ms'), 3):>10} {f(tok.get('auto')):>11} "
           f"{f(tok.get('kvarn_k4v2_g128')):>12} {f(ratio, 2):>6} {f(kvx, 2):>5} {f(ppl.get('auto'), 3):>9} "
           f"{f(ppl.get('kvarn_k4v2_g128'), 3):>10}")
-for side in ("base", "head"):
-    try:
-        r = json.loads((root / side / "step_store.json").read_text())
-        print(f"{side}: a prefill step's store, {r['requests']} x {r['prompt']} tokens x {r['layers']} layers "
-              f"({r['tiles']} tiles): {r['step_store_ms']:.3f} ms")
-    except Exception:  # noqa: BLE001 - not run
-        pass
+for name, what in (("step_store", "a prefill step's store"), ("step_mixed", "a mixed step's store + attention")):
+    for side in ("base", "head"):
+        try:
+            r = json.loads((root / side / f"{name}.json").read_text())
+            print(f"{side}: {what}, {r['requests']} rows, {r.get('tokens', '?')} tokens x {r['layers']} layers "
+                  f"({r['tiles']} tiles): {r['step_ms']:.3f} ms")
+        except Exception:  # noqa: BLE001 - not run
+            pass
 serve = []
 for side in ("base", "head"):
     try:

@@ -1,13 +1,17 @@
-"""The KV store a prefill step pays, as the vLLM backend runs it: kvarn.vllm_plugin.ops.store over a planned step of
-R fresh prompts (K/V views into one qkv buffer, as vLLM hands them), once per layer, timed on the GPU. Written against
-the interfaces an earlier kvarn has too (plan_step, ops.store), so before_after.sh runs it on both sides: whichever
-kvarn is first on PYTHONPATH is timed.
+"""What a prefill step's KV path costs, as the vLLM backend runs it, timed on the GPU: kvarn.vllm_plugin.ops.store
+over a planned step of R fresh prompts (K/V views into one qkv buffer, as vLLM hands them), once per layer; with
+--mixed, a step as chunked prefill under a burst schedules it (a quarter of the rows first chunks, a quarter
+continuation chunks over a stored prefix, half decode rows), its plan built on the host as the metadata builder
+does, then ops.store and ops.attention per layer (continuation chunks through vLLM's FlashAttention where it
+imports). Written against the interfaces an earlier kvarn has too (plan_step, update_sink_lens, ops.store,
+ops.attention), so before_after.sh runs it on both sides: whichever kvarn is first on PYTHONPATH is timed.
 
-    python3 scripts/device/step_store.py [--requests 32] [--prompt 987] [--layers 28] [--kv-heads 8] [--reps 7]
+    python3 scripts/device/step_store.py [--mixed] [--requests 32] [--prompt 987] [--layers 28] [--kv-heads 8]
+    python3 scripts/device/step_store.py --device cpu --requests 4 --prompt 130 --layers 2 --reps 1   # a smoke test
 
 Prompts of 987 tokens (not whole tiles: each step leaves tokens in the tail, as serving does). Prints one JSON line:
-the tiles the step stores, the median step time in ms (host launches included, as an eager prefill step pays them)
-and every repeat.
+the tiles the step stores, the median step time in ms (host work and launches included, as an eager prefill step
+pays them) and every repeat.
 """
 from __future__ import annotations
 
@@ -19,12 +23,33 @@ import numpy as np
 import torch
 
 from kvarn.formats import get_format
-from kvarn.vllm_plugin import ops
-from kvarn.vllm_plugin.step_plan import plan_step
+from kvarn.vllm_plugin import ops, step_plan
+
+
+def _varlen(head_dim: int, scale: float):
+    """vLLM's FlashAttention varlen as the backend calls it (bottom-right causal), or None without vLLM."""
+    try:
+        from kvarn.vllm_plugin.backend import flash_varlen
+
+        found = flash_varlen(head_dim)
+    except Exception:  # noqa: BLE001 - no vLLM here: the torch varlen
+        return None
+    if found is None:
+        return None
+    fa, ver = found
+
+    def run(q, k, v, cu, max_len, cu_k=None, max_k=None):
+        kw = {} if ver is None else {"fa_version": ver}
+        q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
+        return fa(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu if cu_k is None else cu_k, max_seqlen_q=max_len,
+                  max_seqlen_k=max_len if max_k is None else max_k, softmax_scale=scale, causal=True, **kw)
+
+    return run
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mixed", action="store_true", help="a chunked-prefill step: store and attention")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=987)
     ap.add_argument("--layers", type=int, default=28)
@@ -33,33 +58,55 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--kv-dtype", default="kvarn_k4v2_g128")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--device", default="cuda", help="cuda; cpu runs the torch reference (a smoke test, not a timing)")
     a = ap.parse_args()
-    dev, fmt = "cuda", get_format(a.kv_dtype)
-    g, R, P, H, D = fmt.group, a.requests, a.prompt, a.kv_heads, a.head_dim
-    blocks = -(-P // g)
+    dev, fmt = a.device, get_format(a.kv_dtype)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    g, R, P, H, Hq, D = fmt.group, a.requests, a.prompt, a.kv_heads, a.q_heads, a.head_dim
+    scale = D ** -0.5
+    if a.mixed:  # rows: first chunks of P, continuation chunks of P // 2 after P // 2, decodes after P
+        kinds = np.repeat([0, 1, 2], [R // 4, R // 4, R - 2 * (R // 4)])
+        ctx = np.select([kinds == 0, kinds == 1], [0, P // 2], P)
+        qlen = np.select([kinds == 0, kinds == 1], [P, P // 2], 1)
+    else:
+        ctx, qlen = np.zeros(R, dtype=np.int64), np.full(R, P)
+    seq = ctx + qlen
+    qsl = np.concatenate([[0], np.cumsum(qlen)])
+    blocks = -(-int(seq.max()) // g)
     table = torch.arange(R * blocks, dtype=torch.int32, device=dev).view(R, blocks)
-    plan = plan_step(np.arange(R + 1) * P, np.full(R, P), R, np.arange(R, dtype=np.int32), table, g, dev,
-                     sink=fmt.sink_tokens, window=fmt.window_tokens)
-    qkv = torch.randn(R * P, a.q_heads + 2 * H, D, device=dev).bfloat16()
-    k, v = qkv[:, a.q_heads:a.q_heads + H], qkv[:, a.q_heads + H:]
+    slots = np.arange(R, dtype=np.int32)
+    N = int(qsl[-1])
+    qkv = torch.randn(N, Hq + 2 * H, D, device=dev).bfloat16()
+    q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + H], qkv[:, Hq + H:]
+    out = torch.empty(N, Hq, D, dtype=torch.bfloat16, device=dev)
+    seq_dev = torch.from_numpy(seq.astype(np.int32)).to(dev)
     caches = [torch.zeros(R * blocks, H, fmt.record_bytes(D), dtype=torch.uint8, device=dev) for _ in range(a.layers)]
     tails = [[torch.zeros(R + 1, H, fmt.tail_rows, D, dtype=torch.bfloat16, device=dev) for _ in range(2)]
              for _ in range(a.layers)]
+    tags = torch.full((R + 1,), -1, dtype=torch.int32, device=dev)
+    sink_buf = torch.zeros(R + 1, dtype=torch.int32, device=dev)
+    varlen = _varlen(D, scale)
 
     def step():
+        plan = step_plan.plan_step(qsl, seq, R, slots, table, g, dev, sink=fmt.sink_tokens, window=fmt.window_tokens)
+        step_plan.update_sink_lens(plan, tags, table, sink_buf)
         for cache, (tk, tv) in zip(caches, tails):
             ops.store(plan, k, v, cache, tk, tv, fmt)
+            if a.mixed:
+                ops.attention(plan, q, k, v, out, cache, table, seq_dev, tk, tv, fmt, scale, raw_varlen=varlen)
+        return plan
 
-    step()  # compiles
-    torch.cuda.synchronize()
+    plan = step()  # compiles
+    sync()
     ms = []
     for _ in range(a.reps):
         t = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        sync()
         ms.append(1e3 * (time.perf_counter() - t))
-    print(json.dumps({"tiles": plan.num_tiles * a.layers, "requests": R, "prompt": P, "layers": a.layers,
-                      "step_store_ms": sorted(ms)[len(ms) // 2], "ms": [round(x, 3) for x in ms]}))
+    print(json.dumps({"mixed": a.mixed, "tiles": plan.num_tiles * a.layers, "requests": R, "prompt": P,
+                      "layers": a.layers, "tokens": N, "flash_attention": varlen is not None,
+                      "step_ms": sorted(ms)[len(ms) // 2], "ms": [round(x, 3) for x in ms]}))
 
 
 if __name__ == "__main__":

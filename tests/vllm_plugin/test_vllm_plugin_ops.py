@@ -562,3 +562,23 @@ def test_window_tags_follow_every_block_a_chunk_writes():
     assert tags[0].tolist() == [-1, -1]  # slot 0 no longer names block 11
     # C hits B's first two blocks from A's old slot: it must not read A's rows as B's tile 1
     assert step([0], [[20, 11, 30, 0, 0]], [2 * G], [4]) == [0]
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_step_store_script_runs_both_steps(mixed):
+    """scripts/device/step_store.py (before_after.sh times it on both sides) plans and runs its step; on the CPU
+    through the torch reference, so only that it runs and what it reports."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "device" / "step_store.py"
+    args = ["--device", "cpu", "--requests", "4", "--prompt", "130", "--layers", "1", "--reps", "1", "--head-dim",
+            "64", "--kv-heads", "2", "--q-heads", "4"] + (["--mixed"] if mixed else [])
+    got = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, check=True)
+    r = json.loads(got.stdout.strip().splitlines()[-1])
+    # 128-token tiles. Fresh: 4 prompts of 130, a tile each. Mixed: a first chunk of 130 (one tile), a continuation of
+    # 65 after 65 (tile 0, from its tail and new tokens), two decodes at position 130 (none)
+    assert (r["mixed"], r["tokens"], r["tiles"]) == ((True, 130 + 65 + 2, 1 + 1) if mixed else (False, 520, 4))
+    assert r["step_ms"] > 0 and len(r["ms"]) == 1
