@@ -47,7 +47,6 @@ EVAL_KEYS = {"tasks", "samples", "limit", "timeout_min", "args"}
 TASK_KEYS = {"name", "samples", "limit", "context", "args"}
 GATE_KEYS = {"baseline", "policy"}
 MODES = ("throughput", "serve")
-KNOWN_TASKS = ("ppl", "niah", "aime25", "gsm8k", "ruler")  # used only when kvarn.eval exposes no registry
 
 # How a suite field becomes a flag of `kvarn bench` / `kvarn eval` (one place to adapt if their CLIs change).
 BENCH_FLAGS = {"model": "--model", "weights": "--weights", "kv_dtype": "--kv-dtype", "tp": "--tp", "mode": "--mode",
@@ -178,24 +177,6 @@ def _pos_int(v, where: str, minimum: int = 1) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise KvarnError(f"{where}: expected one integer >= {minimum}, got {v!r}")
     return v
-
-
-def _eval_task_names() -> tuple[str, ...] | None:
-    try:
-        import kvarn.eval as ev  # noqa: F401  (lands with the eval issue)
-    except Exception:
-        return None
-    for attr in ("TASKS", "TASK_REGISTRY", "REGISTRY"):
-        reg = getattr(ev, attr, None)
-        if isinstance(reg, dict) and reg:
-            return tuple(reg)
-    fn = getattr(ev, "task_names", None)
-    if callable(fn):
-        try:
-            return tuple(fn())
-        except Exception:
-            return None
-    return None
 
 
 def load_suite(spec: str | Path) -> Suite:
@@ -332,16 +313,16 @@ def validate_suite(data, path: Path | str = "suite") -> Suite:
         tasks_raw = e.get("tasks")
         if not isinstance(tasks_raw, list) or not tasks_raw:
             raise KvarnError(f"{where}: eval.tasks must be a non-empty list")
-        registry = _eval_task_names()
+        from .eval.tasks import TASKS
+
         tasks = []
         for i, t in enumerate(tasks_raw):
             t = {"name": t} if isinstance(t, str) else t
             _check_keys(t, TASK_KEYS, f"{where}: eval.tasks[{i}]")
             if "name" not in t:
                 raise KvarnError(f"{where}: eval.tasks[{i}] needs a name")
-            known = registry or KNOWN_TASKS
-            if str(t["name"]) not in known:
-                raise KvarnError(f"{where}: eval.tasks[{i}]: unknown task {t['name']!r}; accepted: {choices(known)}")
+            if str(t["name"]) not in TASKS:
+                raise KvarnError(f"{where}: eval.tasks[{i}]: unknown task {t['name']!r}; accepted: {choices(TASKS)}")
             task = {"name": str(t["name"]), "args": [str(a) for a in t.get("args", []) or []]}
             for k in ("samples", "limit", "context"):
                 v = t.get(k, e.get(k) if k != "context" else None)

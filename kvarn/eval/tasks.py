@@ -297,7 +297,6 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
     TaskSpec("ppl", "ppl", "perplexity, text fed in chunks through the KV cache (Moby-Dick or --data)",
              load_ppl, needs_tokenizer=True),
 )}
-REGISTRY = TASKS
 
 
 def task_names() -> list[str]:
