@@ -1,5 +1,5 @@
 """`kvarn eval` end to end on a CPU: gsm8k (8 problems, lm-eval's 5-shot prompts, 256 new tokens),
-niah at 2k (10 depths) and ppl (defaults: the bundled Moby-Dick, 1024-token windows, 128-token chunks) end to end on
+niah at 2k (10 depths) and ppl (defaults: the bundled Moby-Dick, 1024-token windows, 128-token chunks) on
 the real SmolLM2-135M-Instruct with fp16 and kvarn_k4v2_g128 (the `data` packages; CI installs them). ~5 min."""
 import importlib.util
 
