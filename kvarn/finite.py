@@ -48,6 +48,17 @@ def dtype_name(model) -> str:
     return str(getattr(model, "dtype", "")).replace("torch.", "")
 
 
+def all_finite(t):
+    """A 0-dim bool tensor on t's device (no sync): every element of t is finite. One aminmax pass (a NaN propagates
+    to both bounds, an infinity lands in one), several times cheaper than isfinite(t).all() on a CPU."""
+    import torch
+
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    lo, hi = torch.aminmax(t)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
 def _first_tensor(out):
     import torch
 
@@ -95,7 +106,7 @@ class FiniteWatch:
         def hook(module, args, out):
             t = _first_tensor(out)
             if t is not None and torch.is_tensor(t) and t.is_floating_point():
-                self.flags.append((name, torch.isfinite(t).all()))
+                self.flags.append((name, all_finite(t)))
 
         return hook
 
@@ -108,10 +119,8 @@ class FiniteWatch:
     def check(self, logits, what: str) -> None:
         """Raise NonFiniteError naming `what` (format, step) and the first non-finite module when `logits` hold
         inf or NaN; forget this forward's flags either way."""
-        import torch
-
         try:
-            if bool(torch.isfinite(logits).all()):
+            if bool(all_finite(logits)):
                 return
             where = self.first_bad()
         finally:
