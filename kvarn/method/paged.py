@@ -110,6 +110,8 @@ def post_store_index(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, 
         tile_dst = dev_(cu_k[seg] + cols * g)
     W = fmt.window_tokens if tail_rows > g else 0  # [.., g, D] tails: no sink, no window
     sink = tail_rows - g - 2 * W  # rows with a quantized first tile read its first positions from the sink rows
+    if W and sink > g - W:  # one gather below needs disjoint output rows; the formats keep the window clear of it
+        raise ValueError(f"a sink of {sink} overlaps the window's last {W} positions of a {g}-token tile")
     # (segment, output row, tail row, position in the part that a request may not own, that part's lens)
     parts = []
     tseg, tpos = ragged_ranges(zeros, s - n_full * g)  # the unfinished tile: always the request's own
@@ -129,7 +131,9 @@ def post_store_index(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, 
     if any(lens is not None for *_, lens in parts):
         use = torch.cat([torch.ones(len(seg), dtype=torch.bool, device=dev) if lens is None else
                          dev_(j) < lens.to(dev).reshape(-1)[dev_(seg)] for seg, _, _, j, lens in parts])[:, None, None]
-    cat = lambda i: dev_(np.concatenate([p[i] for p in parts]))  # noqa: E731
+    def cat(i):
+        return dev_(np.concatenate([p[i] for p in parts]))
+
     return PostStoreIndex(cu_k, tile_bids, tile_dst, cat(1), dev_(slots[np.concatenate([p[0] for p in parts])]),
                           cat(2), use)
 

