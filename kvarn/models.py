@@ -85,7 +85,12 @@ def installed(name: str) -> Path | None:
     if m is None:
         return None
     d = cache_root() / m.name
-    return d if (d / "config.json").is_file() and any(d.glob("*.safetensors")) else None
+    return d if is_model_folder(d) else None
+
+
+def is_model_folder(d: Path) -> bool:
+    """d holds a complete Hugging Face model (its config and weights): convert() renames it into place whole."""
+    return (d / "config.json").is_file() and any(d.glob("*.safetensors"))
 
 
 def install_fix(name: str) -> str:

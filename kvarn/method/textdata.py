@@ -80,7 +80,7 @@ def smollm2_from_gguf() -> tuple[str, dict]:
     except PackageNotFoundError:  # importable without its metadata: no folder can be named for it
         made_by = None
     d = models.cache_root() / f"{SMOLLM2}-gguf-{made_by}-float32"
-    if made_by and (d / "config.json").is_file() and any(d.glob("*.safetensors")):
+    if made_by and models.is_model_folder(d):
         return str(d), {}
     if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
         raise KvarnError(f"loading a GGUF model needs the packages gguf and accelerate; install them with: {PIP_FIX}")

@@ -24,7 +24,7 @@ from ..method.paged import (
     ragged_ranges,
     varlen_attention_torch,
 )
-from .step_plan import StepPlan
+from .step_plan import StepPlan, to_device
 
 DENSE_KEY_BUDGET = 65536  # keys materialized at once (16-bit K + V: 256 MiB at Hk 8, D 128)
 
@@ -89,10 +89,7 @@ def dense_groups(plan: StepPlan, block_table, tail_rows: int, fmt: KVFormat, key
     qlen = (plan.qsl[rows + 1] - plan.qsl[rows]).astype(np.int64)
     q_cu = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(qlen, out=q_cu[1:])
-    rows_dev = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(dev, non_blocking=True)
-
-    def dev_(x, dtype=np.int64):
-        return torch.from_numpy(np.ascontiguousarray(x, dtype=dtype)).to(dev, non_blocking=True)
+    rows_dev = to_device(rows, np.int64, dev)
 
     def lens_of(lens, a, e):  # the group's rows of a device [R] tensor (a device gather: no sync)
         return None if lens is None else lens.to(dev)[rows_dev[a:e]]
@@ -103,8 +100,10 @@ def dense_groups(plan: StepPlan, block_table, tail_rows: int, fmt: KVFormat, key
                               lens_of(plan.sink_lens, a, e), lens_of(plan.win_lens, a, e))
         seg, pos = ragged_ranges(np.zeros(e - a, dtype=np.int64), qlen[a:e])
         cu_q = q_cu[a:e + 1] - q_cu[a]
-        out.append(DenseGroup(ix, int(q_cu[a]), int(q_cu[e]), dev_(ix.cu_k[seg + 1] - qlen[a:e][seg] + pos), cu_q,
-                              dev_(cu_q, np.int32), dev_(ix.cu_k, np.int32), int(qlen[a:e].max()), int(s[a:e].max())))
+        out.append(DenseGroup(ix, int(q_cu[a]), int(q_cu[e]),
+                              to_device(ix.cu_k[seg + 1] - qlen[a:e][seg] + pos, np.int64, dev), cu_q,
+                              to_device(cu_q, np.int32, dev), to_device(ix.cu_k, np.int32, dev),
+                              int(qlen[a:e].max()), int(s[a:e].max())))
     return out
 
 
