@@ -74,17 +74,20 @@ def build_plan_reference(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np
     dec_rows = np.nonzero(active & (ctx > 0) & (qlen == 1))[0]
     cont_rows = np.nonzero(active & (ctx > 0) & (qlen > 1))[0]
 
-    def tok_of(rows):
-        if len(rows) == 0:
-            return None, None, 0
-        parts = [np.arange(qsl[r], qsl[r + 1]) for r in rows]
-        lens = qlen[rows]
-        cu = np.concatenate([[0], np.cumsum(lens)])
-        return np.concatenate(parts), cu, int(lens.max())
+    def toks(rows):
+        return [t for r in rows for t in range(int(qsl[r]), int(qsl[r + 1]))]
 
-    raw_tok, raw_cu, raw_max = tok_of(raw_rows)
-    dec_tok, _, _ = tok_of(dec_rows)
-    cont_tok, cont_cu, cont_max = tok_of(cont_rows)
+    raw_span, raw_cu, raw_max = None, None, 0
+    if len(raw_rows):
+        span_rows = [r for r in range(int(raw_rows[0]), int(raw_rows[-1]) + 1) if qlen[r] > 0]
+        raw_span = (int(qsl[span_rows[0]]), int(qsl[span_rows[-1] + 1]))
+        raw_cu = np.array([0] + [int(qsl[r + 1]) - raw_span[0] for r in span_rows])
+        raw_max = max(int(qlen[r]) for r in span_rows)
+    dec_prefix = len(dec_rows) if list(dec_rows) == list(range(len(dec_rows))) == toks(dec_rows) else 0
+    dec_tok = toks(dec_rows)
+    cont_tok, cont_span = toks(cont_rows), None
+    if cont_tok and cont_tok == list(range(cont_tok[0], cont_tok[-1] + 1)):
+        cont_span, cont_tok = (cont_tok[0], cont_tok[-1] + 1), []
     return StepPlan(
         num_reqs=R, num_tokens=n_tok, group=g, qsl=qsl, seq_lens=seq, ctx_lens=ctx,
         tail_slots_np=np.asarray(tail_slots_np[:R], dtype=np.int32),
@@ -93,10 +96,11 @@ def build_plan_reference(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np
         tail_tok=_t(cat(tail_tok), np.int64, device), tail_slot=_t(cat(tail_slot), np.int64, device),
         tail_pos=_t(cat(tail_pos), np.int64, device),
         tail_slots=torch.from_numpy(np.asarray(tail_slots_np[:R], dtype=np.int32)).to(device, non_blocking=True),
-        raw_rows=raw_rows, raw_tok=_t(raw_tok, np.int64, device), raw_cu=_t(raw_cu, np.int32, device), raw_max=raw_max,
-        dec_rows=dec_rows, dec_rows_t=_t(dec_rows, np.int64, device), dec_tok=_t(dec_tok, np.int64, device),
-        cont_rows=cont_rows, cont_rows_t=_t(cont_rows, np.int64, device), cont_tok=_t(cont_tok, np.int64, device),
-        cont_qsl=_t(cont_cu, np.int32, device), cont_max_q=cont_max, decode_only=_decode_only(qsl, R),
+        raw_rows=raw_rows, raw_span=raw_span, raw_cu=_t(raw_cu, np.int32, device), raw_max=raw_max,
+        dec_rows=dec_rows, dec_rows_t=None if dec_prefix else _t(dec_rows, np.int64, device),
+        dec_tok=None if dec_prefix else _t(np.array(dec_tok), np.int64, device),
+        cont_rows=cont_rows, cont_tok=_t(np.array(cont_tok), np.int64, device), dec_prefix=dec_prefix,
+        cont_span=cont_span, decode_only=_decode_only(qsl, R),
     )
 
 

@@ -287,8 +287,8 @@ class PluginHook:
             return r
 
         def attention_(plan, *a, **kw):
-            kind = "prefill" if plan.dec_tok is None else ("decode" if plan.cont_tok is None and plan.raw_tok is None
-                                                           else "mixed")
+            kind = ("prefill" if not len(plan.dec_rows) else
+                    "decode" if not len(plan.cont_rows) and plan.raw_span is None else "mixed")
             t0 = time.perf_counter()
             with torch.profiler.record_function(f"kvarn::attention[{kind}]"):
                 r = attention(plan, *a, **kw)

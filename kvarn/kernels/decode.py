@@ -51,6 +51,7 @@ fp16; for keys also its fp16 residual (hi + lo, ~22 bits: scores need it), for v
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -436,9 +437,11 @@ def default_num_splits(batch: int, kv_heads: int, max_blocks: int, device: torch
     smallest whose programs fill their last wave of resident slots (per_sm x SMs) to >= 95% of the best fill (a
     last wave half empty costs as much as a full one; more splits than needed add merge work). Host-only."""
     sms = sm_count(device.index or 0) if device.type == "cuda" else 4
-    programs = max(1, batch * kv_heads)
-    slots = max(1, per_sm) * sms
-    cap = int(max(1, min(64, max_blocks // 4)))
+    return _wave_fill_splits(max(1, batch * kv_heads), max(1, per_sm) * sms, int(max(1, min(64, max_blocks // 4))))
+
+
+@functools.lru_cache(maxsize=4096)  # host work of every eager decode launch (a mixed step: once per layer)
+def _wave_fill_splits(programs: int, slots: int, cap: int) -> int:
     fill = {s: (programs * s / slots) / math.ceil(programs * s / slots) for s in range(1, cap + 1)}
     best = max(fill.values())
     return next(s for s, f in fill.items() if f >= 0.95 * best)

@@ -6,6 +6,7 @@ that use it stay CUDA-graph capturable.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,11 @@ def as_format(fmt: KVFormat | str) -> KVFormat:
 
 
 def layout(fmt: KVFormat | str, d: int) -> RecordLayout:
-    fmt = as_format(fmt)
+    return _layout(as_format(fmt), d)
+
+
+@functools.lru_cache(maxsize=None)  # every launch asks: a prefill step's host time is what its GPU waits for
+def _layout(fmt: KVFormat, d: int) -> RecordLayout:
     if fmt.family != "kvarn":
         raise KvarnError(f"{fmt.name} is not a KVarN format; the kvarn kernels take kvarn_* formats only")
     if d not in HEAD_DIMS:

@@ -29,6 +29,21 @@ def ragged_ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, n
     return seg, np.asarray(starts, dtype=np.int64)[seg] + (np.arange(len(seg)) - first[seg])
 
 
+def host_tensor(a, dtype, device) -> torch.Tensor:
+    """A host array as a CPU tensor to copy to `device` with non_blocking=True: pinned where that is CUDA, since a
+    copy from pageable memory waits for the work already queued on the stream (mid-forward, the GPU would drain
+    while the host waits, and every later launch of the step would start late)."""
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
+    return t.pin_memory() if torch.device(device).type == "cuda" else t
+
+
+def to_device(a, dtype, device) -> torch.Tensor | None:
+    """A host array as a tensor on `device` (None for an empty or absent one), with no sync (host_tensor)."""
+    if a is None or len(a) == 0:
+        return None
+    return host_tensor(a, dtype, device).to(device, non_blocking=True)
+
+
 def store_tiles_torch(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor, fmt: KVFormat,
                       iters: int | None = None) -> None:
     """k, v [T, H, g, D] complete tiles -> records in cache at block_ids (< 0 skipped)."""
@@ -100,7 +115,7 @@ def post_store_index(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, 
     np.cumsum(s, out=cu_k[1:])
 
     def dev_(x):
-        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(dev, non_blocking=True)
+        return to_device(x, np.int64, dev)
 
     n_full = s // g
     seg, cols = ragged_ranges(zeros, n_full)  # (row, tile index) of every full tile
@@ -139,15 +154,18 @@ def post_store_index(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, 
 
 
 def gather_post_store(ix: PostStoreIndex, cache, tail_k, tail_v, fmt: KVFormat, dtype,
-                      dequantize: Callable | None = None):
+                      dequantize: Callable | None = None, read_rows: Callable | None = None):
     """The keys and values an index names: (k, v [ix.num_keys, Hk, D] in `dtype`). Records are dequantized to the
     original basis by `dequantize(cache, block_ids, dst_rows, k, v, fmt)` (kvarn.kernels.dequantize_to_rows) or, when
-    None, by the reference decoder."""
+    None, by the reference decoder; tail rows are copied by `read_rows(tail_k, tail_v, slot, row, k, v, dst, use)`
+    (kvarn.kernels.rows.read_tail_rows) or, when None, by torch indexing."""
     k = torch.empty(ix.num_keys, cache.shape[1], tail_k.shape[-1], dtype=dtype, device=cache.device)
     v = torch.empty_like(k)
     if ix.tile_bids is not None:
         (dequantize or _dequantize_into)(cache, ix.tile_bids, ix.tile_dst, k, v, fmt)
-    if ix.row_dst is not None:
+    if ix.row_dst is not None and read_rows is not None:
+        read_rows(tail_k, tail_v, ix.row_slot, ix.row_src, k, v, ix.row_dst, ix.row_use)
+    elif ix.row_dst is not None:
         tk = tail_k[ix.row_slot, :, ix.row_src].to(dtype)
         tv = tail_v[ix.row_slot, :, ix.row_src].to(dtype)
         if ix.row_use is not None:

@@ -26,6 +26,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ..formats import get_format
+from ..method.paged import host_tensor
 from . import ops, step_plan
 from .step_plan import StepPlan
 from .common import SUPPORTED_HEAD_SIZES, active_format, defer_flush_enabled, is_kvarn, kvarn_dtype_names
@@ -156,9 +157,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         rows = np.where((rows >= 0) & (rows <= self.slots), rows, self.slots).astype(np.int32)
         if R > self._tail_slots.shape[0]:  # not expected (see __init__); eager steps only
             self._tail_slots = torch.full((R + 1,), self.slots, dtype=torch.int32, device=self.device)
-        # pageable source: the copy is staged before this returns, so the host array can be reused next step. The
-        # plan's tail_slots is this view of the persistent buffer (same address every step: graph replays).
-        self._tail_slots[:R].copy_(torch.from_numpy(rows), non_blocking=True)
+        # pinned source (no wait for the queued work); the plan's tail_slots is this view of the persistent buffer
+        # (same address every step: graph replays)
+        self._tail_slots[:R].copy_(host_tensor(rows, np.int32, self.device), non_blocking=True)
         plan = step_plan.plan_step(cm.query_start_loc_cpu, np.asarray(seq_cpu), R, rows, cm.block_table_tensor,
                                    self.fmt.group, self.device, decode_minimal=self._decode_kernels,
                                    tail_slots_dev=self._tail_slots[:R], sink=self.fmt.sink_tokens,

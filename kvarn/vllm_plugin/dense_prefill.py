@@ -22,34 +22,37 @@ from ..method.paged import (
     post_store_index,
     post_store_kv,
     ragged_ranges,
+    to_device,
     varlen_attention_torch,
 )
-from .step_plan import StepPlan, to_device
+from .step_plan import StepPlan
 
 DENSE_KEY_BUDGET = 65536  # keys materialized at once (16-bit K + V: 256 MiB at Hk 8, D 128)
 
 
-def _record_decoder(use_kernels: bool, cuda: bool) -> Callable | None:
-    """kvarn.kernels.dequantize_to_rows where asked for and Triton is installed, else None (the reference decoder).
-    cuda: the cache lives on a GPU, where a missing kernel is an error, not a fallback; a kernel module that fails to
-    import for another reason (a broken Triton build) raises as it is."""
+def _gather_kernels(use_kernels: bool, cuda: bool) -> tuple[Callable | None, Callable | None]:
+    """(kvarn.kernels.dequantize_to_rows, kvarn.kernels.rows.read_tail_rows) where asked for and Triton is installed,
+    else (None, None): the reference decoder and torch indexing. cuda: the cache lives on a GPU, where a missing kernel
+    is an error, not a fallback; a kernel module that fails to import for another reason (a broken Triton build)
+    raises as it is."""
     if not use_kernels:
-        return None
+        return None, None
     try:
         from ..kernels.dequant import dequantize_to_rows
+        from ..kernels.rows import read_tail_rows
     except ImportError as e:
         if cuda:
-            raise RuntimeError(f"kvarn: a CUDA cache needs the Triton kernels, and kvarn.kernels.dequant does not "
-                               f"import here ({e}); install the triton that vLLM pins") from e
-        return None
-    return dequantize_to_rows
+            raise RuntimeError(f"kvarn: a CUDA cache needs the Triton kernels, and they do not import here ({e}); "
+                               f"install the triton that vLLM pins") from e
+        return None, None
+    return dequantize_to_rows, read_tail_rows
 
 
 def materialize_dense(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cache, block_table, tail_k, tail_v,
                       fmt: KVFormat, dtype, use_kernels: bool | None = None, sink_lens=None, win_lens=None):
     """kvarn.method.paged.post_store_kv with the records decoded by the kernel (use_kernels None: where the cache is
     on CUDA; True: also in the interpreter; False: the reference decoder)."""
-    decoder = _record_decoder(cache.is_cuda if use_kernels is None else use_kernels, cache.is_cuda)
+    decoder, _ = _gather_kernels(cache.is_cuda if use_kernels is None else use_kernels, cache.is_cuda)
     return post_store_kv(rows, seq_lens, slots, cache, block_table, tail_k, tail_v, fmt, dtype, sink_lens, decoder,
                          win_lens)
 
@@ -73,7 +76,8 @@ class DenseGroup:
     index: PostStoreIndex
     q0: int  # their queries are qc[q0:q1] (qc: the continuation rows' queries, in row order)
     q1: int
-    own_dst: torch.Tensor  # int64 [q1 - q0]: the key rows of each row's own chunk (its last q_len positions)
+    own_dst: torch.Tensor | slice  # the key rows of each row's own chunk (its last q_len positions): int64
+    # [q1 - q0], or a slice for a group of one row (the usual chunked-prefill step: a copy, no scatter)
     cu_q: np.ndarray  # int64 [rows + 1], host
     cu_q_dev: torch.Tensor  # int32, for FlashAttention
     cu_k_dev: torch.Tensor
@@ -100,8 +104,9 @@ def dense_groups(plan: StepPlan, block_table, tail_rows: int, fmt: KVFormat, key
                               lens_of(plan.sink_lens, a, e), lens_of(plan.win_lens, a, e))
         seg, pos = ragged_ranges(np.zeros(e - a, dtype=np.int64), qlen[a:e])
         cu_q = q_cu[a:e + 1] - q_cu[a]
-        out.append(DenseGroup(ix, int(q_cu[a]), int(q_cu[e]),
-                              to_device(ix.cu_k[seg + 1] - qlen[a:e][seg] + pos, np.int64, dev), cu_q,
+        own = (slice(int(ix.cu_k[1] - qlen[a]), int(ix.cu_k[1])) if e - a == 1 else
+               to_device(ix.cu_k[seg + 1] - qlen[a:e][seg] + pos, np.int64, dev))
+        out.append(DenseGroup(ix, int(q_cu[a]), int(q_cu[e]), own, cu_q,
                               to_device(cu_q, np.int32, dev), to_device(ix.cu_k, np.int32, dev),
                               int(qlen[a:e].max()), int(s[a:e].max())))
     return out
@@ -123,10 +128,10 @@ def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: K
     if cached is None or cached[0] != key:
         cached = (key, dense_groups(plan, block_table, tail_k.shape[2], fmt, key_budget))
         plan.dense = cached
-    decoder = _record_decoder(cache.is_cuda if use_kernels is None else use_kernels, cache.is_cuda)
+    decoder, read_rows = _gather_kernels(cache.is_cuda if use_kernels is None else use_kernels, cache.is_cuda)
     outs = []
     for grp in cached[1]:
-        k, v = gather_post_store(grp.index, cache, tail_k, tail_v, fmt, qc.dtype, decoder)
+        k, v = gather_post_store(grp.index, cache, tail_k, tail_v, fmt, qc.dtype, decoder, read_rows)
         if own_k is not None:  # row i's last q_len positions are its own chunk: raw
             k[grp.own_dst] = own_k[grp.q0:grp.q1].to(k.dtype)
             v[grp.own_dst] = own_v[grp.q0:grp.q1].to(v.dtype)

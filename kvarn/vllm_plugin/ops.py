@@ -55,8 +55,8 @@ def store(plan: StepPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
     if tail_k.shape[2] != g + plan.sink + 2 * plan.window:
         raise ValueError(f"kvarn: tail buffers of {tail_k.shape[2]} rows, the plan wants {g} + sink {plan.sink} + "
                          f"window 2 x {plan.window}")
+    kernels = k.is_cuda if use_kernels is None else use_kernels
     if plan.num_tiles:
-        kernels = k.is_cuda if use_kernels is None else use_kernels
         fn = _kernel("store", "store_step_tiles", k.is_cuda) if kernels else None
         if fn is not None:
             fn(k, v, tail_k, tail_v, cache, plan.tile_block_ids, plan.tile_first, plan.tile_old, plan.tile_slot, fmt,
@@ -65,58 +65,55 @@ def store(plan: StepPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
             tk, tv = step_tiles_torch(k, v, tail_k, tail_v, plan.tile_first, plan.tile_old, plan.tile_slot, g)
             store_tiles_torch(tk, tv, cache, plan.tile_block_ids, fmt, iters=iters)
     if plan.tail_tok is not None:
-        tail_k[plan.tail_slot, :, plan.tail_pos] = k[plan.tail_tok].to(tail_k.dtype)
-        tail_v[plan.tail_slot, :, plan.tail_pos] = v[plan.tail_tok].to(tail_v.dtype)
-    if plan.sink_tok is not None:
-        tail_k[plan.sink_slot, :, plan.sink_pos] = k[plan.sink_tok].to(tail_k.dtype)
-        tail_v[plan.sink_slot, :, plan.sink_pos] = v[plan.sink_tok].to(tail_v.dtype)
+        fn = _kernel("rows", "write_tail_rows", k.is_cuda) if kernels else None
+        if fn is not None:
+            fn(k, v, tail_k, tail_v, plan.tail_tok, plan.tail_slot, plan.tail_pos)
+        else:
+            tail_k[plan.tail_slot, :, plan.tail_pos] = k[plan.tail_tok].to(tail_k.dtype)
+            tail_v[plan.tail_slot, :, plan.tail_pos] = v[plan.tail_tok].to(tail_v.dtype)
 
 
 def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, tail_k, tail_v, fmt: KVFormat,
               scale: float, raw_varlen: Callable | None = None, use_kernels: bool | None = None) -> None:
     """Writes out[:num_tokens] ([N, Hq, D], q's dtype). raw_varlen(q, k, v, cu, max_len) -> [n, Hq, D] is the fast
     exact path for rows without context (vLLM's flash_attn_varlen_func); None: the torch reference."""
-    # 1. rows without prior context: raw Q/K/V (exact)
-    if plan.raw_tok is not None:
-        full = plan.pure_prefill  # every token belongs to a raw row, in order: plain slices, no gather
-        n = plan.num_tokens
-        if full:
-            qs, ks, vs = q[:n], k[:n], v[:n]
-        else:
-            qs, ks, vs = q[plan.raw_tok], k[plan.raw_tok], v[plan.raw_tok]
+    # 1. rows without prior context: raw Q/K/V (exact), over the token range from the first such row to the last
+    if plan.raw_span is not None:
+        a, e = plan.raw_span
         if raw_varlen is not None:
-            o = raw_varlen(qs, ks, vs, plan.raw_cu, plan.raw_max)
+            o = raw_varlen(q[a:e], k[a:e], v[a:e], plan.raw_cu, plan.raw_max)
         else:
-            o = raw_attention_torch(qs, ks, vs, plan.raw_cu.cpu(), scale)
-        if full:
-            out[:n] = o.to(out.dtype)
-        else:
-            out[plan.raw_tok] = o.to(out.dtype)
+            o = raw_attention_torch(q[a:e], k[a:e], v[a:e], plan.raw_cu.cpu(), scale)
+        out[a:e] = o.to(out.dtype)
     if plan.pure_prefill:
         return
     if use_kernels is None:
         use_kernels = q.is_cuda
-    # 2. decode rows: one new token over the post-store cache
-    if plan.dec_tok is not None:
-        rows = plan.dec_rows_t
-        qd = q[plan.dec_tok]
+    # 2. decode rows: one new token over the post-store cache (slices where they lead the batch, as vLLM orders it)
+    if len(plan.dec_rows):
+        n = plan.dec_prefix
+        rows, tok = (slice(0, n), slice(0, n)) if n else (plan.dec_rows_t, plan.dec_tok)
         fn = _kernel("decode", "decode_attention", q.is_cuda) if use_kernels else None
-        if fn is not None:
-            o = fn(qd, cache, block_table[rows], seq_lens_dev[rows], tail_k, tail_v, plan.tail_slots[rows], fmt, scale,
-                   sink_lens=_rows_of(plan.sink_lens, rows), win_lens=_rows_of(plan.win_lens, rows))
+        if fn is not None:  # a leading slice of `out` is written in place
+            o = fn(q[tok], cache, block_table[rows], seq_lens_dev[rows], tail_k, tail_v, plan.tail_slots[rows], fmt,
+                   scale, out=out[tok] if n else None, sink_lens=_rows_of(plan.sink_lens, rows),
+                   win_lens=_rows_of(plan.win_lens, rows))
+            if not n:
+                out[tok] = o.to(out.dtype)
         else:
             r = plan.dec_rows
-            o = cached_attention_torch(qd, cache, block_table[rows], np.arange(len(r) + 1), plan.seq_lens[r],
+            o = cached_attention_torch(q[tok], cache, block_table[rows], np.arange(len(r) + 1), plan.seq_lens[r],
                                        tail_k, tail_v, plan.tail_slots_np[r], fmt, scale,
                                        _host(_rows_of(plan.sink_lens, rows)), _host(_rows_of(plan.win_lens, rows)))
-        out[plan.dec_tok] = o.to(out.dtype)
+            out[tok] = o.to(out.dtype)
     # 3. continuation chunks (chunked prefill, prefix-cache hits, spec-decode verify): several new tokens over the
     # post-store cache, through materialized 16-bit K/V (kvarn.vllm_plugin.dense_prefill)
-    if plan.cont_tok is not None:
-        o = dense_prefill(plan, q[plan.cont_tok], cache, block_table, tail_k, tail_v, fmt, scale, raw_varlen,
-                          use_kernels=use_kernels, own_k=None if k is None else k[plan.cont_tok],
-                          own_v=None if v is None else v[plan.cont_tok])
-        out[plan.cont_tok] = o.to(out.dtype)
+    if len(plan.cont_rows):
+        tok = slice(*plan.cont_span) if plan.cont_span is not None else plan.cont_tok
+        o = dense_prefill(plan, q[tok], cache, block_table, tail_k, tail_v, fmt, scale, raw_varlen,
+                          use_kernels=use_kernels, own_k=None if k is None else k[tok],
+                          own_v=None if v is None else v[tok])
+        out[tok] = o.to(out.dtype)
 
 
 def decode_step(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, tail_slots_dev, tail_k, tail_v,

@@ -5,11 +5,13 @@ tokens of the batch it says:
 * which tiles complete in this step (batch row, tile index -> block id from the block table) and where their g
   16-bit tokens are: the first `old` in the request's tail row (written in earlier steps), the rest this step's new
   K/V from a token index on (the store reads them there, no gather);
-* which new tokens go to the tail (those of the unfinished last tile) at which tail row / position, and which also
-  to the sink rows and to the window rows (a tile's last W positions, in the half of its tile's parity);
+* which new tokens go to which rows of the 16-bit tail buffers: those of the unfinished last tile, and also the
+  sink's and the window's (a tile's last W positions, in the half of its tile's parity);
 * how attention splits: rows with no prior context (first prefill chunk) attend to the raw new Q/K/V (exact, as
   FlashAttention would); decode rows (one new token) and continuation rows (several: chunked prefill, a
-  prefix-cache hit, spec-decode verify) attend to the post-store cache state.
+  prefix-cache hit, spec-decode verify) attend to the post-store cache state. Where a kind's tokens are one range
+  (vLLM puts decode rows first), the layers slice instead of gathering: a prefill step is host-bound, and a gather
+  is a launch per tensor per layer.
 
 Semantics shared with the PyTorch reference cache: a tile is quantized once, when its g tokens exist; the store
 runs before attention in the layer.
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..method.paged import ragged_ranges
+from ..method.paged import host_tensor, ragged_ranges, to_device
 
 
 @dataclass
@@ -40,23 +42,28 @@ class StepPlan:
     tile_first: torch.Tensor | None  # int64 [T]: new-token index of the tile's position 0 (read from position old)
     tile_old: torch.Tensor | None  # int32 [T]: positions [0, old) come from the tail (earlier steps)
     tile_slot: torch.Tensor | None  # int32 [T]: the tail row of the tile's request
-    tail_tok: torch.Tensor | None  # int64 [n3]: new tokens of unfinished tiles
+    # the step's writes into the 16-bit tail buffers, one copy per layer: new token tail_tok[i] -> row tail_pos[i]
+    # of slot tail_slot[i]; the unfinished tiles' tokens (rows pos % g), then the sink's and the window's
+    tail_tok: torch.Tensor | None  # int64 [n3]
     tail_slot: torch.Tensor | None  # int64 [n3]
-    tail_pos: torch.Tensor | None  # int64 [n3]
+    tail_pos: torch.Tensor | None  # int64 [n3]: the tail row
     # attention (device)
     tail_slots: torch.Tensor | None  # int32 [R] (a minimal decode plan: only the builder's persistent buffer)
     raw_rows: np.ndarray  # rows with no prior context
-    raw_tok: torch.Tensor | None  # int64 token indexes of raw rows (compacted order)
-    raw_cu: torch.Tensor | None  # int32 [n_raw + 1]
+    # tokens [a, e) of the rows from the first raw row to the last: raw attention runs over each of those rows'
+    # own tokens (rows of other kinds in between too: the decode and continuation outputs overwrite theirs)
+    raw_span: tuple[int, int] | None
+    raw_cu: torch.Tensor | None  # int32 [rows in the span + 1], relative to a
     raw_max: int
     dec_rows: np.ndarray  # rows with context and one new token
-    dec_rows_t: torch.Tensor | None
+    dec_rows_t: torch.Tensor | None  # they and their tokens, where dec_prefix is 0
     dec_tok: torch.Tensor | None
     cont_rows: np.ndarray  # rows with context and several new tokens
-    cont_rows_t: torch.Tensor | None
-    cont_tok: torch.Tensor | None
-    cont_qsl: torch.Tensor | None  # int32 [n_cont + 1]
-    cont_max_q: int
+    cont_tok: torch.Tensor | None  # their tokens, where cont_span is None
+    # n > 0: the decode rows are rows [0, n) with tokens [0, n) (slices, not dec_rows_t / dec_tok gathers)
+    dec_prefix: int = 0
+    # the continuation rows' tokens as one range [a, e) where they are one (slices, not cont_tok gathers)
+    cont_span: tuple[int, int] | None = None
     # one token per row, row b = token b, padding rows (no token) only at the end: the decode fast path
     decode_only: bool = False
     # decode_only with only the host fields (plan_step's decode_minimal): the decode kernels must run it
@@ -66,13 +73,9 @@ class StepPlan:
     # captured decode graph serves both; False: not deferred (the kernels' default variants)
     defer: bool | torch.Tensor = False
     # the attention sink (the first `sink` positions, 16-bit for good in tail rows g + pos) and the window (a tile's
-    # last `window` positions, also in rows g + sink + (tile % 2) * window + pos % g - (g - window)): the new tokens
-    # that go to those rows too, and the rows
+    # last `window` positions, also in rows g + sink + (tile % 2) * window + pos % g - (g - window))
     sink: int = 0
     window: int = 0
-    sink_tok: torch.Tensor | None = None  # int64 [n4]
-    sink_slot: torch.Tensor | None = None  # int64 [n4]
-    sink_pos: torch.Tensor | None = None  # int64 [n4]: the tail row
     # int32 [R] device: sink rows each batch row may read (sink, or 0 where its slot's rows hold another request's
     # tokens: a prefix-cache hit); None = all `sink` (set by the metadata builder through update_sink_lens)
     sink_lens: torch.Tensor | None = None
@@ -86,12 +89,6 @@ class StepPlan:
     @property
     def pure_prefill(self) -> bool:
         return len(self.dec_rows) == 0 and len(self.cont_rows) == 0
-
-
-def to_device(a, dtype, device) -> torch.Tensor | None:
-    if a is None or len(a) == 0:
-        return None
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device, non_blocking=True)
 
 
 def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, block_table: torch.Tensor,
@@ -125,10 +122,9 @@ def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, b
             tail_slots_np=np.asarray(tail_slots_np[:R], dtype=np.int32), num_tiles=0, tile_block_ids=None,
             tile_first=None, tile_old=None, tile_slot=None,
             tail_tok=None, tail_slot=None, tail_pos=None, tail_slots=tail_slots_dev,
-            raw_rows=np.zeros(0, dtype=np.int64),
-            raw_tok=None, raw_cu=None, raw_max=0, dec_rows=act, dec_rows_t=None, dec_tok=None,
-            cont_rows=np.zeros(0, dtype=np.int64), cont_rows_t=None, cont_tok=None, cont_qsl=None, cont_max_q=0,
-            decode_only=True, minimal=True, sink=sink, window=window)
+            raw_rows=np.zeros(0, dtype=np.int64), raw_span=None, raw_cu=None, raw_max=0,
+            dec_rows=act, dec_rows_t=None, dec_tok=None, cont_rows=np.zeros(0, dtype=np.int64), cont_tok=None,
+            dec_prefix=n_act, decode_only=True, minimal=True, sink=sink, window=window)
     c, s, q0, slot = ctx[act], seq[act], qsl[:-1][act], slots_r[act]
 
     # tiles [c // g, s // g) of each active row complete in this step, in row order then tile order
@@ -149,47 +145,41 @@ def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, b
         t_old = np.maximum(0, tc - lo)
         t_first = q0[t_seg] + lo - tc
         t_slot = slot[t_seg]
-    # new tokens of the unfinished tile: positions [max(c, last_full * g), s) -> tail
+    # new tokens of the unfinished tile: positions [max(c, last_full * g), s) -> tail rows pos % g
     start = np.maximum(c, last_full * g)
     u_seg, pos = ragged_ranges(start, np.maximum(s - start, 0))
-    tail_tok = tail_slot = tail_pos = None
-    if len(u_seg):
-        tail_tok = q0[u_seg] + (pos - c[u_seg])
-        tail_slot = slot[u_seg]
-        tail_pos = pos % g
-
+    writes = [(q0[u_seg] + (pos - c[u_seg]), slot[u_seg], pos % g)]
     # sink: new tokens at positions [c, min(s, sink)) -> tail rows g + pos; window: new tokens in their tile's last
     # `window` positions -> rows g + sink + (tile % 2) * window + pos % g - (g - window)
-    sink_tok = sink_slot = sink_pos = None
     if sink:
         k_seg, k_pos = ragged_ranges(c, np.maximum(np.minimum(s, sink) - c, 0))
-        parts = [(q0[k_seg] + (k_pos - c[k_seg]), slot[k_seg], g + k_pos)]
+        writes.append((q0[k_seg] + (k_pos - c[k_seg]), slot[k_seg], g + k_pos))
         if window:
             w_seg, w_pos = ragged_ranges(c, s - c)
             # only the last two tiles' (a window is read for the tile before the newest position's; one row of
-            # a half written once per step, so no scatter has two writers)
+            # a half written once per step, so no copy has two writers)
             keep = (w_pos % g >= g - window) & (w_pos // g >= (s[w_seg] - 1) // g - 1)
             w_seg, w_pos = w_seg[keep], w_pos[keep]
-            parts.append((q0[w_seg] + (w_pos - c[w_seg]), slot[w_seg],
-                          g + sink + (w_pos // g) % 2 * window + w_pos % g - (g - window)))
-        sink_tok, sink_slot, sink_pos = (np.concatenate(x) for x in zip(*parts))
-        if not len(sink_tok):
-            sink_tok = sink_slot = sink_pos = None
+            writes.append((q0[w_seg] + (w_pos - c[w_seg]), slot[w_seg],
+                           g + sink + (w_pos // g) % 2 * window + w_pos % g - (g - window)))
+    tail_tok, tail_slot, tail_pos = (np.concatenate(x) for x in zip(*writes))
     raw_rows = np.nonzero(active & (ctx == 0))[0]
     dec_rows = np.nonzero(active & (ctx > 0) & (qlen == 1))[0]
     cont_rows = np.nonzero(active & (ctx > 0) & (qlen > 1))[0]
 
-    def tok_of(rows):
-        if len(rows) == 0:
-            return None, None, 0
-        lens = qlen[rows]
-        cu = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(lens, out=cu[1:])
-        return ragged_ranges(qsl[rows], lens)[1], cu, int(lens.max())
-
-    raw_tok, raw_cu, raw_max = tok_of(raw_rows)
-    dec_tok = qsl[dec_rows] if len(dec_rows) else None  # one token per decode row
-    cont_tok, cont_cu, cont_max = tok_of(cont_rows)
+    raw_span, raw_cu, raw_max = None, None, 0
+    if len(raw_rows):  # every row from the first raw row to the last, its own tokens a segment (empty rows dropped)
+        r0, r1 = int(raw_rows[0]), int(raw_rows[-1])
+        raw_span = (int(qsl[r0]), int(qsl[r1 + 1]))
+        raw_cu = np.unique(qsl[r0:r1 + 2]) - qsl[r0]
+        raw_max = int(qlen[r0:r1 + 1].max())
+    n_dec = len(dec_rows)
+    dec_prefix = n_dec if n_dec and dec_rows[-1] == n_dec - 1 and qsl[n_dec] == n_dec else 0
+    cont_tok, cont_span = None, None
+    if len(cont_rows):
+        cont_tok = ragged_ranges(qsl[cont_rows], qlen[cont_rows])[1]
+        if cont_tok[-1] - cont_tok[0] == len(cont_tok) - 1:  # increasing: one range exactly when this holds
+            cont_span, cont_tok = (int(cont_tok[0]), int(cont_tok[-1]) + 1), None
     return StepPlan(
         num_reqs=R, num_tokens=n_tok, group=g, qsl=qsl, seq_lens=seq, ctx_lens=ctx,
         tail_slots_np=np.asarray(tail_slots_np[:R], dtype=np.int32),
@@ -198,14 +188,12 @@ def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, b
         tail_tok=to_device(tail_tok, np.int64, device), tail_slot=to_device(tail_slot, np.int64, device),
         tail_pos=to_device(tail_pos, np.int64, device),
         tail_slots=(tail_slots_dev if tail_slots_dev is not None else
-                    torch.from_numpy(np.asarray(tail_slots_np[:R], dtype=np.int32)).to(device, non_blocking=True)),
-        raw_rows=raw_rows, raw_tok=to_device(raw_tok, np.int64, device), raw_cu=to_device(raw_cu, np.int32, device), raw_max=raw_max,
-        dec_rows=dec_rows, dec_rows_t=to_device(dec_rows, np.int64, device), dec_tok=to_device(dec_tok, np.int64, device),
-        cont_rows=cont_rows, cont_rows_t=to_device(cont_rows, np.int64, device), cont_tok=to_device(cont_tok, np.int64, device),
-        cont_qsl=to_device(cont_cu, np.int32, device), cont_max_q=cont_max, decode_only=decode_only, sink=sink,
-        window=window,
-        sink_tok=to_device(sink_tok, np.int64, device), sink_slot=to_device(sink_slot, np.int64, device),
-        sink_pos=to_device(sink_pos, np.int64, device),
+                    host_tensor(tail_slots_np[:R], np.int32, device).to(device, non_blocking=True)),
+        raw_rows=raw_rows, raw_span=raw_span, raw_cu=to_device(raw_cu, np.int32, device), raw_max=raw_max,
+        dec_rows=dec_rows, dec_rows_t=None if dec_prefix else to_device(dec_rows, np.int64, device),
+        dec_tok=None if dec_prefix else to_device(qsl[dec_rows], np.int64, device),  # one token per decode row
+        cont_rows=cont_rows, cont_tok=to_device(cont_tok, np.int64, device), dec_prefix=dec_prefix,
+        cont_span=cont_span, decode_only=decode_only, sink=sink, window=window,
     )
 
 
@@ -231,15 +219,15 @@ def update_sink_lens(plan: StepPlan, tags: torch.Tensor, block_table: torch.Tens
     dev = block_table.device
     claim = np.nonzero((np.diff(plan.qsl) > 0) & (plan.ctx_lens < plan.sink))[0]
     if len(claim):
-        rows = torch.from_numpy(claim).to(dev, non_blocking=True)
-        slots = torch.from_numpy(plan.tail_slots_np[claim].astype(np.int64)).to(dev, non_blocking=True)
+        rows = to_device(claim, np.int64, dev)
+        slots = to_device(plan.tail_slots_np[claim], np.int64, dev)
         new = block_table[rows, 0].to(tags.dtype)
         # a block id is recycled by vLLM: a slot still tagged with a block now written as another request's first
         # tile would hand a later prefix hit on it the old request's tokens, so those tags are cleared first
         _untag(tags, new)
         tags[slots] = new
     slots_r = (plan.tail_slots if plan.tail_slots is not None
-               else torch.from_numpy(plan.tail_slots_np[:R]).to(dev, non_blocking=True))
+               else to_device(plan.tail_slots_np[:R], np.int32, dev))
     own = tags[slots_r[:R].long()] == block_table[:R, 0].to(tags.dtype)
     out[:R] = own.to(out.dtype) * plan.sink
     plan.sink_lens = out[:R]
@@ -271,18 +259,18 @@ def update_window_lens(plan: StepPlan, tags: torch.Tensor, block_table: torch.Te
     live = np.nonzero(s > c)[0]
     w_seg, w_tile = ragged_ranges(c[live] // g, (s[live] - 1) // g - c[live] // g + 1)
     if len(w_seg):
-        _untag(tags, block_table[torch.from_numpy(live[w_seg]).to(dev, non_blocking=True),
-                                 torch.from_numpy(w_tile).to(dev, non_blocking=True)].to(tags.dtype))
+        _untag(tags, block_table[to_device(live[w_seg], np.int64, dev),
+                                 to_device(w_tile, np.int64, dev)].to(tags.dtype))
     if len(rows):
-        r_t = torch.from_numpy(rows).to(dev, non_blocking=True)
-        new = block_table[r_t, torch.from_numpy(tiles).to(dev, non_blocking=True)].to(tags.dtype)
-        slot = torch.from_numpy(plan.tail_slots_np[rows].astype(np.int64)).to(dev, non_blocking=True)
-        tags[slot, torch.from_numpy(tiles % 2).to(dev, non_blocking=True)] = new
+        r_t = to_device(rows, np.int64, dev)
+        new = block_table[r_t, to_device(tiles, np.int64, dev)].to(tags.dtype)
+        slot = to_device(plan.tail_slots_np[rows], np.int64, dev)
+        tags[slot, to_device(tiles % 2, np.int64, dev)] = new
     wt = np.maximum(newest - 1, 0)
     slots_r = (plan.tail_slots if plan.tail_slots is not None
-               else torch.from_numpy(plan.tail_slots_np[:R]).to(dev, non_blocking=True))
-    wt_t = torch.from_numpy(wt).to(dev, non_blocking=True)
+               else to_device(plan.tail_slots_np[:R], np.int32, dev))
+    wt_t = to_device(wt, np.int64, dev)
     mine = tags[slots_r[:R].long(), wt_t % 2] == block_table[torch.arange(R, device=dev), wt_t].to(tags.dtype)
-    ok = torch.from_numpy(s > g).to(dev, non_blocking=True) & mine
+    ok = to_device(s > g, np.bool_, dev) & mine
     out[:R] = ok.to(out.dtype) * W
     plan.win_lens = out[:R]

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import KvarnError
+from ..method.paged import host_tensor, to_device
 
 
 class SlotTable:
@@ -220,8 +221,8 @@ class PendingFlush:
     def note(self, seq_lens: np.ndarray, rows: np.ndarray, block_table: torch.Tensor, group: int,
              scratch: int | None = None) -> None:
         """After building a deferred decode step: the rows whose token completes a tile (exact host seq_lens; rows
-        on the scratch slot are padding / dummy runs). No host sync: the index copies are staged pageable copies
-        (as the builder's tail-slot copy), the block ids a device gather."""
+        on the scratch slot are padding / dummy runs). No host sync: the index copies come from pinned memory, the
+        block ids a device gather."""
         seq = np.asarray(seq_lens, dtype=np.int64)
         rows = np.asarray(rows, dtype=np.int32)
         keep = (seq > 0) & (seq % group == 0)
@@ -235,10 +236,9 @@ class PendingFlush:
         if n == 0:
             return
         dev = self.slots.device
-        idx = torch.from_numpy(done).to(dev, non_blocking=True)
-        cols = torch.from_numpy(seq[done] // group - 1).to(dev, non_blocking=True)
-        self.blocks[:n] = block_table[idx, cols].to(torch.int32)
-        self.slots[:n].copy_(torch.from_numpy(rows[done]), non_blocking=True)
+        self.blocks[:n] = block_table[to_device(done, np.int64, dev), to_device(seq[done] // group - 1, np.int64,
+                                                                                 dev)].to(torch.int32)
+        self.slots[:n].copy_(host_tensor(rows[done], np.int32, dev), non_blocking=True)
 
     def flush(self, buffers, fmt) -> int:
         """Quantize the pending tiles into every layer's cache; returns how many tiles (0: nothing pending)."""

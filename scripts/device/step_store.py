@@ -1,10 +1,11 @@
 """What a prefill step's KV path costs, as the vLLM backend runs it, timed on the GPU: kvarn.vllm_plugin.ops.store
 over a planned step of R fresh prompts (K/V views into one qkv buffer, as vLLM hands them), once per layer; with
---mixed, a step as chunked prefill under a burst schedules it (a quarter of the rows first chunks, a quarter
-continuation chunks over a stored prefix, half decode rows), its plan built on the host in every repeat as the
-metadata builder does, then ops.store and ops.attention per layer (continuation chunks through vLLM's FlashAttention where it
-imports). Written against the interfaces an earlier kvarn has too (plan_step, update_sink_lens, ops.store,
-ops.attention), so before_after.sh runs it on both sides: whichever kvarn is first on PYTHONPATH is timed.
+--mixed, a step as chunked prefill under a burst schedules it (half the rows decodes, first in the batch as vLLM
+orders it, then first chunks and continuation chunks over a stored prefix by turns, a quarter each), its plan built
+on the host in every repeat as the metadata builder does, then ops.store and ops.attention per layer (first and
+continuation chunks through vLLM's FlashAttention where it imports). Written against the interfaces an earlier kvarn
+has too (plan_step, update_sink_lens, ops.store, ops.attention), so before_after.sh runs it on both sides: whichever
+kvarn is first on PYTHONPATH is timed.
 
     python3 scripts/device/step_store.py [--mixed] [--requests 32] [--prompt 987] [--layers 28] [--kv-heads 8]
     python3 scripts/device/step_store.py --device cpu --requests 4 --prompt 130 --layers 2 --reps 1   # a smoke test
@@ -66,7 +67,9 @@ def main() -> None:
     g, R, P, H, Hq, D = fmt.group, a.requests, a.prompt, a.kv_heads, a.q_heads, a.head_dim
     scale = D ** -0.5
     if a.mixed:  # rows: first chunks of P, continuation chunks of P // 2 after P // 2, decodes after P
-        kinds = np.repeat([0, 1, 2], [R // 4, R // 4, R - 2 * (R // 4)])
+        # decode rows first, as vLLM orders a batch; first and continuation chunks alternate after them
+        prefill = np.resize([0, 1], 2 * (R // 4))
+        kinds = np.concatenate([np.full(R - len(prefill), 2), prefill])
         ctx = np.select([kinds == 0, kinds == 1], [0, P // 2], P)
         qlen = np.select([kinds == 0, kinds == 1], [P, P // 2], 1)
     else:

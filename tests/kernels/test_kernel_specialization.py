@@ -23,6 +23,7 @@ SERVING_KERNELS = {
     "scale_queries_kernel": ("decode", {"R"}, set()),
     "records_kernel": ("decode", {"num_splits", "stride_btb"}, set()),
     "merge_kernel": ("tail", {"R", "num_splits"}, set()),
+    "_copy_rows_kernel": ("rows", {"n"}, {"src_a_ptr", "src_b_ptr", "dst_a_ptr", "dst_b_ptr", "use_ptr"}),
 }
 
 _PROBE = r"""

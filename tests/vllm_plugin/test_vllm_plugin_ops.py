@@ -389,10 +389,13 @@ def test_slot_table_and_step_slots():
     assert tail_bytes(255, 8, 128, 128, 2) == 2 * 256 * 8 * 128 * 128 * 2
 
 
-def test_materialize_dense_kernel_equals_reference_decoder():
-    """The dense path's K/V through the Triton decoder (interpreter here) equal the reference decoder's."""
+@pytest.mark.parametrize("sink", [0, 16])
+def test_materialize_dense_kernel_equals_reference_decoder(sink):
+    """The dense path's K/V through the Triton decoder and tail-row copy (interpreter here) equal the reference
+    decoder's and torch indexing's; with a sink and window, one row may read its sink and window rows and the other
+    may not (its slot holds another request's: the records' values stay)."""
     gen = torch.Generator().manual_seed(7)
-    eng = Engine()
+    eng = Engine(sink=sink)
     a, b = Req("a", 200, gen), Req("b", 150, gen)
     eng.step([(a, 150), (b, 70)])
     rows = np.array([0, 1])
@@ -401,14 +404,49 @@ def test_materialize_dense_kernel_equals_reference_decoder():
     bt = torch.zeros(2, 3, dtype=torch.int32)
     bt[0, :len(a.blocks)] = torch.tensor(a.blocks, dtype=torch.int32)
     bt[1, :len(b.blocks)] = torch.tensor(b.blocks, dtype=torch.int32)
+    lens = {}
+    if sink:
+        lens = {"sink_lens": torch.tensor([sink, 0], dtype=torch.int32),
+                "win_lens": torch.tensor([0, FMT.window_tokens], dtype=torch.int32)}
     args = (rows, seq, slots, eng.cache, bt, eng.tk, eng.tv, FMT, torch.float32)
-    ref = dense_prefill.materialize_dense(*args, use_kernels=False)
-    got = dense_prefill.materialize_dense(*args, use_kernels=True)
+    ref = dense_prefill.materialize_dense(*args, use_kernels=False, **lens)
+    got = dense_prefill.materialize_dense(*args, use_kernels=True, **lens)
     assert ref[2].tolist() == got[2].tolist() == [0, 150, 220]
     for x, y in zip(got[:2], ref[:2]):
         assert ((x - y).norm() / y.norm()).item() < 1e-5
+    if sink:  # the rows that come from the tail buffers are copies: exact
+        ix = paged.post_store_index(rows, seq, slots, bt, eng.tk.shape[2], FMT, lens["sink_lens"], lens["win_lens"])
+        from_tail = ix.row_dst[ix.row_use.view(-1)]
+        assert len(from_tail) and torch.equal(got[0][from_tail], ref[0][from_tail])
+        assert torch.equal(got[1][from_tail], ref[1][from_tail])
 
 
+@pytest.mark.parametrize("sink", [0, 16])
+def test_store_kernels_write_the_tails_the_torch_path_writes(sink):
+    """ops.store through the kernels (interpreter): a mixed step of first chunks, continuation chunks and decodes
+    writes the same tail rows (the unfinished tiles, the sink, the window) as the torch path, bit for bit, and
+    records within one code on rounding boundaries."""
+    gen = torch.Generator().manual_seed(3)
+    ctx, qlen = np.array([0, 70, 130, 0, 200]), np.array([90, 60, 1, 20, 1])
+    qsl = np.concatenate([[0], np.cumsum(qlen)])
+    seq = ctx + qlen
+    R, N = len(ctx), int(qsl[-1])
+    bt = (1 + torch.arange(R * 4, dtype=torch.int32)).view(R, 4)
+    window = FMT.window_tokens if sink else 0
+    plan = step_plan.plan_step(qsl, seq, R, np.array([3, 0, 4, 2, 1], dtype=np.int32), bt, G, "cpu", sink=sink,
+                               window=window)
+    k, v = torch.randn(N, HK, D, generator=gen), torch.randn(N, HK, D, generator=gen)
+    tails0 = torch.randn(2, R + 1, HK, G + sink + 2 * window, D, generator=gen).half()
+    state = {}
+    for kernels in (False, True):
+        tk, tv = tails0[0].clone(), tails0[1].clone()
+        cache = torch.zeros(R * 4 + 1, HK, FMT.record_bytes(D), dtype=torch.uint8)
+        ops.store(plan, k.half(), v.half(), cache, tk, tv, FMT, use_kernels=kernels)
+        state[kernels] = tk, tv, cache
+    (tk0, tv0, c0), (tk1, tv1, c1) = state[False], state[True]
+    assert plan.num_tiles == 2 and torch.equal(tk1, tk0) and torch.equal(tv1, tv0)
+    assert not torch.equal(tk1, tails0[0])
+    assert (c1 == c0).float().mean() > 0.995
 def test_sink_tags_follow_recycled_blocks():
     """A block id vLLM recycles as another request's first tile takes its sink ownership along: a later prefix hit
     on it in the first owner's old slot must not read the first owner's tokens."""

@@ -1,0 +1,127 @@
+"""16-bit row copies between a step's token-major K / V and the tail buffers, K and V in one launch.
+
+    write_tail_rows(k, v, tail_k, tail_v, tok, slot, row) -> None
+        tail[slot[i], :, row[i]] = k[tok[i]] (and v): the store's writes of the unfinished tiles', the sink's and the
+        window's tokens (k, v [N, H, D]; tails [S, H, rows, D]).
+    read_tail_rows(tail_k, tail_v, slot, row, k, v, dst, use=None) -> None
+        k[dst[i]] = tail[slot[i], :, row[i]] (and v) where use[i] (None: every i): the dense prefill's reads of those
+        rows into the materialized K / V.
+
+Each replaces a gather and a scatter per tensor (four launches and their index checks for K and V) by one launch:
+a prefill step runs these once per layer, and its host time is what the GPU waits for. Exact copies (a dtype
+conversion where source and destination differ); fixed grid, no host sync.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import KvarnError
+from .runtime import serving_jit
+
+UNITS = tl.constexpr(16)  # (row, head) pairs per program: [16, D] elements per tensor
+
+
+@serving_jit(ints=("n",), index_ptrs=("src_a_ptr", "src_b_ptr", "dst_a_ptr", "dst_b_ptr", "use_ptr"))
+def _copy_rows_kernel(src_k_ptr, src_v_ptr, dst_k_ptr, dst_v_ptr, src_a_ptr, src_b_ptr, dst_a_ptr, dst_b_ptr, use_ptr,
+                      n, sk_a, sk_b, sk_h, sv_a, sv_b, sv_h, dk_a, dk_b, dk_h, dv_a, dv_b, dv_h,
+                      H: tl.constexpr, D: tl.constexpr, SRC_B: tl.constexpr, DST_B: tl.constexpr,
+                      USE: tl.constexpr):
+    """Row i, head h: src[a_s[i] * stride_a + b_s[i] * stride_b + h * stride_h, :D] -> the same in dst (an index
+    b only where SRC_B / DST_B: the tail's row within a slot). Axis 1 picks K or V, each with its own strides (a
+    model's K may be a normed copy while V is still a view into the fused QKV output)."""
+    u = tl.program_id(0) * UNITS + tl.arange(0, UNITS)  # (row, head) units
+    i = u // H
+    h = u % H
+    live = i < n
+    if USE:
+        live = live & (tl.load(use_ptr + i, mask=live, other=0) != 0)
+    a_s = tl.load(src_a_ptr + i, mask=live, other=0).to(tl.int64)
+    a_d = tl.load(dst_a_ptr + i, mask=live, other=0).to(tl.int64)
+    b_s = tl.load(src_b_ptr + i, mask=live, other=0).to(tl.int64) if SRC_B else a_s * 0
+    b_d = tl.load(dst_b_ptr + i, mask=live, other=0).to(tl.int64) if DST_B else a_d * 0
+    d = tl.arange(0, D)[None, :]
+    m = live[:, None]
+    if tl.program_id(1) == 0:
+        src = (a_s * sk_a + b_s * sk_b + h * sk_h)[:, None]
+        dst = (a_d * dk_a + b_d * dk_b + h * dk_h)[:, None]
+        x = tl.load(src_k_ptr + src + d, mask=m)
+        tl.store(dst_k_ptr + dst + d, x.to(dst_k_ptr.dtype.element_ty), mask=m)
+    else:
+        src = (a_s * sv_a + b_s * sv_b + h * sv_h)[:, None]
+        dst = (a_d * dv_a + b_d * dv_b + h * dv_h)[:, None]
+        x = tl.load(src_v_ptr + src + d, mask=m)
+        tl.store(dst_v_ptr + dst + d, x.to(dst_v_ptr.dtype.element_ty), mask=m)
+
+
+def _check(name: str, t: torch.Tensor, n: int, device) -> None:
+    if t.shape != (n,) or t.dtype not in (torch.int32, torch.int64) or t.device != device:
+        raise KvarnError(f"{name} must be int32 / int64 [{n}] on {device}, got {t.dtype} {tuple(t.shape)} on "
+                         f"{t.device}")
+
+
+def _pair(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    if a.shape != b.shape or a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise KvarnError(f"{what}: K and V must have one shape, contiguous along D; got {tuple(a.shape)} "
+                         f"{a.stride()} and {tuple(b.shape)} {b.stride()}")
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(index a, index b, head) strides: a token-major [N, H, D] (no index b) or a tail [S, H, rows, D]."""
+    return (t.stride(0), 0, t.stride(1)) if t.dim() == 3 else (t.stride(0), t.stride(2), t.stride(1))
+
+
+def _launch(src, dst, src_idx, dst_idx, n, use=None):
+    (sk, sv), (dk, dv) = src, dst
+    H, D = sk.shape[1], sk.shape[-1]  # k [N, H, D] and tails [S, H, rows, D] alike
+    if D & (D - 1):
+        raise KvarnError(f"row copies serve power-of-two head dims, got {D}")
+    sa, sb = src_idx
+    da, db = dst_idx
+    # an absent index gets a placeholder pointer (never read)
+    _copy_rows_kernel[(triton.cdiv(n * H, UNITS), 2)](
+        sk, sv, dk, dv, sa, sa if sb is None else sb, da, sa if db is None else db, sa if use is None else use, n,
+        *_strides(sk), *_strides(sv), *_strides(dk), *_strides(dv),
+        H=H, D=D, SRC_B=sb is not None, DST_B=db is not None, USE=use is not None, num_warps=4)
+
+
+def write_tail_rows(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
+                    tok: torch.Tensor, slot: torch.Tensor, row: torch.Tensor) -> None:
+    """tail_k[slot[i], :, row[i]] = k[tok[i]], and the same for v (see the module docstring)."""
+    _pair(k, v, "write_tail_rows k / v")
+    _pair(tail_k, tail_v, "write_tail_rows tails")
+    if k.dim() != 3 or tail_k.dim() != 4 or k.shape[1:] != (tail_k.shape[1], tail_k.shape[3]):
+        raise KvarnError(f"k [N, H, D] and tails [S, H, rows, D] must agree, got {tuple(k.shape)} and "
+                         f"{tuple(tail_k.shape)}")
+    n = tok.shape[0]
+    for name, t in (("tok", tok), ("slot", slot), ("row", row)):
+        _check(name, t, n, k.device)
+    if n == 0:
+        return
+    _launch((k, v), (tail_k, tail_v), (tok, None), (slot, row), n)
+
+
+def read_tail_rows(tail_k: torch.Tensor, tail_v: torch.Tensor, slot: torch.Tensor, row: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor, dst: torch.Tensor, use: torch.Tensor | None = None) -> None:
+    """k[dst[i]] = tail_k[slot[i], :, row[i]] where use[i] (bool [n], or any shape of n elements), and the same for
+    v (see the module docstring)."""
+    _pair(k, v, "read_tail_rows k / v")
+    _pair(tail_k, tail_v, "read_tail_rows tails")
+    if k.dim() != 3 or tail_k.dim() != 4 or k.shape[1:] != (tail_k.shape[1], tail_k.shape[3]):
+        raise KvarnError(f"k [N, H, D] and tails [S, H, rows, D] must agree, got {tuple(k.shape)} and "
+                         f"{tuple(tail_k.shape)}")
+    n = dst.shape[0]
+    for name, t in (("slot", slot), ("row", row), ("dst", dst)):
+        _check(name, t, n, k.device)
+    if use is not None:
+        if use.numel() != n or use.dtype != torch.bool or use.device != k.device:
+            raise KvarnError(f"use must be bool with {n} elements on {k.device}, got {use.dtype} "
+                             f"{tuple(use.shape)} on {use.device}")
+        use = use.reshape(-1)
+    if n == 0:
+        return
+    _launch((tail_k, tail_v), (k, v), (slot, row), (dst, None), n, use)
+
+
+__all__ = ["write_tail_rows", "read_tail_rows"]
