@@ -10,6 +10,8 @@ from kvarn.errors import KvarnError
 from kvarn.kernels.rows import read_tail_rows, write_tail_rows
 
 H, D = 3, 64
+# the interpreter here; compiled on a GPU (pytest -m gpu)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _qkv(n, gen, dtype):
@@ -25,18 +27,19 @@ def _same(a, b):
     assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("src,tail", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16),
                                       (torch.float16, torch.float32)])
-def test_write_tail_rows_equals_indexing(src, tail):
+def test_write_tail_rows_equals_indexing(src, tail, device):
     gen = torch.Generator().manual_seed(0)
-    k, v = _qkv(40, gen, src)
+    k, v = (x.to(device) for x in _qkv(40, gen, src))
     S, rows = 5, 64 + 16 + 2 * 8  # g + sink + 2 W, as the backend allocates them
-    tk = torch.randn(S, H, rows, D, generator=gen).to(tail)
-    tv = torch.randn(S, H, rows, D, generator=gen).to(tail)
+    tk = torch.randn(S, H, rows, D, generator=gen).to(device, tail)
+    tv = torch.randn(S, H, rows, D, generator=gen).to(device, tail)
     n = 29  # distinct (slot, row) destinations: each is written once per step
     dest = torch.randperm(S * rows, generator=gen)[:n]
-    slot, row = dest // rows, dest % rows
-    tok = torch.randint(0, 40, (n,), generator=gen)
+    slot, row = (dest // rows).to(device), (dest % rows).to(device)
+    tok = torch.randint(0, 40, (n,), generator=gen).to(device)
     want_k, want_v = tk.clone(), tv.clone()
     want_k[slot, :, row] = k[tok].to(tail)
     want_v[slot, :, row] = v[tok].to(tail)
@@ -45,8 +48,9 @@ def test_write_tail_rows_equals_indexing(src, tail):
     _same(tv, want_v)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("with_use", [False, True])
-def test_read_tail_rows_equals_indexing(with_use):
+def test_read_tail_rows_equals_indexing(with_use, device):
     gen = torch.Generator().manual_seed(1)
     S, rows, N, n = 4, 96, 50, 21
     tk = torch.randn(S, H, rows, D, generator=gen).to(torch.bfloat16)
@@ -59,8 +63,10 @@ def test_read_tail_rows_equals_indexing(with_use):
     slot[0], row[0] = 2, 5
     dst = torch.randperm(N, generator=gen)[:n]
     use = torch.rand(n, 1, 1, generator=gen) > 0.4 if with_use else None  # the shape PostStoreIndex.row_use has
+    tk, tv, k, v, slot, row, dst = (x.to(device) for x in (tk, tv, k, v, slot, row, dst))
+    use = None if use is None else use.to(device)
     want_k, want_v = k.clone(), v.clone()
-    keep = use.view(-1) if with_use else torch.ones(n, dtype=torch.bool)
+    keep = use.view(-1) if with_use else torch.ones(n, dtype=torch.bool, device=device)
     want_k[dst[keep]] = tk[slot[keep], :, row[keep]]
     want_v[dst[keep]] = tv[slot[keep], :, row[keep]]
     read_tail_rows(tk, tv, slot, row, k, v, dst, use)
