@@ -66,9 +66,14 @@ print("RESULT", json.dumps({"blocks": cc.num_gpu_blocks, "block": cc.block_size,
 
 
 def _engine(kv: str, eager: bool, env: dict) -> dict:
-    with one_engine_at_a_time():
-        p = subprocess.run([sys.executable, "-c", ENGINE, kv, "1" if eager else "0", SMOL], capture_output=True,
-                           text=True, timeout=600, env={**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0", **env})
+    for attempt in (1, 2):
+        with one_engine_at_a_time():
+            p = subprocess.run([sys.executable, "-c", ENGINE, kv, "1" if eager else "0", SMOL], capture_output=True,
+                               text=True, timeout=600, env={**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0", **env})
+        # vLLM refuses to start when the GPU's free memory grows while it profiles: another test process of the
+        # suite (kernel tests run beside this one) freed memory then. Not this engine's fault: one more start.
+        if not (p.returncode and "Error in memory profiling" in p.stderr and attempt == 1):
+            break
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     assert p.returncode == 0 and line, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(line[-1][7:])
