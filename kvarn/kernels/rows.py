@@ -9,7 +9,7 @@
 
 Each replaces a gather and a scatter per tensor (four launches and their index checks for K and V) by one launch:
 a prefill step runs these once per layer, and its host time is what the GPU waits for. Exact copies (a dtype
-conversion where source and destination differ); fixed grid, no host sync.
+conversion where source and destination differ); no host sync.
 """
 from __future__ import annotations
 

@@ -142,8 +142,10 @@ def post_store_index(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, 
     parts = [p for p in parts if len(p[0])]
     if not parts:
         return PostStoreIndex(cu_k, tile_bids, tile_dst, None, None, None, None)
+    # with lens given (the backend's steps), a mask always: the copy kernel then compiles one variant, whether or not
+    # this step's rows have sink or window rows to read (rows shorter than a tile have none)
     use = None
-    if any(lens is not None for *_, lens in parts):
+    if sink_lens is not None or win_lens is not None:
         use = torch.cat([torch.ones(len(seg), dtype=torch.bool, device=dev) if lens is None else
                          dev_(j) < lens.to(dev).reshape(-1)[dev_(seg)] for seg, _, _, j, lens in parts])[:, None, None]
     def cat(i):
@@ -176,16 +178,17 @@ def gather_post_store(ix: PostStoreIndex, cache, tail_k, tail_v, fmt: KVFormat, 
 
 
 def post_store_kv(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cache, block_table, tail_k, tail_v,
-                  fmt: KVFormat, dtype, sink_lens=None, dequantize: Callable | None = None, win_lens=None):
+                  fmt: KVFormat, dtype, sink_lens=None, dequantize: Callable | None = None, win_lens=None,
+                  read_rows: Callable | None = None):
     """The K/V the attention of batch rows `rows` sees after this step's store (seq_lens / slots: their lengths and
     tail slots, host), back to back: (k, v [sum seq_len, Hk, D] in `dtype`, cu_k int64 host). Full tiles come from
     the records, dequantized to the original basis by `dequantize(cache, block_ids, dst_rows, k, v, fmt)` (the
     kernel, kvarn.kernels.dequantize_to_rows) or, when None, by the reference decoder; the last seq_len % g tokens
-    from the tail rows; rows whose first tile is quantized take their first `sink` positions (sink_lens[i] of them,
+    from the tail rows (copied by `read_rows`, as gather_post_store says); rows whose first tile is quantized take their first `sink` positions (sink_lens[i] of them,
     a device tensor, where given) from the sink rows, and the window of the tile before their newest position's from
     its window rows (where win_lens[i] > 0, a device tensor, where given)."""
     ix = post_store_index(rows, seq_lens, slots, block_table, tail_k.shape[2], fmt, sink_lens, win_lens)
-    k, v = gather_post_store(ix, cache, tail_k, tail_v, fmt, dtype, dequantize)
+    k, v = gather_post_store(ix, cache, tail_k, tail_v, fmt, dtype, dequantize, read_rows)
     return k, v, ix.cu_k
 
 

@@ -50,11 +50,11 @@ def _gather_kernels(use_kernels: bool, cuda: bool) -> tuple[Callable | None, Cal
 
 def materialize_dense(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cache, block_table, tail_k, tail_v,
                       fmt: KVFormat, dtype, use_kernels: bool | None = None, sink_lens=None, win_lens=None):
-    """kvarn.method.paged.post_store_kv with the records decoded by the kernel (use_kernels None: where the cache is
-    on CUDA; True: also in the interpreter; False: the reference decoder)."""
-    decoder, _ = _gather_kernels(cache.is_cuda if use_kernels is None else use_kernels, cache.is_cuda)
+    """kvarn.method.paged.post_store_kv with the records decoded and the tail rows copied by the kernels (use_kernels
+    None: where the cache is on CUDA; True: also in the interpreter; False: the reference decoder, torch indexing)."""
+    decoder, read_rows = _gather_kernels(cache.is_cuda if use_kernels is None else use_kernels, cache.is_cuda)
     return post_store_kv(rows, seq_lens, slots, cache, block_table, tail_k, tail_v, fmt, dtype, sink_lens, decoder,
-                         win_lens)
+                         win_lens, read_rows)
 
 
 def _groups(lens: np.ndarray, budget: int):

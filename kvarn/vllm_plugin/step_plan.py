@@ -9,9 +9,9 @@ tokens of the batch it says:
   sink's and the window's (a tile's last W positions, in the half of its tile's parity);
 * how attention splits: rows with no prior context (first prefill chunk) attend to the raw new Q/K/V (exact, as
   FlashAttention would); decode rows (one new token) and continuation rows (several: chunked prefill, a
-  prefix-cache hit, spec-decode verify) attend to the post-store cache state. Where a kind's tokens are one range
-  (vLLM puts decode rows first), the layers slice instead of gathering: a prefill step is host-bound, and a gather
-  is a launch per tensor per layer.
+  prefix-cache hit, spec-decode verify) attend to the post-store cache state. Decode rows that lead the batch (vLLM
+  puts them first) and continuation rows whose tokens form one range are sliced, not gathered: a prefill step is
+  host-bound, and a gather is a launch per tensor per layer.
 
 Semantics shared with the PyTorch reference cache: a tile is quantized once, when its g tokens exist; the store
 runs before attention in the layer.

@@ -205,6 +205,13 @@ def test_chunked_prefill_decode_mixed_and_preemption(small_key_budget, sink):
     eng.step([(a, 1), (b, 1), (c, 1)])
     eng.step([(a, 5), (b, 3), (c, 4)])  # three continuation rows in one step (dense: several row groups)
     assert len(eng.table) == 3
+    eng.table.release(["c"])  # c is done
+    eng.free.extend(c.blocks)
+    d, e = Req("d", 60, gen), Req("e", 90, gen)
+    # first chunks around a decode and a continuation row (not in vLLM's order): one raw attention over rows 0..3,
+    # whose decode and continuation outputs the later paths overwrite, and decode rows gathered, not sliced
+    eng.step([(d, 20), (a, 1), (b, 4), (e, 40)], pad_rows=1)
+    eng.step([(a, 1), (b, 1), (d, 1), (e, 50)])  # decode rows leading the batch (sliced), one continuation range
 
 
 @pytest.mark.parametrize("sink", [0, 16])
@@ -447,6 +454,8 @@ def test_store_kernels_write_the_tails_the_torch_path_writes(sink):
     assert plan.num_tiles == 2 and torch.equal(tk1, tk0) and torch.equal(tv1, tv0)
     assert not torch.equal(tk1, tails0[0])
     assert (c1 == c0).float().mean() > 0.995
+
+
 def test_sink_tags_follow_recycled_blocks():
     """A block id vLLM recycles as another request's first tile takes its sink ownership along: a later prefix hit
     on it in the first owner's old slot must not read the first owner's tokens."""
