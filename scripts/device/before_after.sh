@@ -8,7 +8,8 @@
 # chunk 128) through vLLM; on request the store microbench (`store`: one tile x 36 layers, 128 tiles x 36 layers,
 # a prefill step's store as the backend runs it, scripts/device/step_store.py: 32 prompts of 987 tokens x 28
 # layers; with --mixed, a chunked-prefill step's store and attention) and the served short burst (`serve`:
-# Qwen3-0.6B shape through `vllm serve`, 32 x (1,024 + 256) at once: TTFT and ITL). KVARN_BA_SIDES picks base,
+# Qwen3-0.6B shape through `vllm serve`, 32 x (1,024 + 256) at once, KVARN_BA_SERVE_PROMPT=8192 for 8K prompts:
+# TTFT and ITL). KVARN_BA_SIDES picks base,
 # head or base,head (the default); KVARN_BA_PARTS some of mb,store,bench,serve,ppl (default mb,bench,ppl);
 # KVARN_BA_BASE_DTYPES the base side's bench
 # formats (default FP16 and KVarN; kvarn_k4v2_g128 alone when only KVarN's code changed, vLLM's FP16 then measured
@@ -20,6 +21,7 @@ export PYTHONUNBUFFERED=1 COLUMNS=200 VLLM_USE_FLASHINFER_SAMPLER=0
 BASE=.device/base
 SMOL="${KVARN_SMOL:-/tmp/models/smollm2-135m-instruct}"
 PARTS=",${KVARN_BA_PARTS:-mb,bench,ppl},"
+SERVE_PROMPT="${KVARN_BA_SERVE_PROMPT:-1024}"   # the served burst's prompt tokens (its output: 256)
 SIDES=",${KVARN_BA_SIDES:-base,head},"   # head alone: this tree's cells without a base (no before / after pair)
 [[ $SIDES == *,base,* || $SIDES == *,head,* ]] || { echo "KVARN_BA_SIDES=$KVARN_BA_SIDES: give base, head or base,head"; exit 2; }
 if [[ $SIDES == *,base,* ]]; then
@@ -50,8 +52,9 @@ side() {  # name, site dir, bench formats: the kvarn that side imports (vLLM and
   case $PARTS in *,serve,*)
     local cells; cells=$(echo "$dtypes" | tr ',' '\n' | wc -l)
     kv $(( 40 + 240 * cells )) python3 -m kvarn_cli.app bench --engine vllm --mode serve --model qwen3-0.6b \
-      --dummy-weights --kv-dtype "$dtypes" --burst 1280 --prompt-len 1024 --requests 32 --max-num-seqs 32 \
-      --gpu-memory-utilization 0.5 --timeout 230 --out "$d/serve" > "$d/serve.log" 2>&1 ;; esac
+      --dummy-weights --kv-dtype "$dtypes" --burst $(( SERVE_PROMPT + 256 )) --prompt-len "$SERVE_PROMPT" \
+      --requests 32 --max-num-seqs 32 --gpu-memory-utilization 0.5 --timeout 230 --out "$d/serve" \
+      > "$d/serve.log" 2>&1 ;; esac
   bash "$(dirname "$0")/free_gpu.sh"
   case $PARTS in *,ppl,*)
     kv 300 python3 -m kvarn_cli.app eval ppl --engine vllm --model smollm2-135m --weights "$SMOL" --context 4096 \
@@ -62,7 +65,7 @@ side() {  # name, site dir, bench formats: the kvarn that side imports (vLLM and
 [[ $SIDES == *,base,* ]] && side base /tmp/kvarn-base-site "${KVARN_BA_BASE_DTYPES:-auto,kvarn_k4v2_g128}"
 [[ $SIDES == *,head,* ]] && side head "${KVARN_SITE:-/tmp/kvarn-site}" "${KVARN_BA_HEAD_DTYPES:-auto,kvarn_k4v2_g128}"
 python3 - "$OUT" <<'PY'
-import json, pathlib, sys
+import json, os, pathlib, sys
 from kvarn.results import ResultsStore
 root = pathlib.Path(sys.argv[1])
 print(f"{'side':5} {'decode ms':>10} {'FA3 ms':>8} {'flush 1x36':>10} {'128x36 ms':>10} {'one-launch':>10} "
@@ -114,7 +117,7 @@ for side in ("base", "head"):
     except Exception:  # noqa: BLE001 - not run
         pass
 if serve:
-    print(f"\nserved, Qwen3-0.6B, 32 x (1,024 + 256)\n{'side':5} {'kv dtype':16} {'status':8} {'out tok/s':>10} "
+    print(f"\nserved, Qwen3-0.6B, 32 x ({int(os.environ.get('KVARN_BA_SERVE_PROMPT', 1024)):,} + 256)\n{'side':5} {'kv dtype':16} {'status':8} {'out tok/s':>10} "
           f"{'TTFT p50':>9} {'TTFT p90':>9} {'ITL p50':>8} {'ITL p99':>8} {'start s':>8}")
     for side, r in serve:
         print(f"{side:5} {r['kv_dtype']:16} {r['status']:8} {f(r.get('output_tok_s')):>10} "
