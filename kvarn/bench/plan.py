@@ -13,7 +13,7 @@ from pathlib import Path
 from .. import models
 from ..errors import KvarnError, choices
 from ..formats import FP16_NAMES, parse_formats
-from ..method.textdata import SMOLLM2
+from ..models import SMOLLM2
 from ..results import ResultsStore
 from ..results.current import current_rows
 from ..shapes import ModelShape, resolve_model

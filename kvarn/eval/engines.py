@@ -15,7 +15,7 @@ from typing import Iterator
 
 from .. import models
 from ..engines import gpus
-from ..engines.hf import kv_cache
+from ..engines.hf import kv_cache, last_logits_only
 from ..engines.launch import Launcher, child_env
 from ..engines.vllm_args import engine_kwargs
 from ..engines.vllm_worker import DONE_TAG, RESULT_TAG
@@ -175,17 +175,19 @@ class HFEngine:
 
         return dtype_name(self.model)
 
-    def _prefill(self, ids, cache, chunk: int | None, watch, what: str):
+    def _prefill(self, ids, cache, chunk: int | None, watch, what: str, last_only: bool = False):
         """Feed ids [1, T] into the cache in chunks (each chunk attends to the stored, quantized earlier ones); a
-        chunk whose logits are not finite raises, naming `what` (format, request), the chunk and the module."""
+        chunk whose logits are not finite raises, naming `what` (format, request), the chunk and the module.
+        `last_only`: each chunk's logits at its last position only (generation reads the prompt's last one)."""
         import torch
 
         t = ids.shape[-1]
         step = chunk or t
         logits = []
+        keep = last_logits_only(self.model) if last_only else {}
         with torch.no_grad():
             for s in range(0, t, step):
-                out = self.model(ids[:, s:s + step], use_cache=True, **{self.cache_kw: cache})
+                out = self.model(ids[:, s:s + step], use_cache=True, **{self.cache_kw: cache}, **keep)
                 watch.check(out.logits, f"{what}, prefill tokens {s}-{min(s + step, t) - 1}")
                 logits.append(out.logits)
         return logits
@@ -248,7 +250,7 @@ class HFEngine:
             what = f"for kv dtype {fmt.name}, problem {r.id}"
             # the first token comes from the prompt's own prefill (its chunks read their own tokens raw), as on
             # vLLM; generate() then feeds one token at a time, each step reading the stored cache
-            last = self._prefill(ids, cache, params.chunk, watch, what)[-1][0, -1].float()
+            last = self._prefill(ids, cache, params.chunk, watch, what, last_only=True)[-1][0, -1].float()
             first = _pick_token(last, params.temperature if sample else 0.0, params.top_p)
             out = torch.cat([ids, first.view(1, 1)], -1)
             if params.max_tokens > 1 and first.item() != eos:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from .. import models
 from ..errors import KvarnError
+from ..models import SMOLLM2
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 MOBY_DICK = DATA_DIR / "moby_dick.txt"
-SMOLLM2 = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DATA_FIX = "pip install 'kvarn[data]' && kvarn data install"
 PIP_FIX = "pip install 'kvarn[data]'"

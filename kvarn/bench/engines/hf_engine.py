@@ -15,10 +15,10 @@ import logging
 import time
 from pathlib import Path
 
-from ...engines.hf import kv_cache
+from ...engines.hf import kv_cache, last_logits_only
 from ...errors import KvarnError
 from ...formats import get_format
-from ...method.textdata import SMOLLM2
+from ...models import SMOLLM2
 from ...shapes import resolve_model
 from ..accuracy import PPL_CHUNK, PPL_TOKENS, accuracy_metrics, chunked_ppl, window_ids
 from ..config import BenchConfig, Cell
@@ -74,14 +74,6 @@ def load_hf_model(cfg: BenchConfig, device: str):
             tok = None
     model = model.to(device).eval()
     return model, time.perf_counter() - t0, tok
-
-
-def _last_logits_only(model) -> dict:
-    """Forward kwargs that compute the prefill's logits at its last position only (the one the next token needs):
-    the LM head over a whole prompt is a fifth of a small model's prefill time on a CPU."""
-    import inspect
-
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def _hf_cache():  # transformers is an extra: import the cache module only when the hf engine runs
@@ -188,7 +180,7 @@ class HfEngine(Engine):
                 t_send = time.perf_counter()  # later batches queue from the burst start, as in an engine
                 recs = [RequestRecord(prompt_len=len(p), start=start) for p in chunk]
                 ckw = _hf_cache().cache_kwarg(model)
-                out = model(input_ids=ids, use_cache=True, **{ckw: cache}, **_last_logits_only(model))
+                out = model(input_ids=ids, use_cache=True, **{ckw: cache}, **last_logits_only(model))
                 what = f"for kv dtype {cfg.kv_dtype}, batch {b // batch}"
                 watch.check(out.logits[:, -1], f"{what}, prefill")
                 nxt = out.logits[:, -1].argmax(-1)
