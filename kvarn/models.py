@@ -229,7 +229,7 @@ def convert(gguf: Path, dest: Path, log: Callable[[str], None], dtype: str = "fl
         tmp = Path(work) / "model"
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if not replace and (dest / "config.json").is_file():
+        if not replace and is_model_folder(dest):
             return dest
         shutil.rmtree(dest, ignore_errors=True)
         tmp.replace(dest)

@@ -55,16 +55,22 @@ def _copy_rows_kernel(src_k_ptr, src_v_ptr, dst_k_ptr, dst_v_ptr, src_a_ptr, src
         tl.store(dst_v_ptr + dst + d, x.to(dst_v_ptr.dtype.element_ty), mask=m)
 
 
-def _check(name: str, t: torch.Tensor, n: int, device) -> None:
-    if t.shape != (n,) or t.dtype not in (torch.int32, torch.int64) or t.device != device:
-        raise KvarnError(f"{name} must be int32 / int64 [{n}] on {device}, got {t.dtype} {tuple(t.shape)} on "
-                         f"{t.device}")
-
-
-def _pair(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    if a.shape != b.shape or a.stride(-1) != 1 or b.stride(-1) != 1:
-        raise KvarnError(f"{what}: K and V must have one shape, contiguous along D; got {tuple(a.shape)} "
-                         f"{a.stride()} and {tuple(b.shape)} {b.stride()}")
+def _checked(what: str, k, v, tail_k, tail_v, **index) -> int:
+    """The arguments of a row copy checked (token-major k, v [N, H, D]; tails [S, H, rows, D]; index tensors of one
+    length n, int32 or int64, on k's device); returns n."""
+    for a, b, name in ((k, v, "k / v"), (tail_k, tail_v, "tails")):
+        if a.shape != b.shape or a.stride(-1) != 1 or b.stride(-1) != 1:
+            raise KvarnError(f"{what} {name}: K and V must have one shape, contiguous along D; got {tuple(a.shape)} "
+                             f"{a.stride()} and {tuple(b.shape)} {b.stride()}")
+    if k.dim() != 3 or tail_k.dim() != 4 or k.shape[1:] != (tail_k.shape[1], tail_k.shape[3]):
+        raise KvarnError(f"k [N, H, D] and tails [S, H, rows, D] must agree, got {tuple(k.shape)} and "
+                         f"{tuple(tail_k.shape)}")
+    n = next(iter(index.values())).shape[0]
+    for name, t in index.items():
+        if t.shape != (n,) or t.dtype not in (torch.int32, torch.int64) or t.device != k.device:
+            raise KvarnError(f"{name} must be int32 / int64 [{n}] on {k.device}, got {t.dtype} {tuple(t.shape)} on "
+                             f"{t.device}")
+    return n
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -89,14 +95,7 @@ def _launch(src, dst, src_idx, dst_idx, n, use=None):
 def write_tail_rows(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
                     tok: torch.Tensor, slot: torch.Tensor, row: torch.Tensor) -> None:
     """tail_k[slot[i], :, row[i]] = k[tok[i]], and the same for v (see the module docstring)."""
-    _pair(k, v, "write_tail_rows k / v")
-    _pair(tail_k, tail_v, "write_tail_rows tails")
-    if k.dim() != 3 or tail_k.dim() != 4 or k.shape[1:] != (tail_k.shape[1], tail_k.shape[3]):
-        raise KvarnError(f"k [N, H, D] and tails [S, H, rows, D] must agree, got {tuple(k.shape)} and "
-                         f"{tuple(tail_k.shape)}")
-    n = tok.shape[0]
-    for name, t in (("tok", tok), ("slot", slot), ("row", row)):
-        _check(name, t, n, k.device)
+    n = _checked("write_tail_rows", k, v, tail_k, tail_v, tok=tok, slot=slot, row=row)
     if n == 0:
         return
     _launch((k, v), (tail_k, tail_v), (tok, None), (slot, row), n)
@@ -106,14 +105,7 @@ def read_tail_rows(tail_k: torch.Tensor, tail_v: torch.Tensor, slot: torch.Tenso
                    k: torch.Tensor, v: torch.Tensor, dst: torch.Tensor, use: torch.Tensor | None = None) -> None:
     """k[dst[i]] = tail_k[slot[i], :, row[i]] where use[i] (bool [n], or any shape of n elements), and the same for
     v (see the module docstring)."""
-    _pair(k, v, "read_tail_rows k / v")
-    _pair(tail_k, tail_v, "read_tail_rows tails")
-    if k.dim() != 3 or tail_k.dim() != 4 or k.shape[1:] != (tail_k.shape[1], tail_k.shape[3]):
-        raise KvarnError(f"k [N, H, D] and tails [S, H, rows, D] must agree, got {tuple(k.shape)} and "
-                         f"{tuple(tail_k.shape)}")
-    n = dst.shape[0]
-    for name, t in (("slot", slot), ("row", row), ("dst", dst)):
-        _check(name, t, n, k.device)
+    n = _checked("read_tail_rows", k, v, tail_k, tail_v, dst=dst, slot=slot, row=row)
     if use is not None:
         if use.numel() != n or use.dtype != torch.bool or use.device != k.device:
             raise KvarnError(f"use must be bool with {n} elements on {k.device}, got {use.dtype} "

@@ -184,9 +184,10 @@ def post_store_kv(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cac
     tail slots, host), back to back: (k, v [sum seq_len, Hk, D] in `dtype`, cu_k int64 host). Full tiles come from
     the records, dequantized to the original basis by `dequantize(cache, block_ids, dst_rows, k, v, fmt)` (the
     kernel, kvarn.kernels.dequantize_to_rows) or, when None, by the reference decoder; the last seq_len % g tokens
-    from the tail rows (copied by `read_rows`, as gather_post_store says); rows whose first tile is quantized take their first `sink` positions (sink_lens[i] of them,
-    a device tensor, where given) from the sink rows, and the window of the tile before their newest position's from
-    its window rows (where win_lens[i] > 0, a device tensor, where given)."""
+    from the tail rows (copied by `read_rows`, as gather_post_store says); rows whose first tile is quantized take
+    their first `sink` positions (sink_lens[i] of them, a device tensor, where given) from the sink rows, and the
+    window of the tile before their newest position's from its window rows (where win_lens[i] > 0, a device tensor,
+    where given)."""
     ix = post_store_index(rows, seq_lens, slots, block_table, tail_k.shape[2], fmt, sink_lens, win_lens)
     k, v = gather_post_store(ix, cache, tail_k, tail_v, fmt, dtype, dequantize, read_rows)
     return k, v, ix.cu_k
