@@ -1,11 +1,12 @@
 """What the tile store kernels compile to for sm_90, without a GPU: per variant, registers and spills (ptxas -v,
-Triton's bundled ptxas), 16-byte vector loads and cvt.rni roundings in the PTX. The Triton on PYTHONPATH decides
-the version (the device runs the one vLLM pins).
+Triton's bundled ptxas), 16-byte vector loads, cvt.rni conversions and the adds of the 1.5 * 2^23 rounding in the
+PTX. The Triton on PYTHONPATH decides the version (the device runs the one vLLM pins).
 
     python scripts/store_codegen.py [--head-dim 128] [--modes tiles,step,decode,flush] [--json]
 
 Variants: `tiles` (store_tiles, [T, H, g, D] input), `step` (store_step_tiles: a prefill / mixed step's tiles from
-the new K/V and the tail), `decode` (store_decode's flush, deferred-flag variant), `flush` (flush_layers).
+the new K/V and the tail), each as its keys launch and its values launch; `decode` (store_decode's flush,
+deferred-flag variant) and `flush` (flush_layers), both halves in one launch.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from kvarn.kernels import store as S
 from kvarn.kernels.records import layout
 
 MODES = ("tiles", "step", "decode", "flush")
+PARTS = {"tiles": ("keys", "values"), "step": ("keys", "values"), "decode": ("both",), "flush": ("both",)}
 
 
 def _compile(kernel, const: dict, types: dict, aligned, warps: int):
@@ -53,10 +55,14 @@ def _ptxas(ptx: str) -> dict:
             "spill_loads": num(r"(\d+) bytes spill loads"), "stack": num(r"(\d+) bytes stack frame")}
 
 
-def codegen(mode: str, head_dim: int = 128, fmt_name: str = "kvarn_k4v2_g128", ptxas: bool = True) -> dict:
-    """The compiled facts of one store variant at this head dim (bf16 tensors, 8 KV heads)."""
-    const = S._tile_constexprs(layout(get_format(fmt_name), head_dim), 8, head_dim, 3)
-    warps = const.pop("num_warps")
+def codegen(mode: str, part: str = "both", head_dim: int = 128, fmt_name: str = "kvarn_k4v2_g128",
+            ptxas: bool = True) -> dict:
+    """The compiled facts of one store variant at this head dim (bf16 tensors, 8 KV heads); part: keys, values
+    (tiles, step) or both (decode, flush), with the launch's warp count."""
+    lay = layout(get_format(fmt_name), head_dim)
+    const = S._tile_constexprs(lay, 8, head_dim, 3)
+    part_v = {"both": S.BOTH, "keys": S.KEYS, "values": S.VALUES}[part].value
+    warps = S._warps(lay, head_dim, part_v)
     if mode == "flush":
         kernel = S._flush_layers_kernel
         const["TAIL_DT"] = 1
@@ -65,16 +71,18 @@ def codegen(mode: str, head_dim: int = 128, fmt_name: str = "kvarn_k4v2_g128", p
     else:
         kernel = S._store_tiles_kernel
         const.update(SOURCE={"tiles": S.TILES, "step": S.STEP, "decode": S.DECODE}[mode].value,
-                     DEFER=int(mode == "decode"))
+                     DEFER=int(mode == "decode"), PART=part_v)
         types = {"k_ptr": "*bf16", "v_ptr": "*bf16", "tk_ptr": "*bf16", "tv_ptr": "*bf16", "cache_ptr": "*u8",
                  "cache16_ptr": "*fp16", "first_ptr": "*i64"}
         # as a launch specialises them: tensors 16-byte aligned, strides multiples of 16
         aligned = [n for n in kernel.arg_names
                    if (n in types and n != "first_ptr") or (n.startswith("stride_") and n != "stride_bt")]
     ptx = _compile(kernel, const, types, aligned, warps).asm["ptx"]
-    out = {"mode": mode, "head_dim": head_dim, "triton": triton.__version__,
+    out = {"mode": mode, "part": part, "warps": warps, "head_dim": head_dim, "triton": triton.__version__,
            "vector_loads": len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.v[248]\.", ptx)),
-           "loads": len(re.findall(r"ld\.global", ptx)), "rni": len(re.findall(r"cvt\.rni\.f32\.f32", ptx))}
+           "loads": len(re.findall(r"ld\.global", ptx)), "rni": len(re.findall(r"cvt\.rni\.f32\.f32", ptx)),
+           # 0f4B400000 = 1.5 * 2^23: the round-to-nearest-even adds (added, then subtracted as 0fCB400000)
+           "magic_adds": len(re.findall(r"add(?:\.rn)?\.f32\s[^;]*0f[4C]B400000", ptx))}
     return {**out, **(_ptxas(ptx) if ptxas else {})}
 
 
@@ -89,12 +97,13 @@ def main() -> None:
     bad = [m for m in modes if m not in MODES]
     if bad:
         ap.error(f"--modes {','.join(bad)}: accepted are {', '.join(MODES)}")
-    rows = [codegen(m, a.head_dim, ptxas=not a.no_ptxas) for m in modes]
+    rows = [codegen(m, p, a.head_dim, ptxas=not a.no_ptxas) for m in modes for p in PARTS[m]]
     if a.json:
         for r in rows:
             print(json.dumps(r))
         return
-    cols = ("mode", "head_dim", "registers", "spill_stores", "spill_loads", "stack", "vector_loads", "loads", "rni")
+    cols = ("mode", "part", "warps", "head_dim", "registers", "spill_stores", "spill_loads", "stack", "vector_loads",
+            "loads", "rni", "magic_adds")
     print(f"triton {rows[0]['triton']}, sm_90\n" + " ".join(f"{c:>12}" for c in cols))
     for r in rows:
         print(" ".join(f"{str(r.get(c, '-')):>12}" for c in cols))

@@ -40,7 +40,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import libdevice
 
 from ..errors import KvarnError
 from ..formats import KVFormat
@@ -57,16 +56,14 @@ GAIN_MIN = tl.constexpr(ref.GAIN_MIN)
 GAIN_MAX = tl.constexpr(ref.GAIN_MAX)
 
 @triton.jit
-def _round_half_even(x, COMPILED: tl.constexpr):
-    # torch.round semantics (ties to even): one cvt.rni on a GPU (the range search rounds every value tile eleven
-    # times: this is most of its arithmetic), a floor-based form in the interpreter (no libdevice), exact for the
-    # small code range
-    if COMPILED:
-        return libdevice.rint(x)
-    r = tl.floor(x + 0.5)
-    tie = (r - x) == 0.5
-    odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
-    return tl.where(tie & odd, r - 1.0, r)
+def _round_clamped(x, QMAX: tl.constexpr):
+    # torch's x.round().clamp(0, QMAX) (ties to even), clamped first (the same for integer bounds): adding and
+    # removing 1.5 * 2^23 leaves the integer nearest x, ties to even, for |x| < 2^22. Two adds on the FMA pipe
+    # instead of cvt.rni, whose variable latency stalls the clamp after it; the range search rounds every value
+    # tile eleven times, so this is most of its arithmetic. Exact in the interpreter too (numpy fp32 adds).
+    MAGIC: tl.constexpr = 12582912.0
+    x = tl.minimum(tl.maximum(x, 0.0), QMAX)
+    return (x + MAGIC) - MAGIC
 
 
 @triton.jit
@@ -95,7 +92,7 @@ def _keep_best(imb, best, er, best_er, ec, best_ec):
 
 
 @triton.jit
-def _value_range(t, w, QMAX: tl.constexpr, STEPS: tl.constexpr, COMPILED: tl.constexpr):
+def _value_range(t, w, QMAX: tl.constexpr, STEPS: tl.constexpr):
     """Per row of the balanced tile t [R, C] (w [C]: squared column factors): the range [a * min, a * max],
     a = 1, 0.95, ... (STEPS factors), whose rounding is best correlated with the row, and the gain that makes the
     rounding's projection on the row exact (kvarn.method.reference._value_range says why)."""
@@ -114,7 +111,7 @@ def _value_range(t, w, QMAX: tl.constexpr, STEPS: tl.constexpr, COMPILED: tl.con
         sc = (hi - lo) / QMAX
         safe = sc > 1e-12
         inv = tl.where(safe, 1.0 / tl.where(safe, sc, 1.0), 0.0)
-        q = tl.minimum(tl.maximum(_round_half_even((t - lo[:, None]) * inv[:, None], COMPILED), 0.0), QMAX)
+        q = _round_clamped((t - lo[:, None]) * inv[:, None], QMAX)
         xh = q * sc[:, None] + lo[:, None]
         ip = tl.sum(xh * tw, axis=1)
         nh = tl.sum(xh * xh * w[None, :], axis=1)
@@ -140,7 +137,7 @@ def _codes_from_factors(x, best_ec, best_er, BITS: tl.constexpr, SEARCH: tl.cons
     QMAX: tl.constexpr = (1 << BITS) - 1
     if SEARCH > 0:
         col = 1.0 / best_ec
-        mn, mx, gain = _value_range(t, col * col, QMAX, SEARCH, COMPILED)
+        mn, mx, gain = _value_range(t, col * col, QMAX, SEARCH)
     else:
         mn = tl.min(t, axis=1)
         mx = tl.max(t, axis=1)
@@ -152,7 +149,7 @@ def _codes_from_factors(x, best_ec, best_er, BITS: tl.constexpr, SEARCH: tl.cons
     s_ok = tl.abs(s) > 1e-12
     s_inv = tl.where(s_ok, 1.0 / tl.where(s_ok, s, 1.0), 0.0)  # 0: a constant row gets code 0
     q = (x * (1.0 / c_safe)[None, :] - z[:, None]) * s_inv[:, None]
-    q = tl.minimum(tl.maximum(_round_half_even(q, COMPILED), 0.0), QMAX)
+    q = _round_clamped(q, QMAX)
     if SEARCH > 0:  # the levels scaled, the codes kept
         s = _to_f16_range(s * gain)
         z = _to_f16_range(z * gain)
@@ -294,21 +291,28 @@ def _quantize_pack(x, dst, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr,
     return s, z, c
 
 
+# which half of a tile a store program quantizes
+BOTH = tl.constexpr(0)  # program_id(1) says: one launch of both halves (graph-captured steps: one node per layer)
+KEYS = tl.constexpr(1)
+VALUES = tl.constexpr(2)
+
+
 @triton.jit
 def _store_one(ktok, vtok, ktail, vtail, old, cache_ptr, cache16_ptr, blk, head, stride_cb, stride_ch,
                G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
                OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
                OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
-               COMPILED: tl.constexpr, RB: tl.constexpr, MIXED: tl.constexpr):
-    """One (tile, head): keys when program_id(1) == 0, else values, into record row `blk`. ktok / vtok [G]: where
-    token j's D channels of this head start in K / V; with MIXED, positions j < old are at ktail / vtail[j] instead
-    (the tail rows of a tile begun in earlier steps). Sanitize (NaN -> 0, clamp to the fp16 range), rotate the
-    values by Hn, balance and round, pack, store the vectors."""
+               COMPILED: tl.constexpr, RB: tl.constexpr, MIXED: tl.constexpr, PART: tl.constexpr):
+    """One (tile, head): its keys or its values (PART: KEYS, VALUES, or BOTH: keys when program_id(1) == 0, else
+    values), into record row `blk`. ktok / vtok [G]: where token j's D channels of this head start in K / V; with
+    MIXED, positions j < old are at ktail / vtail[j] instead (the tail rows of a tile begun in earlier steps).
+    Sanitize (NaN -> 0, clamp to the fp16 range), rotate the values by Hn, balance and round, pack, store the
+    vectors."""
     base = blk.to(tl.int64) * stride_cb + head * stride_ch  # byte offset of the record
     b16 = base // 2
     di = tl.arange(0, D)
     gi = tl.arange(0, G)
-    if tl.program_id(1) == 0:
+    if PART == KEYS or (PART == BOTH and tl.program_id(1) == 0):
         # keys: K^T [D, g], rows = channels, in the original basis: per-channel rounding already gives every
         # channel its own range, and a rotation would spread the RoPE'd key biases over all of them
         x = _load_tokens(ktok, ktail, old, di, 1, MIXED)
@@ -348,9 +352,11 @@ def _store_tiles_kernel(
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
     COMPILED: tl.constexpr, SOURCE: tl.constexpr, RB: tl.constexpr, DEFER: tl.constexpr = 0,
+    PART: tl.constexpr = 0,
 ):
-    """Grid (tiles * H, 2): program (tile, head, keys | values). Axis 1 puts the keys' and the values' balancing
-    chains (the kernel's latency) on different SMs. Token j of tile t is read from k at
+    """Grid (tiles * H, 2) with PART == BOTH: program (tile, head, keys | values), axis 1 putting the keys' and the
+    values' balancing chains (the kernel's latency) on different SMs; (tiles * H, 1) with PART == KEYS or VALUES,
+    one launch per half, each at its own warp count. Token j of tile t is read from k at
     first * stride_kt + j * stride_kg (+ head * stride_kh), where SOURCE says what `first` is:
     TILES: t (k is [T, H, g, D]); STEP: first_ptr[t], a token index of the step's new tokens (k is [N, H, D],
     stride_kt == stride_kg), except positions j < old_ptr[t], which the request wrote in earlier steps: those are
@@ -394,7 +400,7 @@ def _store_tiles_kernel(
             vtail = vtok
         _store_one(ktok, vtok, ktail, vtail, old, cache_ptr, cache16_ptr, blk, head, stride_cb, stride_ch, G, D, KB,
                    VB, ITERS, OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, COMPILED, RB,
-                   SOURCE == STEP)
+                   SOURCE == STEP, PART)
 
 
 @serving_jit(ints=["n_tiles"], index_ptrs=["slots_ptr", "blk_ptr"])
@@ -437,7 +443,7 @@ def _flush_layers_kernel(
             tok = vp + src * stride_vt + head * stride_vh + gi * stride_vg
         _store_one(tok, tok, tok, tok, 0, ca.to(tl.pointer_type(tl.uint8)), ca.to(tl.pointer_type(tl.float16)),
                    blk, head, stride_cb, stride_ch, G, D, KB, VB, ITERS, OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV,
-                   OFF_SV, OFF_ZV, OFF_CV, COMPILED, RB, False)
+                   OFF_SV, OFF_ZV, OFF_CV, COMPILED, RB, False, BOTH)
 
 
 class LayerTable:
@@ -515,7 +521,7 @@ def _flush_table(tab: LayerTable, slots, block_ids, fmt, iters=None) -> None:
         tab.k, tab.v, tab.c, slots, block_ids, n,
         tk.stride(0), tk.stride(1), tk.stride(2), tk.stride(0), tk.stride(1), tk.stride(2),
         cache.stride(0), cache.stride(1),
-        **_tile_constexprs(lay, H, D, iters), TAIL_DT=_TAIL_DTYPES[tk.dtype],
+        **_tile_constexprs(lay, H, D, iters), TAIL_DT=_TAIL_DTYPES[tk.dtype], num_warps=_warps(lay, D, BOTH.value),
     )
 
 
@@ -539,9 +545,11 @@ ROTATION_BLOCK = {64: 0, 128: 0, 256: 64}
 
 def _launch_store(k, v, cache, lay, n_tiles, H, iters, source, *, block_ids=None, first=None, old=None,
                   tails=None, src_rows=None, seq_lens=None, block_table=None, defer_flag=None):
-    """One launch of _store_tiles_kernel over n_tiles tiles (its docstring says what each SOURCE reads). k, v: the
-    tiles [T, H, g, D] (TILES), the step's new tokens [N, H, D] (STEP) or the tails (DECODE); tails: (tail_k, tail_v)
-    in STEP mode; the index tensors of the mode (the others get a placeholder pointer: never read)."""
+    """_store_tiles_kernel over n_tiles tiles (its docstring says what each SOURCE reads). k, v: the tiles
+    [T, H, g, D] (TILES), the step's new tokens [N, H, D] (STEP) or the tails (DECODE); tails: (tail_k, tail_v) in
+    STEP mode; the index tensors of the mode (the others get a placeholder pointer: never read). Bulk stores (TILES,
+    STEP) launch the keys and the values apart, each at its warp count; a decode step's store, captured in its
+    CUDA graph and mostly programs that find no full tile, is one launch of both."""
     decode = source == DECODE.value
     some = seq_lens if decode else block_ids
     tk, tv = tails if tails is not None else (k, v)
@@ -550,24 +558,34 @@ def _launch_store(k, v, cache, lay, n_tiles, H, iters, source, *, block_ids=None
         sv = (v.stride(0), v.stride(1), v.stride(0))
     else:
         sk, sv = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
-    _store_tiles_kernel[(n_tiles * H, 2)](
-        k, v, tk, tv, cache, f16_view(cache), some if block_ids is None else block_ids,
-        some if first is None else first, some if old is None else old, some if src_rows is None else src_rows,
-        some if seq_lens is None else seq_lens, some if block_table is None else block_table,
-        some if defer_flag is None else defer_flag, *sk, *sv,
-        tk.stride(0), tk.stride(1), tk.stride(2), tv.stride(0), tv.stride(1), tv.stride(2),
-        cache.stride(0), cache.stride(1), block_table.stride(0) if decode else 0, n_tiles,
-        **_tile_constexprs(lay, H, k.shape[-1], iters), SOURCE=source, DEFER=int(defer_flag is not None),
-    )
+    const = _tile_constexprs(lay, H, k.shape[-1], iters)
+    for part in ((BOTH.value,) if decode else (KEYS.value, VALUES.value)):
+        _store_tiles_kernel[(n_tiles * H, 2 if part == BOTH.value else 1)](
+            k, v, tk, tv, cache, f16_view(cache), some if block_ids is None else block_ids,
+            some if first is None else first, some if old is None else old, some if src_rows is None else src_rows,
+            some if seq_lens is None else seq_lens, some if block_table is None else block_table,
+            some if defer_flag is None else defer_flag, *sk, *sv,
+            tk.stride(0), tk.stride(1), tk.stride(2), tv.stride(0), tv.stride(1), tv.stride(2),
+            cache.stride(0), cache.stride(1), block_table.stride(0) if decode else 0, n_tiles,
+            **const, SOURCE=source, DEFER=int(defer_flag is not None), PART=part,
+            num_warps=_warps(lay, k.shape[-1], part),
+        )
+
+
+def _warps(lay, D: int, part: int) -> int:
+    """Warps of one store program. It holds a whole [128, 128] fp32 tile (255 registers a thread at 8 warps: one
+    program per SM), so more warps hide the balancing chain's latency, fewer cut its cross-warp reductions: 8 for
+    values and for both halves at once (16 for a 256 x 128 tile), half that for keys alone (min-max rounding, no
+    range search: the reductions weigh more)."""
+    warps = 16 if D * lay.g > 16384 else 8
+    return warps // 2 if part == KEYS.value else warps
 
 
 def _tile_constexprs(lay, H: int, D: int, iters) -> dict:
     """What every launch of _store_one's tile quantizer passes alike (store_tiles, store_step_tiles, store_decode,
-    flush_layers).
-    Warps: one program per (tile, head, K|V) holds a whole [128, 128] fp32 tile; 8 warps (16 for 256 x 128) to hide
-    the balancing chain's latency."""
+    flush_layers)."""
     return dict(H=H, G=lay.g, D=D, KB=lay.kb, VB=lay.vb, ITERS=int(iters), **lay.offsets(),
-                COMPILED=compiled(), RB=ROTATION_BLOCK[D], num_warps=16 if D * lay.g > 16384 else 8)
+                COMPILED=compiled(), RB=ROTATION_BLOCK[D])
 
 
 def store_tiles(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
