@@ -1,5 +1,5 @@
 """How the kernels run: the jit decorator of serving kernels, the interpreter / hardware checks that pick a
-kernel's fallback, and the optional log line per Triton compile.
+kernel's fallback, where their compiles are cached, and the optional log line per Triton compile.
 
 Compile log (KVARN_LOG_COMPILES=1; the vLLM plugin's register() installs it in each process that loads it): one
 line per Triton compile of this process (ours, vLLM's and TurboQuant's kernels alike), with wall-clock time and
@@ -13,6 +13,7 @@ covered.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -75,6 +76,43 @@ def programs_per_sm(kernel, device: torch.device) -> int | None:
 
 _LOCK = threading.Lock()
 _INSTALLED = {"done": False}
+# TRITON_CACHE_DIR as the vLLM plugin found it at registration (dir None: unset, Triton's ~/.triton/cache)
+_CACHE_DIR: dict = {"noted": False, "dir": None}
+
+
+def note_compile_cache() -> None:
+    """Remember where this process caches Triton compiles now. The vLLM plugin calls it at registration, before vLLM
+    compiles the model and points TRITON_CACHE_DIR at a folder of its own (kernel_compile_cache says why that
+    matters)."""
+    with _LOCK:
+        if not _CACHE_DIR["noted"]:
+            _CACHE_DIR.update(noted=True, dir=os.environ.get("TRITON_CACHE_DIR"))
+
+
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+@contextlib.contextmanager
+def kernel_compile_cache():
+    """Compiles inside go to the Triton cache noted at registration (note_compile_cache), not to vLLM's. vLLM points
+    TRITON_CACHE_DIR at a folder of its compile cache per engine configuration, and only when it compiles the model,
+    not when it loads it from that cache: kernels compiled under it were compiled again at the next start of the
+    same command, and at every new max_model_len, batch or memory setting, although their code and shapes were the
+    same (~20 s of an engine start). Triton reads the variable at each compile; nothing else of this process compiles
+    meanwhile (the engine start runs the warm-up alone). Nothing noted (no plugin): no change."""
+    if not _CACHE_DIR["noted"]:
+        yield
+        return
+    before = os.environ.get("TRITON_CACHE_DIR")
+    _set_env("TRITON_CACHE_DIR", _CACHE_DIR["dir"])
+    try:
+        yield
+    finally:
+        _set_env("TRITON_CACHE_DIR", before)
 
 
 def _by_name(d: dict, names: list) -> dict:

@@ -44,6 +44,9 @@ def register() -> None:
         from . import patches
 
         from .. import settings
+        from ..kernels.runtime import note_compile_cache
+
+        note_compile_cache()  # before vLLM compiles the model and moves Triton's cache (the warm-up compiles here)
 
         if settings.get("KVARN_LOG_COMPILES"):  # a log line per Triton compile, timed
             from ..kernels.runtime import install_compile_log

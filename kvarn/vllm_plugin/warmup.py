@@ -17,6 +17,7 @@ import torch
 
 from .. import settings
 from ..formats import KVFormat
+from ..kernels.runtime import kernel_compile_cache
 from ..method.paged import raw_attention_torch, varlen_attention_torch
 from . import ops
 from .step_plan import plan_step, update_sink_lens, update_window_lens
@@ -112,13 +113,14 @@ def warm_up(num_kv_heads: int, num_heads: int, head_size: int, dtype: torch.dtyp
         return 0.0
     t0 = time.perf_counter()
     try:
-        if steps_key in todo:
-            synthetic_steps(num_kv_heads, num_heads, head_size, dtype, fmt, device, defer=defer)
-        if flush_key in todo:  # its first flush would otherwise compile mid-run
-            from ..kernels.store import compile_flush_layers
+        with kernel_compile_cache():  # one cache for every engine configuration: a later start loads, not compiles
+            if steps_key in todo:
+                synthetic_steps(num_kv_heads, num_heads, head_size, dtype, fmt, device, defer=defer)
+            if flush_key in todo:  # its first flush would otherwise compile mid-run
+                from ..kernels.store import compile_flush_layers
 
-            compile_flush_layers(num_kv_heads, head_size, fmt.tail_rows, dtype, fmt, device)
-        torch.cuda.synchronize(device)
+                compile_flush_layers(num_kv_heads, head_size, fmt.tail_rows, dtype, fmt, device)
+            torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - a warm-up must not stop the engine: kernels compile at first use
         _LOG.warning("kvarn: kernel warm-up failed (%s: %s); kernels will compile at first use, mid-run",
                      type(e).__name__, e)

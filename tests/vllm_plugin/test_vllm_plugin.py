@@ -193,8 +193,10 @@ def fake_vllm(monkeypatch):
     for k, m in mods.items():
         monkeypatch.setitem(sys.modules, k, m)
     import kvarn.vllm_plugin as plugin
+    from kvarn.kernels import runtime
 
     monkeypatch.setattr(plugin, "_STATE", {"registered": False, "applied": [], "vllm_version": None, "pid": None})
+    monkeypatch.setattr(runtime, "_CACHE_DIR", {"noted": False, "dir": None})  # register() notes the Triton cache
     monkeypatch.delitem(sys.modules, "kvarn.vllm_plugin.backend", raising=False)
     common._ACTIVE.clear()
     TAILS.clear()
@@ -624,3 +626,12 @@ def test_builder_defers_the_flush_and_flushes_at_the_next_build(fake_vllm, monke
         caches[defer] = cache
     assert torch.equal(caches[False], caches[True])
     TAILS.clear()
+
+
+def test_register_notes_the_triton_cache_before_vllm_moves_it(fake_vllm, monkeypatch):
+    from kvarn.kernels import runtime
+    import kvarn.vllm_plugin as plugin
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/home/user/.triton/cache")
+    plugin.register()
+    assert runtime._CACHE_DIR == {"noted": True, "dir": "/home/user/.triton/cache"}

@@ -99,3 +99,42 @@ def test_no_kernel_compiles_mid_run_after_warm_up(tmp_path, defer):
     compiles = json.loads(r.stdout.strip().splitlines()[-1])
     assert any(p == "warm-up" for p, _ in compiles), compiles  # the cache was cold: the listener saw the compiles
     assert [c for p, c in compiles if p == "serving"] == []
+
+
+@pytest.mark.parametrize("noted", ["own-cache", None])
+def test_warm_up_compiles_into_the_cache_in_force_at_registration(monkeypatch, tmp_path, noted):
+    """vLLM moves TRITON_CACHE_DIR to a folder per engine configuration when it compiles the model; the warm-up's
+    compiles go where Triton cached when the plugin registered (unset: Triton's default), and vLLM's setting is back
+    afterwards."""
+    import os
+
+    from kvarn.kernels import runtime
+
+    monkeypatch.setattr(runtime, "_CACHE_DIR", {"noted": False, "dir": None})
+    if noted is None:
+        monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / noted))
+    runtime.note_compile_cache()
+    vllm_dir = str(tmp_path / "torch_compile_cache" / "0123abcd" / "triton_cache")
+    monkeypatch.setenv("TRITON_CACHE_DIR", vllm_dir)  # what vLLM sets when it compiles the model
+    runtime.note_compile_cache()  # noted once: a second call changes nothing
+    seen = []
+    monkeypatch.setattr(warmup, "synthetic_steps", lambda *a, **k: seen.append(os.environ.get("TRITON_CACHE_DIR")))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(warmup, "_DONE", set())
+    assert warmup.warm_up(2, 4, 64, torch.float32, get_format("kvarn_k4v2_g128"), "cuda") >= 0.0
+    assert seen == [None if noted is None else str(tmp_path / noted)]
+    assert os.environ["TRITON_CACHE_DIR"] == vllm_dir
+
+
+def test_compile_cache_is_left_alone_without_the_plugin(monkeypatch):
+    import os
+
+    from kvarn.kernels import runtime
+
+    monkeypatch.setattr(runtime, "_CACHE_DIR", {"noted": False, "dir": None})
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere")
+    with runtime.kernel_compile_cache():
+        assert os.environ["TRITON_CACHE_DIR"] == "/somewhere"
+    assert os.environ["TRITON_CACHE_DIR"] == "/somewhere"
