@@ -98,12 +98,12 @@ def _set_env(name: str, value: str | None) -> None:
 
 @contextlib.contextmanager
 def kernel_compile_cache():
-    """Compiles inside go to the Triton cache noted at registration (note_compile_cache), not to vLLM's. vLLM points
-    TRITON_CACHE_DIR at a folder of its compile cache per engine configuration, and only when it compiles the model,
-    not when it loads it from that cache: kernels compiled under it were compiled again at the next start of the
-    same command, and at every new max_model_len, batch or memory setting, although their code and shapes were the
-    same (~20 s of an engine start). Triton reads the variable at each compile; nothing else of this process compiles
-    meanwhile (the engine start runs the warm-up alone). Nothing noted (no plugin): no change."""
+    """Compiles inside go to the Triton cache noted at registration (note_compile_cache), not to vLLM's. During an
+    engine start vLLM (through TorchInductor's cache folder) points TRITON_CACHE_DIR at a folder of its compile cache
+    per engine configuration: kernels compiled under it would compile again (~20 s of an engine start) at every new
+    max_model_len, batch or memory setting, although their code and shapes are the same. Triton reads the variable
+    at each compile; nothing else of this process compiles meanwhile (the engine start runs the warm-up alone).
+    Nothing noted (no plugin): no change."""
     if not _CACHE_DIR["noted"]:
         yield
         return

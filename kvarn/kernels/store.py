@@ -59,8 +59,9 @@ GAIN_MAX = tl.constexpr(ref.GAIN_MAX)
 def _round_clamped(x, QMAX: tl.constexpr):
     # torch's x.round().clamp(0, QMAX) (ties to even), clamped first (the same for integer bounds): adding and
     # removing 1.5 * 2^23 leaves the integer nearest x, ties to even, for |x| < 2^22. Two adds on the FMA pipe
-    # instead of cvt.rni, whose variable latency stalls the clamp after it; the range search rounds every value
-    # tile eleven times, so this is most of its arithmetic. Exact in the interpreter too (numpy fp32 adds).
+    # rather than cvt.rni, whose variable latency stalls the clamp after it; the range search rounds every value
+    # tile eleven times, so this is most of its arithmetic. Exact in the interpreter too (numpy fp32 adds); a NaN
+    # gives 0 (the clamp's max returns the number).
     MAGIC: tl.constexpr = 12582912.0
     x = tl.minimum(tl.maximum(x, 0.0), QMAX)
     return (x + MAGIC) - MAGIC
@@ -128,7 +129,7 @@ def _value_range(t, w, QMAX: tl.constexpr, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _codes_from_factors(x, best_ec, best_er, BITS: tl.constexpr, SEARCH: tl.constexpr, COMPILED: tl.constexpr):
+def _codes_from_factors(x, best_ec, best_er, BITS: tl.constexpr, SEARCH: tl.constexpr):
     """Round x [R, C] per row after balancing by the factors ec (columns) and er (rows); returns codes, and the
     folded fp16 vectors s, z (rows) and c (columns). SEARCH (values): the range search and gain of _value_range,
     else min-max. Multiplies by reciprocals where the reference divides element-wise (codes may move by one on a
@@ -230,7 +231,7 @@ def _balance_and_round(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, 
         rmax, rmin = _max_min(vr, COMPILED)  # rows span the warps: one exchange for both
         imb = tl.sqrt(cmax / cmin) + tl.sqrt(rmax / rmin)
         best, best_er, best_ec = _keep_best(imb, best, er, best_er, ec, best_ec)
-    return _codes_from_factors(x, best_ec, best_er, BITS, SEARCH, COMPILED)
+    return _codes_from_factors(x, best_ec, best_er, BITS, SEARCH)
 
 
 @triton.jit
@@ -292,7 +293,7 @@ def _quantize_pack(x, dst, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr,
 
 
 # which half of a tile a store program quantizes
-BOTH = tl.constexpr(0)  # program_id(1) says: one launch of both halves (graph-captured steps: one node per layer)
+BOTH = tl.constexpr(0)  # program_id(1) says: one launch of both halves (a decode step's store, the layers' flush)
 KEYS = tl.constexpr(1)
 VALUES = tl.constexpr(2)
 

@@ -100,8 +100,9 @@ def synthetic_steps(num_kv_heads: int, num_heads: int, head_size: int, dtype: to
 
 def warm_up(num_kv_heads: int, num_heads: int, head_size: int, dtype: torch.dtype, fmt: KVFormat, device, *,
             defer: bool = False) -> float:
-    """Once per process and shape: the synthetic steps, and with the deferred flush its one-launch kernel. Syncs: call it before graph capture (the metadata builder's __init__). A
-    failure is logged, not raised (the kernels then compile at first use, as before). Returns the seconds it took
+    """Once per process and shape: the synthetic steps, and with the deferred flush its one-launch kernel, compiled
+    into the Triton cache of kernel_compile_cache. Syncs: call it before graph capture (the metadata builder's
+    __init__). A failure is logged, not raised (the kernels then compile at first use). Returns the seconds it took
     (0.0 when already done, failed or not on CUDA)."""
     device = torch.device(device)
     if device.type != "cuda":

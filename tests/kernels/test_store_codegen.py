@@ -1,7 +1,7 @@
 """What the tile store compiles to on sm_90 (offline compile, no GPU, scripts/store_codegen.py): the prefill / mixed
 step's launches (tokens from the step's new K/V and from the tail) load their tile with 16-byte vector loads from
 both buffers, and round with two fp32 adds of 1.5 * 2^23 on the FMA pipe, never cvt.rni (whose variable latency
-stalled the value range search). A pointer select between the two buffers would cost the alignment proof, and every
+stalls the value range search). A pointer select between the two buffers would cost the alignment proof, and every
 load would go out element by element; a compiler that folded (x + c) - c would turn the rounding into a no-op."""
 import json
 import os

@@ -120,12 +120,31 @@ def test_warm_up_compiles_into_the_cache_in_force_at_registration(monkeypatch, t
     monkeypatch.setenv("TRITON_CACHE_DIR", vllm_dir)  # what vLLM sets when it compiles the model
     runtime.note_compile_cache()  # noted once: a second call changes nothing
     seen = []
-    monkeypatch.setattr(warmup, "synthetic_steps", lambda *a, **k: seen.append(os.environ.get("TRITON_CACHE_DIR")))
+    note = lambda *a, **k: seen.append(os.environ.get("TRITON_CACHE_DIR"))  # noqa: E731
+    monkeypatch.setattr(warmup, "synthetic_steps", note)
+    monkeypatch.setattr("kvarn.kernels.store.compile_flush_layers", note)  # the deferred flush's kernel
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(warmup, "_DONE", set())
-    assert warmup.warm_up(2, 4, 64, torch.float32, get_format("kvarn_k4v2_g128"), "cuda") >= 0.0
-    assert seen == [None if noted is None else str(tmp_path / noted)]
+    assert warmup.warm_up(2, 4, 64, torch.float32, get_format("kvarn_k4v2_g128"), "cuda", defer=True) >= 0.0
+    assert seen == [None if noted is None else str(tmp_path / noted)] * 2
     assert os.environ["TRITON_CACHE_DIR"] == vllm_dir
+
+
+def test_a_failed_warm_up_gives_vllm_its_triton_cache_back(monkeypatch, tmp_path):
+    import os
+
+    from kvarn.kernels import runtime
+
+    monkeypatch.setattr(runtime, "_CACHE_DIR", {"noted": True, "dir": str(tmp_path / "own")})
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "vllm"))
+
+    def fail(*a, **k):
+        raise RuntimeError("out of shared memory")
+
+    monkeypatch.setattr(warmup, "synthetic_steps", fail)
+    monkeypatch.setattr(warmup, "_DONE", set())
+    assert warmup.warm_up(2, 4, 64, torch.float32, get_format("kvarn_k4v2_g128"), "cuda") == 0.0
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "vllm")
 
 
 def test_compile_cache_is_left_alone_without_the_plugin(monkeypatch):
