@@ -9,7 +9,8 @@
 # a prefill step's store as the backend runs it, scripts/device/step_store.py: 32 prompts of 987 tokens x 28
 # layers; with --mixed, a chunked-prefill step's store and attention) and the served short burst (`serve`:
 # Qwen3-0.6B shape through `vllm serve`, 32 x (1,024 + 256) at once, KVARN_BA_SERVE_PROMPT=8192 for 8K prompts:
-# TTFT and ITL). KVARN_BA_SIDES picks base,
+# TTFT and ITL; KVARN_BA_SERVE_REPEAT=N starts each cell's server N times in a row: the spread of one burst, and the
+# later starts on a warm compile cache). KVARN_BA_SIDES picks base,
 # head or base,head (the default); KVARN_BA_PARTS some of mb,store,bench,serve,ppl (default mb,bench,ppl);
 # KVARN_BA_BASE_DTYPES the base side's bench
 # formats (default FP16 and KVarN; kvarn_k4v2_g128 alone when only KVarN's code changed, vLLM's FP16 then measured
@@ -22,6 +23,7 @@ BASE=.device/base
 SMOL="${KVARN_SMOL:-/tmp/models/smollm2-135m-instruct}"
 PARTS=",${KVARN_BA_PARTS:-mb,bench,ppl},"
 SERVE_PROMPT="${KVARN_BA_SERVE_PROMPT:-1024}"   # the served burst's prompt tokens (its output: 256)
+SERVE_REPEAT="${KVARN_BA_SERVE_REPEAT:-1}"   # servers per cell, one after the other
 SIDES=",${KVARN_BA_SIDES:-base,head},"   # head alone: this tree's cells without a base (no before / after pair)
 [[ $SIDES == *,base,* || $SIDES == *,head,* ]] || { echo "KVARN_BA_SIDES=$KVARN_BA_SIDES: give base, head or base,head"; exit 2; }
 if [[ $SIDES == *,base,* ]]; then
@@ -51,9 +53,10 @@ side() {  # name, site dir, bench formats: the kvarn that side imports (vLLM and
   bash "$(dirname "$0")/free_gpu.sh"
   case $PARTS in *,serve,*)
     local cells; cells=$(echo "$dtypes" | tr ',' '\n' | wc -l)
-    kv $(( 40 + 240 * cells )) python3 -m kvarn_cli.app bench --engine vllm --mode serve --model qwen3-0.6b \
-      --dummy-weights --kv-dtype "$dtypes" --burst $(( SERVE_PROMPT + 256 )) --prompt-len "$SERVE_PROMPT" \
-      --requests 32 --max-num-seqs 32 --gpu-memory-utilization 0.5 --timeout 230 --out "$d/serve" \
+    kv $(( 40 + 240 * cells * SERVE_REPEAT )) python3 -m kvarn_cli.app bench --engine vllm --mode serve \
+      --model qwen3-0.6b --dummy-weights --kv-dtype "$dtypes" --burst $(( SERVE_PROMPT + 256 )) \
+      --prompt-len "$SERVE_PROMPT" --requests 32 --max-num-seqs 32 --gpu-memory-utilization 0.5 --timeout 230 \
+      --repeat "$SERVE_REPEAT" --out "$d/serve" \
       > "$d/serve.log" 2>&1 ;; esac
   bash "$(dirname "$0")/free_gpu.sh"
   case $PARTS in *,ppl,*)
@@ -117,10 +120,12 @@ for side in ("base", "head"):
     except Exception:  # noqa: BLE001 - not run
         pass
 if serve:
-    print(f"\nserved, Qwen3-0.6B, 32 x ({int(os.environ.get('KVARN_BA_SERVE_PROMPT', 1024)):,} + 256)\n{'side':5} {'kv dtype':16} {'status':8} {'out tok/s':>10} "
-          f"{'TTFT p50':>9} {'TTFT p90':>9} {'ITL p50':>8} {'ITL p99':>8} {'start s':>8}")
-    for side, r in serve:
-        print(f"{side:5} {r['kv_dtype']:16} {r['status']:8} {f(r.get('output_tok_s')):>10} "
-              f"{f(r.get('ttft_ms_p50')):>9} {f(r.get('ttft_ms_p90')):>9} {f(r.get('itl_ms_p50'), 2):>8} "
-              f"{f(r.get('itl_ms_p99'), 2):>8} {f(r.get('engine_start_s')):>8}")
+    print(f"\nserved, Qwen3-0.6B, 32 x ({int(os.environ.get('KVARN_BA_SERVE_PROMPT', 1024)):,} + 256)\n"
+          f"{'side':5} {'kv dtype':16} {'r':>2} {'status':8} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p90':>9} "
+          f"{'ITL p50':>8} {'ITL p99':>8} {'start s':>8} {'compiles':>8} {'warm-up s':>9}")
+    for side, r in sorted(serve, key=lambda x: (x[0] != "base", str(x[1]["kv_dtype"]), x[1].get("repeat", 0))):
+        print(f"{side:5} {r['kv_dtype']:16} {int(r.get('repeat', 0)):>2} {r['status']:8} "
+              f"{f(r.get('output_tok_s')):>10} {f(r.get('ttft_ms_p50')):>9} {f(r.get('ttft_ms_p90')):>9} "
+              f"{f(r.get('itl_ms_p50'), 2):>8} {f(r.get('itl_ms_p99'), 2):>8} {f(r.get('engine_start_s')):>8} "
+              f"{f(r.get('start_jit_compiles'), 0):>8} {f(r.get('start_kvarn_warmup_s')):>9}")
 PY
