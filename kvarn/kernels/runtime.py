@@ -99,11 +99,11 @@ def _set_env(name: str, value: str | None) -> None:
 @contextlib.contextmanager
 def kernel_compile_cache():
     """Compiles inside go to the Triton cache noted at registration (note_compile_cache), not to vLLM's. During an
-    engine start vLLM (through TorchInductor's cache folder) points TRITON_CACHE_DIR at a folder of its compile cache
-    per engine configuration: kernels compiled under it would compile again (~20 s of an engine start) at every new
-    max_model_len, batch or memory setting, although their code and shapes are the same. Triton reads the variable
-    at each compile; nothing else of this process compiles meanwhile (the engine start runs the warm-up alone).
-    Nothing noted (no plugin): no change."""
+    engine start vLLM's compilation (its Inductor adaptor, or TorchInductor under the cache folder vLLM gives it)
+    points TRITON_CACHE_DIR into its compile cache, one folder per engine configuration: kernels compiled under it
+    would compile again (~20 s of an engine start) at every new max_model_len, batch or memory setting, although
+    their code and shapes are the same. Triton reads the variable at each compile; nothing else of this process
+    compiles meanwhile (the engine start runs the warm-up alone). Nothing noted (no plugin): no change."""
     if not _CACHE_DIR["noted"]:
         yield
         return

@@ -26,6 +26,8 @@ SERVE_PROMPT="${KVARN_BA_SERVE_PROMPT:-1024}"   # the served burst's prompt toke
 SERVE_REPEAT="${KVARN_BA_SERVE_REPEAT:-1}"   # servers per cell, one after the other
 SIDES=",${KVARN_BA_SIDES:-base,head},"   # head alone: this tree's cells without a base (no before / after pair)
 [[ $SIDES == *,base,* || $SIDES == *,head,* ]] || { echo "KVARN_BA_SIDES=$KVARN_BA_SIDES: give base, head or base,head"; exit 2; }
+[[ $SERVE_REPEAT =~ ^[1-9][0-9]*$ ]] || { echo "KVARN_BA_SERVE_REPEAT=$SERVE_REPEAT: give a whole number >= 1"
+                                         exit 2; }
 if [[ $SIDES == *,base,* ]]; then
   [ -f "$BASE/pyproject.toml" ] || { echo "no base tree in $BASE (git archive BASE | tar -x -C $BASE, then carry it)"; exit 2; }
   python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kvarn-base-site --upgrade "$BASE" \
@@ -123,8 +125,11 @@ if serve:
     print(f"\nserved, Qwen3-0.6B, 32 x ({int(os.environ.get('KVARN_BA_SERVE_PROMPT', 1024)):,} + 256)\n"
           f"{'side':5} {'kv dtype':16} {'r':>2} {'status':8} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p90':>9} "
           f"{'ITL p50':>8} {'ITL p99':>8} {'start s':>8} {'compiles':>8} {'warm-up s':>9}")
-    for side, r in sorted(serve, key=lambda x: (x[0] != "base", str(x[1]["kv_dtype"]), x[1].get("repeat", 0))):
-        print(f"{side:5} {r['kv_dtype']:16} {int(r.get('repeat', 0)):>2} {r['status']:8} "
+    def rep(r):  # the repeat index; -1 where a row has none
+        x = r.get("repeat")
+        return -1 if x is None or x != x else int(x)
+    for side, r in sorted(serve, key=lambda x: (x[0] != "base", str(x[1]["kv_dtype"]), rep(x[1]))):
+        print(f"{side:5} {r['kv_dtype']:16} {rep(r):>2} {r['status']:8} "
               f"{f(r.get('output_tok_s')):>10} {f(r.get('ttft_ms_p50')):>9} {f(r.get('ttft_ms_p90')):>9} "
               f"{f(r.get('itl_ms_p50'), 2):>8} {f(r.get('itl_ms_p99'), 2):>8} {f(r.get('engine_start_s')):>8} "
               f"{f(r.get('start_jit_compiles'), 0):>8} {f(r.get('start_kvarn_warmup_s')):>9}")
