@@ -545,12 +545,11 @@ ROTATION_BLOCK = {64: 0, 128: 0, 256: 64}
 
 
 def _launch_store(k, v, cache, lay, n_tiles, H, iters, source, *, block_ids=None, first=None, old=None,
-                  tails=None, src_rows=None, seq_lens=None, block_table=None, defer_flag=None):
+                  tails=None, src_rows=None, seq_lens=None, block_table=None, defer_flag=None, parts=None):
     """_store_tiles_kernel over n_tiles tiles (its docstring says what each SOURCE reads). k, v: the tiles
     [T, H, g, D] (TILES), the step's new tokens [N, H, D] (STEP) or the tails (DECODE); tails: (tail_k, tail_v) in
-    STEP mode; the index tensors of the mode (the others get a placeholder pointer: never read). Bulk stores (TILES,
-    STEP) launch the keys and the values apart, each at its warp count; a decode step's store, captured in its
-    CUDA graph and mostly programs that find no full tile, is one launch of both."""
+    STEP mode; the index tensors of the mode (the others get a placeholder pointer: never read). parts: the
+    launches, (PART, warps) each in turn; None: _launch_parts."""
     decode = source == DECODE.value
     some = seq_lens if decode else block_ids
     tk, tv = tails if tails is not None else (k, v)
@@ -560,7 +559,7 @@ def _launch_store(k, v, cache, lay, n_tiles, H, iters, source, *, block_ids=None
     else:
         sk, sv = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
     const = _tile_constexprs(lay, H, k.shape[-1], iters)
-    for part in ((BOTH.value,) if decode else (KEYS.value, VALUES.value)):
+    for part, warps in _launch_parts(source, lay, k.shape[-1]) if parts is None else parts:
         _store_tiles_kernel[(n_tiles * H, 2 if part == BOTH.value else 1)](
             k, v, tk, tv, cache, f16_view(cache), some if block_ids is None else block_ids,
             some if first is None else first, some if old is None else old, some if src_rows is None else src_rows,
@@ -568,9 +567,16 @@ def _launch_store(k, v, cache, lay, n_tiles, H, iters, source, *, block_ids=None
             some if defer_flag is None else defer_flag, *sk, *sv,
             tk.stride(0), tk.stride(1), tk.stride(2), tv.stride(0), tv.stride(1), tv.stride(2),
             cache.stride(0), cache.stride(1), block_table.stride(0) if decode else 0, n_tiles,
-            **const, SOURCE=source, DEFER=int(defer_flag is not None), PART=part,
-            num_warps=_warps(lay, k.shape[-1], part),
+            **const, SOURCE=source, DEFER=int(defer_flag is not None), PART=part, num_warps=warps,
         )
+
+
+def _launch_parts(source: int, lay, D: int) -> tuple[tuple[int, int], ...]:
+    """The launches of a store, (PART, warps) each: bulk stores (TILES, STEP) launch the keys and the values apart,
+    each at its warp count; a decode step's store, captured in its CUDA graph and mostly programs that find no full
+    tile, is one launch of both."""
+    halves = (BOTH.value,) if source == DECODE.value else (KEYS.value, VALUES.value)
+    return tuple((part, _warps(lay, D, part)) for part in halves)
 
 
 def _warps(lay, D: int, part: int) -> int:

@@ -1,8 +1,8 @@
 """The tile store's halves timed apart: the keys and the values of the same tiles launched alone at several warp
-counts, both in one launch, and `store_tiles` as this tree launches it (kvarn.kernels.store._warps); with --against,
-an earlier kvarn's store.py on the same inputs in the same process, and how many record bytes differ. CUDA events,
-medians of repeats of 10 launches (--calls), the variants in turn; inputs: random K with per-channel offsets (RoPE'd
-keys' biases), random V, a NaN in K and a constant V tile.
+counts, both in one launch, and `store_tiles` as this tree launches it (kvarn.kernels.store._launch_parts); with
+--against, an earlier kvarn's store.py on the same inputs in the same process, and how many record bytes differ.
+CUDA events, medians of repeats of 10 launches (--calls), the variants in turn; inputs: random K with per-channel
+offsets (RoPE'd keys' biases), random V, a NaN in K and a constant V tile.
 
     PYTHONPATH=. python3 scripts/device/store_halves.py [--tiles 256] [--kv-heads 8] [--head-dims 128,64,256]
     git show BASE:kvarn/kernels/store.py > /tmp/store_base.py
@@ -29,7 +29,7 @@ import torch
 
 from kvarn.formats import get_format
 from kvarn.kernels import store as S
-from kvarn.kernels.records import f16_view, layout
+from kvarn.kernels.records import layout
 
 # (label, half, warps): the halves alone at the warp counts worth comparing, and both halves in one launch
 VARIANTS = [("both w8", S.BOTH.value, 8), ("keys w4", S.KEYS.value, 4), ("keys w8", S.KEYS.value, 8),
@@ -55,14 +55,9 @@ def _load_store(path: str):
 
 
 def _launch_half(k, v, cache, ids, lay, half: int, warps: int, iters: int) -> None:
-    """One launch of the tile kernel for one half (or both) at this warp count, as _launch_store passes TILES."""
-    T, H = k.shape[0], k.shape[1]
-    S._store_tiles_kernel[(T * H, 2 if half == S.BOTH.value else 1)](
-        k, v, k, v, cache, f16_view(cache), ids, ids, ids, ids, ids, ids, ids,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        cache.stride(0), cache.stride(1), 0, T, **S._tile_constexprs(lay, H, k.shape[-1], iters),
-        SOURCE=S.TILES.value, PART=half, num_warps=warps)
+    """One launch of the tile kernel for one half (or both) at this warp count, through the store's own launcher."""
+    S._launch_store(k, v, cache, lay, k.shape[0], k.shape[1], iters, S.TILES.value, block_ids=ids,
+                    parts=((half, warps),))
 
 
 def _time_all(runs: dict, reps: int, calls: int, cuda: bool) -> dict:
@@ -132,8 +127,8 @@ def main() -> None:
         row = {"head_dim": D, "tiles": a.tiles, "kv_heads": a.kv_heads, **_time_all(runs, a.reps, a.calls, cuda)}
         S.store_tiles(k, v, cache, ids, fmt)
         halves = torch.zeros_like(cache)
-        for half in (S.KEYS.value, S.VALUES.value):  # what store_tiles launches, through this script's launcher
-            _launch_half(k, v, halves, ids, lay, half, S._warps(lay, D, half), iters)
+        for half, warps in S._launch_parts(S.TILES.value, lay, D):  # store_tiles' launches, one at a time
+            _launch_half(k, v, halves, ids, lay, half, warps, iters)
         row["halves_vs_store_tiles"] = int((halves != cache).sum())
         if other is not None:
             row["bytes_differ_keys"] = int((cache[..., :lay.pv] != theirs[..., :lay.pv]).sum())

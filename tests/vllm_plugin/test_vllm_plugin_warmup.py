@@ -2,10 +2,13 @@
 backend, so that no kernel compiles mid-run (the GPU half: tests/kernels/test_kernels_gpu.py's no-compile test)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from kvarn.formats import get_format
+from kvarn.kernels import runtime
 from kvarn.vllm_plugin import warmup
 
 
@@ -87,7 +90,6 @@ def test_no_kernel_compiles_mid_run_after_warm_up(tmp_path, defer):
     tile and split counts, a mixed batch, an eager decode-only batch: with the deferred flush, as the backend runs
     it, with a deferral flag) compile nothing."""
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -106,10 +108,6 @@ def test_warm_up_compiles_into_the_cache_in_force_at_registration(monkeypatch, t
     """vLLM moves TRITON_CACHE_DIR to a folder per engine configuration when it compiles the model; the warm-up's
     compiles go where Triton cached when the plugin registered (unset: Triton's default), and vLLM's setting is back
     afterwards."""
-    import os
-
-    from kvarn.kernels import runtime
-
     monkeypatch.setattr(runtime, "_CACHE_DIR", {"noted": False, "dir": None})
     if noted is None:
         monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
@@ -131,10 +129,6 @@ def test_warm_up_compiles_into_the_cache_in_force_at_registration(monkeypatch, t
 
 
 def test_a_failed_warm_up_gives_vllm_its_triton_cache_back(monkeypatch, tmp_path):
-    import os
-
-    from kvarn.kernels import runtime
-
     monkeypatch.setattr(runtime, "_CACHE_DIR", {"noted": True, "dir": str(tmp_path / "own")})
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "vllm"))
 
@@ -148,10 +142,6 @@ def test_a_failed_warm_up_gives_vllm_its_triton_cache_back(monkeypatch, tmp_path
 
 
 def test_compile_cache_is_left_alone_without_the_plugin(monkeypatch):
-    import os
-
-    from kvarn.kernels import runtime
-
     monkeypatch.setattr(runtime, "_CACHE_DIR", {"noted": False, "dir": None})
     monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere")
     with runtime.kernel_compile_cache():
