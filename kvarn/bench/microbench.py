@@ -476,9 +476,9 @@ def _dense_prefill_runner(st, fmt, q, qsl, scale, fa, fa_ver):
     dec = "Triton decoder" if st["cache"].is_cuda else "reference decoder"
     varlen, what = None, f"{dec} + torch varlen"
     if fa is not None:
-        def varlen(q_, k_, v_, cu, max_len, cu_k=None, max_k=None):
+        def varlen(q_, k_, v_, cu, max_len, cu_k=None, max_k=None, out=None):
             return fa(q_, k_, v_, max_seqlen_q=max_len, cu_seqlens_q=cu, max_seqlen_k=max_k, cu_seqlens_k=cu_k,
-                      softmax_scale=scale, causal=True, fa_version=fa_ver)
+                      softmax_scale=scale, causal=True, fa_version=fa_ver, out=out)
 
         what = f"{dec} + FlashAttention {fa_ver} varlen"
     return what, lambda: dense_prefill(plan, q, st["cache"], st["block_table"], st["tail_k"], st["tail_v"], fmt, scale,

@@ -244,13 +244,14 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
             return None
         (fa, ver), scale = found, self.scale
 
-        def run(q, k, v, cu, max_len, cu_k=None, max_k=None):
-            # causal varlen; with cu_k the queries are the last q_len of each segment's keys (bottom-right causal)
+        def run(q, k, v, cu, max_len, cu_k=None, max_k=None, out=None):
+            # causal varlen; with cu_k the queries are the last q_len of each segment's keys (bottom-right causal).
+            # Row-strided views (the raw K/V are views of the qkv projection) go in as they are: FlashAttention
+            # takes row strides, and copies only a view whose last dim is strided. out: written in place.
             kw = {} if ver is None else {"fa_version": ver}
-            q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))  # raw K/V are qkv-split views
             return fa(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu if cu_k is None else cu_k,
                       max_seqlen_q=max_len, max_seqlen_k=max_len if max_k is None else max_k,
-                      softmax_scale=scale, causal=True, **kw)
+                      softmax_scale=scale, causal=True, out=out, **kw)
 
         return run
 

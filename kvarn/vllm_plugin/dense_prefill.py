@@ -114,12 +114,13 @@ def dense_groups(plan: StepPlan, block_table, tail_rows: int, fmt: KVFormat, key
 
 def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: KVFormat, scale: float,
                   varlen: Callable | None = None, key_budget: int | None = None, use_kernels: bool | None = None,
-                  own_k=None, own_v=None):
+                  own_k=None, own_v=None, out=None):
     """Attention of the continuation rows' queries qc [n, Hq, D] over their materialized post-store K/V, in groups
     of rows holding at most `key_budget` keys (bounds the transient 16-bit buffer): varlen(q, k, v, cu_q, max_q,
-    cu_k=, max_k=) (vLLM's FlashAttention) when given, else the torch varlen. Returns [n, Hq, D].
+    cu_k=, max_k=, out=) (vLLM's FlashAttention) when given, else the torch varlen. Returns [n, Hq, D].
     own_k / own_v [n, Hk, D] (the chunks' new K/V, in qc's order): each chunk reads its own tokens raw. Without them
     every position reads the stored state (tiles the chunk completed come back quantized).
+    out [n, Hq, D] (qc's dtype): written in place, group by group (FlashAttention's `out`), and returned.
     The groups and their indexes are built on the first call for a plan and kept on it (plan.dense): the step's
     other layers reuse them, with no host work or host->device copies of their own."""
     key_budget = DENSE_KEY_BUDGET if key_budget is None else key_budget
@@ -136,8 +137,14 @@ def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: K
             k[grp.own_dst] = own_k[grp.q0:grp.q1].to(k.dtype)
             v[grp.own_dst] = own_v[grp.q0:grp.q1].to(v.dtype)
         q = qc[grp.q0:grp.q1]
+        dst = None if out is None else out[grp.q0:grp.q1]
         if varlen is not None:
-            outs.append(varlen(q, k, v, grp.cu_q_dev, grp.max_q, cu_k=grp.cu_k_dev, max_k=grp.max_k))
+            o = varlen(q, k, v, grp.cu_q_dev, grp.max_q, cu_k=grp.cu_k_dev, max_k=grp.max_k, out=dst)
         else:
-            outs.append(varlen_attention_torch(q, k, v, grp.cu_q, grp.index.cu_k, scale))
+            o = varlen_attention_torch(q, k, v, grp.cu_q, grp.index.cu_k, scale)
+            if dst is not None:
+                dst.copy_(o)
+        outs.append(o)
+    if out is not None:
+        return out
     return outs[0] if len(outs) == 1 else torch.cat(outs)

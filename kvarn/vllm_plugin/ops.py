@@ -75,16 +75,18 @@ def store(plan: StepPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
 
 def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, tail_k, tail_v, fmt: KVFormat,
               scale: float, raw_varlen: Callable | None = None, use_kernels: bool | None = None) -> None:
-    """Writes out[:num_tokens] ([N, Hq, D], q's dtype). raw_varlen(q, k, v, cu, max_len) -> [n, Hq, D] is the fast
-    exact path for rows without context (vLLM's flash_attn_varlen_func); None: the torch reference."""
+    """Writes out[:num_tokens] ([N, Hq, D], q's dtype). raw_varlen(q, k, v, cu, max_len, out=None) -> [n, Hq, D] is
+    the fast exact path for rows without context (vLLM's flash_attn_varlen_func; given `out`, it writes there and
+    returns it); None: the torch reference."""
     # 1. rows without prior context: raw Q/K/V (exact), over the token range from the first such row to the last
     if plan.raw_span is not None:
         a, e = plan.raw_span
-        if raw_varlen is not None:
-            o = raw_varlen(q[a:e], k[a:e], v[a:e], plan.raw_cu, plan.raw_max)
+        if raw_varlen is not None and out.dtype == q.dtype:  # FlashAttention writes q's dtype, in place
+            raw_varlen(q[a:e], k[a:e], v[a:e], plan.raw_cu, plan.raw_max, out=out[a:e])
         else:
-            o = raw_attention_torch(q[a:e], k[a:e], v[a:e], plan.raw_cu.cpu(), scale)
-        out[a:e] = o.to(out.dtype)
+            o = (raw_varlen(q[a:e], k[a:e], v[a:e], plan.raw_cu, plan.raw_max) if raw_varlen is not None else
+                 raw_attention_torch(q[a:e], k[a:e], v[a:e], plan.raw_cu.cpu(), scale))
+            out[a:e] = o.to(out.dtype)
     if plan.pure_prefill:
         return
     if use_kernels is None:
@@ -110,10 +112,13 @@ def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, ta
     # post-store cache, through materialized 16-bit K/V (kvarn.vllm_plugin.dense_prefill)
     if len(plan.cont_rows):
         tok = slice(*plan.cont_span) if plan.cont_span is not None else plan.cont_tok
+        # a token range of `out` in q's dtype is written in place; else one copy of the rows afterwards
+        dst = out[tok] if isinstance(tok, slice) and out.dtype == q.dtype else None
         o = dense_prefill(plan, q[tok], cache, block_table, tail_k, tail_v, fmt, scale, raw_varlen,
                           use_kernels=use_kernels, own_k=None if k is None else k[tok],
-                          own_v=None if v is None else v[tok])
-        out[tok] = o.to(out.dtype)
+                          own_v=None if v is None else v[tok], out=dst)
+        if dst is None:
+            out[tok] = o.to(out.dtype)
 
 
 def decode_step(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, tail_slots_dev, tail_k, tail_v,

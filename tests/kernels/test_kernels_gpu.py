@@ -259,9 +259,9 @@ def test_gpu_dense_prefill_matches_reference(dtype):
 
         ver = get_flash_attn_version(head_size=D)
 
-        def varlen(q_, k_, v_, cu, max_len, cu_k=None, max_k=None):
+        def varlen(q_, k_, v_, cu, max_len, cu_k=None, max_k=None, out=None):
             return flash_attn_varlen_func(q=q_, k=k_, v=v_, cu_seqlens_q=cu, cu_seqlens_k=cu_k, max_seqlen_q=max_len,
-                                          max_seqlen_k=max_k, softmax_scale=scale, causal=True,
+                                          max_seqlen_k=max_k, softmax_scale=scale, causal=True, out=out,
                                           **({} if ver is None else {"fa_version": ver}))
     except Exception:  # noqa: BLE001 - no vLLM: the torch varlen on the GPU still checks the materialization
         pass

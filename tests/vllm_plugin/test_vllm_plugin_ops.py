@@ -295,25 +295,37 @@ def test_prefix_hit_starts_on_a_tile_boundary(small_key_budget, sink):
 
 def test_dense_prefill_calls_varlen_like_flash_attention(monkeypatch):
     """The dense path hands FlashAttention-style arguments (cu_seqlens_q / _k as int32 device tensors, bottom-right
-    causal) to the varlen function; a fake with FA's semantics must reproduce the reference."""
+    causal) to the varlen function, with the rows of the step's output to write in place (`out`); a fake with FA's
+    semantics must reproduce the reference."""
     calls = []
 
-    def fake_fa(q, k, v, cu, max_len, cu_k=None, max_k=None):
+    def fake_fa(q, k, v, cu, max_len, cu_k=None, max_k=None, out=None):
         if cu_k is None:  # the raw first-chunk path: keys = queries
             cu_k, max_k = cu, max_len
         assert cu.dtype == torch.int32 and cu_k.dtype == torch.int32
         assert max_len == int((cu[1:] - cu[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
         calls.append((cu.tolist(), cu_k.tolist()))
-        return paged.varlen_attention_torch(q, k, v, cu.tolist(), cu_k.tolist(), SCALE).to(q.dtype)
+        o = paged.varlen_attention_torch(q, k, v, cu.tolist(), cu_k.tolist(), SCALE).to(q.dtype)
+        assert out is not None and out.shape == o.shape  # as FlashAttention's out=: no copy of the rows afterwards
+        views.append(out.data_ptr())
+        return out.copy_(o)
 
     gen = torch.Generator().manual_seed(5)
     eng = Engine()
     a, b = Req("a", 200, gen), Req("b", 150, gen)
     eng.step([(a, 70)])
     real_attention = ops.attention
-    monkeypatch.setattr(ops, "attention", lambda *x, **kw: real_attention(*x, **{**kw, "raw_varlen": fake_fa}))
+    views, outs = [], []
+
+    def attention(*x, **kw):
+        outs.append(x[4])  # the step's output buffer
+        return real_attention(*x, **{**kw, "raw_varlen": fake_fa})
+
+    monkeypatch.setattr(ops, "attention", attention)
     eng.step([(a, 90), (b, 30)])  # a continues over a completed quantized tile + its tail; b is a first chunk
     assert calls == [([0, 30], [0, 30]), ([0, 90], [0, 160])]  # b raw; a over its 160 post-store tokens
+    # both wrote their rows of the step's output in place: b's tokens 90..120, then a's 0..90
+    assert views == [outs[0][90:].data_ptr(), outs[0].data_ptr()]
 
 
 def test_dense_index_is_built_once_per_step_and_read_by_every_layer(monkeypatch, small_key_budget):
