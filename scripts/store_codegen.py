@@ -2,7 +2,8 @@
 Triton's bundled ptxas), 16-byte vector loads, cvt.rni conversions and the adds of the 1.5 * 2^23 rounding in the
 PTX. The Triton on PYTHONPATH decides the version (the device runs the one vLLM pins).
 
-    python scripts/store_codegen.py [--head-dim 128] [--modes tiles,step,decode,flush] [--json]
+    python scripts/store_codegen.py [--head-dim 128] [--kv-dtype kvarn_k4v2_g128] [--modes tiles,step,decode,flush]
+                                    [--json]
 
 Variants: `tiles` (store_tiles, [T, H, g, D] input), `step` (store_step_tiles: a prefill / mixed step's tiles from
 the new K/V and the tail), each as its keys launch and its values launch; `decode` (store_decode's flush,
@@ -21,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvarn.formats import get_format
+from kvarn.formats import get_format, kvarn_formats
 from kvarn.kernels import store as S
 from kvarn.kernels.records import layout
 
@@ -89,6 +90,7 @@ def codegen(mode: str, part: str = "both", head_dim: int = 128, fmt_name: str = 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
+    ap.add_argument("--kv-dtype", default="kvarn_k4v2_g128", help="a KVarN preset (its tile size and bit widths)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--no-ptxas", action="store_true", help="PTX facts only (no register / spill counts)")
     ap.add_argument("--json", action="store_true", help="one JSON object per variant")
@@ -97,7 +99,10 @@ def main() -> None:
     bad = [m for m in modes if m not in MODES]
     if bad:
         ap.error(f"--modes {','.join(bad)}: accepted are {', '.join(MODES)}")
-    rows = [codegen(m, p, a.head_dim, ptxas=not a.no_ptxas) for m in modes for p in PARTS[m]]
+    presets = [f.name for f in kvarn_formats()]
+    if a.kv_dtype not in presets:
+        ap.error(f"--kv-dtype {a.kv_dtype}: accepted are {', '.join(presets)}")
+    rows = [codegen(m, p, a.head_dim, a.kv_dtype, ptxas=not a.no_ptxas) for m in modes for p in PARTS[m]]
     if a.json:
         for r in rows:
             print(json.dumps(r))

@@ -581,11 +581,16 @@ def _launch_parts(source: int, lay, D: int) -> tuple[tuple[int, int], ...]:
 
 def _warps(lay, D: int, part: int) -> int:
     """Warps of one store program. It holds a whole [128, 128] fp32 tile (255 registers a thread at 8 warps: one
-    program per SM), so more warps hide the balancing chain's latency, fewer cut its cross-warp reductions: 8 for
-    values and for both halves at once (16 for a 256 x 128 tile), half that for keys alone (min-max rounding, no
-    range search: the reductions weigh more)."""
-    warps = 16 if D * lay.g > 16384 else 8
-    return warps // 2 if part == KEYS.value else warps
+    program per SM), so more warps hide the balancing chain's latency, fewer cut its cross-warp reductions. Values:
+    8 (at D = 256 too, where 16 measured 2.5x slower). Keys alone (min-max rounding, no range search: the reductions
+    weigh more): 4, and 8 at D = 256 (4 measured 4x slower: a 256 x 128 tile over 128 threads spills). Both halves
+    in one launch: 8, 16 at D = 256."""
+    wide = D * lay.g > 16384
+    if part == VALUES.value:
+        return 8
+    if part == KEYS.value:
+        return 8 if wide else 4
+    return 16 if wide else 8
 
 
 def _tile_constexprs(lay, H: int, D: int, iters) -> dict:
