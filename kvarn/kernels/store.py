@@ -581,10 +581,11 @@ def _launch_parts(source: int, lay, D: int) -> tuple[tuple[int, int], ...]:
 
 def _warps(lay, D: int, part: int) -> int:
     """Warps of one store program. It holds a whole [128, 128] fp32 tile (255 registers a thread at 8 warps: one
-    program per SM), so more warps hide the balancing chain's latency, fewer cut its cross-warp reductions. Values:
-    8 (at D = 256 too, where 16 measured 2.5x slower). Keys alone (min-max rounding, no range search: the reductions
-    weigh more): 4, and 8 at D = 256 (4 measured 4x slower: a 256 x 128 tile over 128 threads spills). Both halves
-    in one launch: 8, 16 at D = 256."""
+    program per SM), so more warps hide the balancing chain's latency, fewer cut its cross-warp reductions. "Wide":
+    a tile of more than 16384 values (D = 256 at g = 128). Values alone: 8, wide too (16 measured 2.5x slower there).
+    Keys alone (min-max rounding, no range search: the reductions weigh more): 4, and 8 when wide (4 measured 4x
+    slower: 256 values a thread spill). Both halves in one launch (a decode step's store, the flush: mostly one tile
+    at a time, latency-bound): 8, 16 when wide (not re-measured since the halves were split)."""
     wide = D * lay.g > 16384
     if part == VALUES.value:
         return 8

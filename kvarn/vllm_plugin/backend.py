@@ -248,10 +248,12 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
             # causal varlen; with cu_k the queries are the last q_len of each segment's keys (bottom-right causal).
             # Row-strided views (the raw K/V are views of the qkv projection) go in as they are: FlashAttention
             # takes row strides, and copies only a view whose last dim is strided. out: written in place.
-            kw = {} if ver is None else {"fa_version": ver}
-            return fa(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu if cu_k is None else cu_k,
-                      max_seqlen_q=max_len, max_seqlen_k=max_len if max_k is None else max_k,
-                      softmax_scale=scale, causal=True, out=out, **kw)
+            # vLLM's fork (a version) takes out=; upstream flash-attn (no version) does not: a copy there
+            kw = {} if ver is None else {"fa_version": ver, "out": out}
+            o = fa(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu if cu_k is None else cu_k,
+                   max_seqlen_q=max_len, max_seqlen_k=max_len if max_k is None else max_k,
+                   softmax_scale=scale, causal=True, **kw)
+            return o if out is None or ver is not None else out.copy_(o)
 
         return run
 

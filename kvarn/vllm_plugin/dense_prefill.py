@@ -142,9 +142,10 @@ def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: K
             o = varlen(q, k, v, grp.cu_q_dev, grp.max_q, cu_k=grp.cu_k_dev, max_k=grp.max_k, out=dst)
         else:
             o = varlen_attention_torch(q, k, v, grp.cu_q, grp.index.cu_k, scale)
-            if dst is not None:
-                dst.copy_(o)
-        outs.append(o)
+        if dst is None:
+            outs.append(o)
+        elif o.data_ptr() != dst.data_ptr():  # the torch varlen, or a varlen that returned its rows elsewhere
+            dst.copy_(o)
     if out is not None:
         return out
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -75,14 +75,18 @@ def store(plan: StepPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
 
 def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, tail_k, tail_v, fmt: KVFormat,
               scale: float, raw_varlen: Callable | None = None, use_kernels: bool | None = None) -> None:
-    """Writes out[:num_tokens] ([N, Hq, D], q's dtype). raw_varlen(q, k, v, cu, max_len, out=None) -> [n, Hq, D] is
-    the fast exact path for rows without context (vLLM's flash_attn_varlen_func; given `out`, it writes there and
-    returns it); None: the torch reference."""
+    """Writes out[:num_tokens] ([N, Hq, D], q's dtype). raw_varlen(q, k, v, cu, max_len, cu_k=None, max_k=None,
+    out=None) -> [n, Hq, D] is the fast exact path for rows without context and, with cu_k / max_k, for continuation
+    chunks over their materialized K/V (vLLM's flash_attn_varlen_func; given `out`, it writes there); None: the
+    torch reference."""
     # 1. rows without prior context: raw Q/K/V (exact), over the token range from the first such row to the last
     if plan.raw_span is not None:
         a, e = plan.raw_span
         if raw_varlen is not None and out.dtype == q.dtype:  # FlashAttention writes q's dtype, in place
-            raw_varlen(q[a:e], k[a:e], v[a:e], plan.raw_cu, plan.raw_max, out=out[a:e])
+            dst = out[a:e]
+            o = raw_varlen(q[a:e], k[a:e], v[a:e], plan.raw_cu, plan.raw_max, out=dst)
+            if o.data_ptr() != dst.data_ptr():  # a varlen that returned its rows elsewhere
+                dst.copy_(o)
         else:
             o = (raw_varlen(q[a:e], k[a:e], v[a:e], plan.raw_cu, plan.raw_max) if raw_varlen is not None else
                  raw_attention_torch(q[a:e], k[a:e], v[a:e], plan.raw_cu.cpu(), scale))

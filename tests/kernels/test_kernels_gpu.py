@@ -269,6 +269,13 @@ def test_gpu_dense_prefill_matches_reference(dtype):
                                       varlen)
     assert torch.isfinite(out.float()).all()
     assert rel_err(out.float(), ref) < 1e-2  # K/V rounded to 16 bits (and FA rounds p to 16 bits)
+    # the step's output written in place, one group of rows at a time (key_budget 1: each row a group of its own)
+    plan.dense = None
+    buf = torch.full_like(q, float("nan"))
+    got = dense_prefill.dense_prefill(plan, q, st["cache"], st["block_table"], st["tail_k"], st["tail_v"], fmt, scale,
+                                      varlen, key_budget=1, out=buf)
+    assert got is buf and torch.isfinite(buf.float()).all()
+    assert rel_err(buf.float(), out.float()) < 1e-3
 
 
 def test_gpu_step_ms_replays_the_layers_from_one_graph():
