@@ -247,13 +247,12 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         def run(q, k, v, cu, max_len, cu_k=None, max_k=None, out=None):
             # causal varlen; with cu_k the queries are the last q_len of each segment's keys (bottom-right causal).
             # Row-strided views (the raw K/V are views of the qkv projection) go in as they are: FlashAttention
-            # takes row strides, and copies only a view whose last dim is strided. out: written in place.
-            # vLLM's fork (a version) takes out=; upstream flash-attn (no version) does not: a copy there
+            # takes row strides, and copies only a view whose last dim is strided. out: vLLM's fork (a version)
+            # writes there; upstream flash-attn (no version) takes no out= and returns new rows (ops copies them in)
             kw = {} if ver is None else {"fa_version": ver, "out": out}
-            o = fa(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu if cu_k is None else cu_k,
-                   max_seqlen_q=max_len, max_seqlen_k=max_len if max_k is None else max_k,
-                   softmax_scale=scale, causal=True, **kw)
-            return o if out is None or ver is not None else out.copy_(o)
+            return fa(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu if cu_k is None else cu_k,
+                      max_seqlen_q=max_len, max_seqlen_k=max_len if max_k is None else max_k,
+                      softmax_scale=scale, causal=True, **kw)
 
         return run
 

@@ -69,6 +69,14 @@ def _groups(lens: np.ndarray, budget: int):
         yield a, len(lens)
 
 
+def into(dst: torch.Tensor, o: torch.Tensor) -> None:
+    """Rows a varlen call returned, into the output rows `dst` it was given as `out=`: nothing to do where it wrote
+    them there (vLLM's FlashAttention), one copy where it returned them elsewhere (upstream flash-attn, the torch
+    varlens)."""
+    if o.data_ptr() != dst.data_ptr():
+        dst.copy_(o)
+
+
 @dataclass
 class DenseGroup:
     """Continuation rows materialized at once (<= the key budget), with every index their attention needs; built
@@ -144,8 +152,8 @@ def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: K
             o = varlen_attention_torch(q, k, v, grp.cu_q, grp.index.cu_k, scale)
         if dst is None:
             outs.append(o)
-        elif o.data_ptr() != dst.data_ptr():  # the torch varlen, or a varlen that returned its rows elsewhere
-            dst.copy_(o)
+        else:
+            into(dst, o)
     if out is not None:
         return out
     return outs[0] if len(outs) == 1 else torch.cat(outs)

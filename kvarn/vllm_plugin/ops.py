@@ -15,7 +15,7 @@ import torch
 
 from ..formats import KVFormat
 from ..method.paged import cached_attention_torch, raw_attention_torch, step_tiles_torch, store_tiles_torch
-from .dense_prefill import dense_prefill
+from .dense_prefill import dense_prefill, into
 from .step_plan import StepPlan
 
 
@@ -77,16 +77,14 @@ def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, ta
               scale: float, raw_varlen: Callable | None = None, use_kernels: bool | None = None) -> None:
     """Writes out[:num_tokens] ([N, Hq, D], q's dtype). raw_varlen(q, k, v, cu, max_len, cu_k=None, max_k=None,
     out=None) -> [n, Hq, D] is the fast exact path for rows without context and, with cu_k / max_k, for continuation
-    chunks over their materialized K/V (vLLM's flash_attn_varlen_func; given `out`, it writes there); None: the
-    torch reference."""
+    chunks over their materialized K/V (vLLM's flash_attn_varlen_func; given `out`, it may write there, else its
+    rows are copied in); None: the torch reference."""
     # 1. rows without prior context: raw Q/K/V (exact), over the token range from the first such row to the last
     if plan.raw_span is not None:
         a, e = plan.raw_span
         if raw_varlen is not None and out.dtype == q.dtype:  # FlashAttention writes q's dtype, in place
             dst = out[a:e]
-            o = raw_varlen(q[a:e], k[a:e], v[a:e], plan.raw_cu, plan.raw_max, out=dst)
-            if o.data_ptr() != dst.data_ptr():  # a varlen that returned its rows elsewhere
-                dst.copy_(o)
+            into(dst, raw_varlen(q[a:e], k[a:e], v[a:e], plan.raw_cu, plan.raw_max, out=dst))
         else:
             o = (raw_varlen(q[a:e], k[a:e], v[a:e], plan.raw_cu, plan.raw_max) if raw_varlen is not None else
                  raw_attention_torch(q[a:e], k[a:e], v[a:e], plan.raw_cu.cpu(), scale))

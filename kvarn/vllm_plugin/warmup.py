@@ -30,12 +30,10 @@ def _torch_varlen(scale: float):
     """The FlashAttention varlen signature ops expects (raw_varlen), in torch: the warm-up needs no FA (compiled
     ahead of time), only the dense path's routing, which takes a varlen function."""
 
-    def run(q, k, v, cu, max_len, cu_k=None, max_k=None, out=None):
+    def run(q, k, v, cu, max_len, cu_k=None, max_k=None, out=None):  # new rows, never `out` (ops copies them in)
         if cu_k is None:
-            o = raw_attention_torch(q, k, v, cu.cpu(), scale)
-        else:
-            o = varlen_attention_torch(q, k, v, cu.cpu().numpy(), cu_k.cpu().numpy(), scale)
-        return o if out is None else out.copy_(o)
+            return raw_attention_torch(q, k, v, cu.cpu(), scale)
+        return varlen_attention_torch(q, k, v, cu.cpu().numpy(), cu_k.cpu().numpy(), scale)
 
     return run
 
