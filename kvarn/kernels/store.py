@@ -99,7 +99,6 @@ def _value_range(t, w, QMAX: tl.constexpr, STEPS: tl.constexpr):
     rounding's projection on the row exact (kvarn.method.reference._value_range says why)."""
     mn = tl.min(t, axis=1)
     mx = tl.max(t, axis=1)
-    tw = t * w[None, :]
     best = tl.full(mn.shape, -1.0, dtype=tl.float32)
     lo_b = mn
     hi_b = mx
@@ -114,8 +113,9 @@ def _value_range(t, w, QMAX: tl.constexpr, STEPS: tl.constexpr):
         inv = tl.where(safe, 1.0 / tl.where(safe, sc, 1.0), 0.0)
         q = _round_clamped((t - lo[:, None]) * inv[:, None], QMAX)
         xh = q * sc[:, None] + lo[:, None]
-        ip = tl.sum(xh * tw, axis=1)
-        nh = tl.sum(xh * xh * w[None, :], axis=1)
+        xw = xh * w[None, :]
+        ip = tl.sum(xw * t, axis=1)
+        nh = tl.sum(xw * xh, axis=1)
         ok = (ip > 0) & (nh > 0)
         score = tl.where(ok, ip * ip / tl.where(ok, nh, 1.0), 0.0)
         better = score > best * (1.0 + TIE_TOL)  # near-ties keep the wider range, as the reference
@@ -123,29 +123,22 @@ def _value_range(t, w, QMAX: tl.constexpr, STEPS: tl.constexpr):
         lo_b = tl.where(better, lo, lo_b)
         hi_b = tl.where(better, hi, hi_b)
         ip_b = tl.where(better, ip, ip_b)
-    nt = tl.sum(t * tw, axis=1)
+    nt = tl.sum(t * t * w[None, :], axis=1)
     gain = tl.where(ip_b > 0, nt / tl.where(ip_b > 0, ip_b, 1.0), 1.0)
     return lo_b, hi_b, tl.minimum(tl.maximum(gain, GAIN_MIN), GAIN_MAX)
 
 
 @triton.jit
-def _codes_from_factors(x, best_ec, best_er, BITS: tl.constexpr, SEARCH: tl.constexpr):
-    """Round x [R, C] per row after balancing by the factors ec (columns) and er (rows); returns codes, and the
-    folded fp16 vectors s, z (rows) and c (columns). SEARCH (values): the range search and gain of _value_range,
-    else min-max. Multiplies by reciprocals where the reference divides element-wise (codes may move by one on a
-    rounding boundary, which the contract allows)."""
-    t = x * best_ec[None, :] * best_er[:, None]
+def _codes(x, ec, er, mn, mx, gain, BITS: tl.constexpr, SEARCH: tl.constexpr):
+    """Round x [R, C] per row after balancing by the factors ec (columns) and er (rows) into the row ranges
+    [mn, mx] of the balanced tile (min-max, or the values' range search); returns codes, and the folded fp16 vectors
+    s, z (rows, times the gain where SEARCH) and c (columns). Multiplies by reciprocals where the reference divides
+    element-wise (codes may move by one on a rounding boundary, which the contract allows)."""
     QMAX: tl.constexpr = (1 << BITS) - 1
-    if SEARCH > 0:
-        col = 1.0 / best_ec
-        mn, mx, gain = _value_range(t, col * col, QMAX, SEARCH)
-    else:
-        mn = tl.min(t, axis=1)
-        mx = tl.max(t, axis=1)
-    row = 1.0 / best_er
+    row = 1.0 / er
     s = _to_f16_range((mx - mn) / QMAX * row)
     z = _to_f16_range(mn * row)
-    c = _to_f16_range(1.0 / best_ec)
+    c = _to_f16_range(1.0 / ec)
     c_safe = tl.where(tl.abs(c) > 1e-12, c, 1.0)
     s_ok = tl.abs(s) > 1e-12
     s_inv = tl.where(s_ok, 1.0 / tl.where(s_ok, s, 1.0), 0.0)  # 0: a constant row gets code 0
@@ -185,12 +178,10 @@ def _max_min(x, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def _balance_and_round(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
-                       COMPILED: tl.constexpr, SEARCH: tl.constexpr):
-    """x [R, C] fp32 -> codes int32 [R, C], s [R], z [R], c [C] (fp16-rounded, as fp32) with
-    x[r, c] ~= (q[r, c] * s[r] + z[r]) * c[c]: the reference's Sinkhorn-like balancing (kvarn.method.reference,
-    docs/format.md), ITERS iterations, the least imbalanced iterate kept, then rounding per row (min-max, or with
-    SEARCH > 0 the values' range search over SEARCH factors and their gain).
+def _balance(x, R: tl.constexpr, C: tl.constexpr, ITERS: tl.constexpr, COMPILED: tl.constexpr):
+    """x [R, C] fp32 -> the balance factors ec [C], er [R] of the reference's Sinkhorn-like balancing
+    (kvarn.method.reference, docs/format.md): ITERS iterations, the least imbalanced iterate kept; x * ec * er is
+    the balanced tile that is rounded per row (x ~= (q * s + z) * c, s and z per row, c = 1 / ec per column).
 
     The reference keeps log-scales lc, lr and updates lc = clip(lc + log(clamp(std)), -0.3, 10); here the balance is
     kept as the factors ec = exp(-lc), er = exp(-lr) (the same iterates in exact arithmetic), so each update is
@@ -231,7 +222,7 @@ def _balance_and_round(x, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, 
         rmax, rmin = _max_min(vr, COMPILED)  # rows span the warps: one exchange for both
         imb = tl.sqrt(cmax / cmin) + tl.sqrt(rmax / rmin)
         best, best_er, best_ec = _keep_best(imb, best, er, best_er, ec, best_ec)
-    return _codes_from_factors(x, best_ec, best_er, BITS, SEARCH)
+    return best_ec, best_er
 
 
 @triton.jit
@@ -272,30 +263,67 @@ def _load_tokens(tok, tail, old, ci, TOKEN_AXIS: tl.constexpr, MIXED: tl.constex
 
 
 @triton.jit
-def _values_rotated_blocked(tok, tail, old, D: tl.constexpr, RB: tl.constexpr, COMPILED: tl.constexpr,
-                            MIXED: tl.constexpr):
-    # Y = V @ Hn [g, D] accumulated over RB-channel blocks of V: Y += V[:, blk] @ H[blk, :]
-    acc = tl.zeros([tok.shape[0], D], dtype=tl.float32)
-    for kb in range(0, D, RB):
-        vt = _load_tokens(tok, tail, old, kb + tl.arange(0, RB), 0, MIXED)
-        acc = x_times_h_acc(vt, hadamard_pm1_block(RB, D, kb, 0, COMPILED), acc, COMPILED)
-    return rot_scale(acc, D)
+def _values_rotated(tok, tail, old, D: tl.constexpr, RB: tl.constexpr, COMPILED: tl.constexpr, MIXED: tl.constexpr):
+    """Y = V @ Hn [g, D] of one head's value tile (tokens as _load_tokens finds them); RB > 0: accumulated over
+    RB-channel blocks of V, Y += V[:, blk] @ H[blk, :] (D = 256: the whole-tile dots would overflow an sm_90's shared
+    memory). Deterministic: a second call gives the same bits."""
+    if RB == 0:
+        vt = _load_tokens(tok, tail, old, tl.arange(0, D), 0, MIXED)
+        y = x_times_h(vt, hadamard_pm1_block(D, D, 0, 0, COMPILED), D, COMPILED)
+    else:
+        acc = tl.zeros([tok.shape[0], D], dtype=tl.float32)
+        for kb in range(0, D, RB):
+            vt = _load_tokens(tok, tail, old, kb + tl.arange(0, RB), 0, MIXED)
+            acc = x_times_h_acc(vt, hadamard_pm1_block(RB, D, kb, 0, COMPILED), acc, COMPILED)
+        y = rot_scale(acc, D)
+    return y
 
 
 @triton.jit
-def _quantize_pack(x, dst, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
-                   COMPILED: tl.constexpr, SEARCH: tl.constexpr):
-    # one matrix [R, C] (keys: channels x tokens, values rotated: tokens x channels) balanced and rounded, its codes
-    # packed at dst; returns the row scale, row zero and column scale to store beside them
-    q, s, z, c = _balance_and_round(x, R, C, BITS, ITERS, COMPILED, SEARCH)
+def _pack_vectors(q, dst, s, z, c, dst16, OFF_S: tl.constexpr, OFF_Z: tl.constexpr, OFF_C: tl.constexpr,
+                  R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
+    # one matrix's codes packed at dst, its row scale, row zero and column scale (fp16) at dst16 + OFF_* / 2
     _pack_store(q, dst, R, C, BITS)
-    return s, z, c
+    tl.store(dst16 + OFF_S // 2 + tl.arange(0, R), s.to(tl.float16))
+    tl.store(dst16 + OFF_Z // 2 + tl.arange(0, R), z.to(tl.float16))
+    tl.store(dst16 + OFF_C // 2 + tl.arange(0, C), c.to(tl.float16))
 
 
 # which half of a tile a store program quantizes
 BOTH = tl.constexpr(0)  # program_id(1) says: one launch of both halves (a decode step's store, the layers' flush)
 KEYS = tl.constexpr(1)
 VALUES = tl.constexpr(2)
+
+
+@triton.jit
+def _store_keys(tok, tail, old, dst, dst16, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr,
+                ITERS: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
+                COMPILED: tl.constexpr, MIXED: tl.constexpr):
+    # K^T [D, g], rows = channels, in the original basis: per-channel rounding already gives every channel its own
+    # range, and a rotation would spread the RoPE'd key biases over all of them. Min-max rounding per row.
+    di = tl.arange(0, D)
+    x = _load_tokens(tok, tail, old, di, 1, MIXED)
+    ec, er = _balance(x, D, G, ITERS, COMPILED)
+    t = x * ec[None, :] * er[:, None]
+    mn = tl.min(t, axis=1)
+    mx = tl.max(t, axis=1)
+    x = _load_tokens(tok, tail, old, di, 1, MIXED)  # again (see _store_one)
+    q, s, z, c = _codes(x, ec, er, mn, mx, 1.0, KB, 0)
+    _pack_vectors(q, dst, s, z, c, dst16, OFF_SK, OFF_ZK, OFF_RK, D, G, KB)
+
+
+@triton.jit
+def _store_values(tok, tail, old, dst, dst16, G: tl.constexpr, D: tl.constexpr, VB: tl.constexpr,
+                  ITERS: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
+                  COMPILED: tl.constexpr, RB: tl.constexpr, MIXED: tl.constexpr):
+    # Y = V @ Hn [g, D], rows = tokens; the range search and gain per row
+    y = _values_rotated(tok, tail, old, D, RB, COMPILED, MIXED)
+    ec, er = _balance(y, G, D, ITERS, COMPILED)
+    col = 1.0 / ec
+    mn, mx, gain = _value_range(y * ec[None, :] * er[:, None], col * col, (1 << VB) - 1, VALUE_CLIP_STEPS)
+    y = _values_rotated(tok, tail, old, D, RB, COMPILED, MIXED)  # again (see _store_one)
+    q, s, z, c = _codes(y, ec, er, mn, mx, gain, VB, VALUE_CLIP_STEPS)
+    _pack_vectors(q, dst, s, z, c, dst16, OFF_SV, OFF_ZV, OFF_CV, G, D, VB)
 
 
 @triton.jit
@@ -308,30 +336,20 @@ def _store_one(ktok, vtok, ktail, vtail, old, cache_ptr, cache16_ptr, blk, head,
     values), into record row `blk`. ktok / vtok [G]: where token j's D channels of this head start in K / V; with
     MIXED, positions j < old are at ktail / vtail[j] instead (the tail rows of a tile begun in earlier steps).
     Sanitize (NaN -> 0, clamp to the fp16 range), rotate the values by Hn, balance and round, pack, store the
-    vectors."""
+    vectors.
+
+    Each half loads its tile (and the values rotate theirs) twice: once to balance and range it, once to round
+    it. In between only the balanced copy is live, so a program holds one fp32 tile, not two (registers are what
+    bound the programs an SM runs); the second load is an L2 hit and gives the same bits. The halves are functions
+    of their own: under BOTH the branch is taken at run time, and Triton would merge the locals of the two
+    branches, whose shapes differ unless D == g."""
     base = blk.to(tl.int64) * stride_cb + head * stride_ch  # byte offset of the record
-    b16 = base // 2
-    di = tl.arange(0, D)
-    gi = tl.arange(0, G)
     if PART == KEYS or (PART == BOTH and tl.program_id(1) == 0):
-        # keys: K^T [D, g], rows = channels, in the original basis: per-channel rounding already gives every
-        # channel its own range, and a rotation would spread the RoPE'd key biases over all of them
-        x = _load_tokens(ktok, ktail, old, di, 1, MIXED)
-        sk, zk, rk = _quantize_pack(x, cache_ptr + base + OFF_PK, D, G, KB, ITERS, COMPILED, 0)
-        tl.store(cache16_ptr + b16 + OFF_SK // 2 + di, sk.to(tl.float16))
-        tl.store(cache16_ptr + b16 + OFF_ZK // 2 + di, zk.to(tl.float16))
-        tl.store(cache16_ptr + b16 + OFF_RK // 2 + gi, rk.to(tl.float16))
+        _store_keys(ktok, ktail, old, cache_ptr + base + OFF_PK, cache16_ptr + base // 2, G, D, KB, ITERS, OFF_SK,
+                    OFF_ZK, OFF_RK, COMPILED, MIXED)
     else:
-        # values: Y = V @ Hn  [g, D], rows = tokens
-        if RB == 0:
-            vt = _load_tokens(vtok, vtail, old, di, 0, MIXED)
-            y = x_times_h(vt, hadamard_pm1_block(D, D, 0, 0, COMPILED), D, COMPILED)
-        else:
-            y = _values_rotated_blocked(vtok, vtail, old, D, RB, COMPILED, MIXED)
-        sv, zv, cv = _quantize_pack(y, cache_ptr + base + OFF_PV, G, D, VB, ITERS, COMPILED, VALUE_CLIP_STEPS)
-        tl.store(cache16_ptr + b16 + OFF_SV // 2 + gi, sv.to(tl.float16))
-        tl.store(cache16_ptr + b16 + OFF_ZV // 2 + gi, zv.to(tl.float16))
-        tl.store(cache16_ptr + b16 + OFF_CV // 2 + di, cv.to(tl.float16))
+        _store_values(vtok, vtail, old, cache_ptr + base + OFF_PV, cache16_ptr + base // 2, G, D, VB, ITERS, OFF_SV,
+                      OFF_ZV, OFF_CV, COMPILED, RB, MIXED)
 
 
 # where _store_tiles_kernel finds a tile's tokens
