@@ -4,6 +4,8 @@
     decode     decode_attention: split-K attention of one query token per request over records + tail
     tail       the tail's attention (run inside the decode launch) and the merge of the split partials
     dequant    dequantize_to_rows: records -> 16-bit K / V rows, for the dense prefill path
+    rows       write_tail_rows / read_tail_rows: a step's 16-bit row copies between its K / V and the tail
+    tags       decode_tags: a decode-only step's sink and window bookkeeping in one launch
     device     Triton device functions shared by the kernels (Hadamard rotation, split bookkeeping)
     records    host-side record layout and argument checks
     runtime    the serving jit, interpreter / hardware checks, the compile log

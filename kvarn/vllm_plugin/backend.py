@@ -166,10 +166,11 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                                    window=self.fmt.window_tokens)
         if R > self._sink_lens.shape[0]:  # as _tail_slots above
             self._sink_lens = torch.zeros(R + 1, dtype=torch.int32, device=self.device)
-        step_plan.update_sink_lens(plan, self._sink_tags, cm.block_table_tensor, self._sink_lens)
         if R > self._win_lens.shape[0]:
             self._win_lens = torch.zeros(R + 1, dtype=torch.int32, device=self.device)
-        step_plan.update_window_lens(plan, self._win_tags, cm.block_table_tensor, self._win_lens)
+        # a decode-only step's bookkeeping is one kernel launch reading the decode kernels' device seq_lens
+        step_plan.update_lens(plan, self._sink_tags, self._win_tags, cm.block_table_tensor, self._sink_lens,
+                              self._win_lens, seq_lens_dev=cm.seq_lens if self._decode_kernels else None)
         if self._defer and plan.decode_only:
             # not in a step that schedules a new or resumed request: its prefix hit may read a block another row
             # completes in this very step (vLLM caches blocks as it schedules them). The flag is device data, so

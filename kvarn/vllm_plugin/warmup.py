@@ -20,7 +20,7 @@ from ..formats import KVFormat
 from ..kernels.runtime import kernel_compile_cache
 from ..method.paged import raw_attention_torch, varlen_attention_torch
 from . import ops
-from .step_plan import plan_step, update_sink_lens, update_window_lens
+from .step_plan import plan_step, update_lens
 
 _LOG = logging.getLogger("vllm.kvarn")
 _DONE: set = set()
@@ -72,8 +72,7 @@ def synthetic_steps(num_kv_heads: int, num_heads: int, head_size: int, dtype: to
         qsl = np.concatenate([[0], np.cumsum(qlen)])
         seq = lens + np.asarray(qlen)
         plan = plan_step(qsl, seq, 2, slots, bt, g, device, sink=sink, window=fmt.window_tokens)
-        update_sink_lens(plan, tags, bt, sink_lens)
-        update_window_lens(plan, win_tags, bt, win_lens)
+        update_lens(plan, tags, win_tags, bt, sink_lens, win_lens)
         n = int(qsl[-1])
         q, k, v = rnd(n, Hq, D), rnd(n, H, D), rnd(n, H, D)
         ops.store(plan, k, v, cache, tail_k, tail_v, fmt)
@@ -89,8 +88,7 @@ def synthetic_steps(num_kv_heads: int, num_heads: int, head_size: int, dtype: to
         plan = plan_step(np.arange(3), lens, 2, slots, bt, g, device, decode_minimal=on_gpu,
                               tail_slots_dev=slots_dev, sink=sink, window=fmt.window_tokens)
         plan.defer = flag  # a device flag of 0: the DEFER kernels, flushing at once as without deferral
-        update_sink_lens(plan, tags, bt, sink_lens)
-        update_window_lens(plan, win_tags, bt, win_lens)
+        update_lens(plan, tags, win_tags, bt, sink_lens, win_lens, seq_lens_dev=seq_dev if on_gpu else None)
         q, k, v = rnd(2, Hq, D), rnd(2, H, D), rnd(2, H, D)
         ops.decode_step(plan, q, k, v, torch.empty_like(q), cache, bt, seq_dev, slots_dev, tail_k, tail_v, fmt,
                         scale, raw_varlen=varlen)

@@ -71,8 +71,7 @@ for qlen in (np.full(R, g + 9), np.array([1] * (R - 1) + [300])):
 seq = lens + 1; sd = torch.from_numpy(seq.astype(np.int32)).to(dev); td = torch.from_numpy(slots).to(dev)
 plan = step_plan.plan_step(np.arange(R + 1), seq, R, slots, bt, g, dev, decode_minimal=True, tail_slots_dev=td,
                            sink=fmt.sink_tokens, window=fmt.window_tokens)
-step_plan.update_sink_lens(plan, tags, bt, sl_buf)
-step_plan.update_window_lens(plan, wtags, bt, wl_buf)
+step_plan.update_lens(plan, tags, wtags, bt, sl_buf, wl_buf, seq_lens_dev=sd)  # the builder's one launch
 if defer:
     plan.defer = torch.zeros(1, dtype=torch.int32, device=dev)
 q = torch.randn(R, Hq, D, device=dev, dtype=dt)
