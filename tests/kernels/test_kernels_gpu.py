@@ -275,7 +275,8 @@ def test_gpu_dense_prefill_matches_reference(dtype):
     got = dense_prefill.dense_prefill(plan, q, st["cache"], st["block_table"], st["tail_k"], st["tail_v"], fmt, scale,
                                       varlen, key_budget=1, out=buf)
     assert got is buf and torch.isfinite(buf.float()).all()
-    assert rel_err(buf.float(), out.float()) < 1e-3
+    # the same arithmetic over other groupings: the two differ by the last bit of some 16-bit roundings
+    assert rel_err(buf.float(), out.float()) < 2 * torch.finfo(dtype).eps
 
 
 def test_gpu_step_ms_replays_the_layers_from_one_graph():
