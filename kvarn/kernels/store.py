@@ -123,7 +123,7 @@ def _value_range(t, w, QMAX: tl.constexpr, STEPS: tl.constexpr):
         lo_b = tl.where(better, lo, lo_b)
         hi_b = tl.where(better, hi, hi_b)
         ip_b = tl.where(better, ip, ip_b)
-    nt = tl.sum(t * t * w[None, :], axis=1)
+    nt = tl.sum(t * w[None, :] * t, axis=1)  # the reference's order, (w t) t
     gain = tl.where(ip_b > 0, nt / tl.where(ip_b > 0, ip_b, 1.0), 1.0)
     return lo_b, hi_b, tl.minimum(tl.maximum(gain, GAIN_MIN), GAIN_MAX)
 
@@ -338,11 +338,11 @@ def _store_one(ktok, vtok, ktail, vtail, old, cache_ptr, cache16_ptr, blk, head,
     Sanitize (NaN -> 0, clamp to the fp16 range), rotate the values by Hn, balance and round, pack, store the
     vectors.
 
-    Each half loads its tile (and the values rotate theirs) twice: once to balance and range it, once to round
-    it. In between only the balanced copy is live, so a program holds one fp32 tile, not two (registers are what
-    bound the programs an SM runs); the second load is an L2 hit and gives the same bits. The halves are functions
-    of their own: under BOTH the branch is taken at run time, and Triton would merge the locals of the two
-    branches, whose shapes differ unless D == g."""
+    Each half balances and ranges its tile, then rounds a second load of it (the values a second rotation), which
+    gives the same bits: the compiler may keep the first tile or load it again, whichever needs fewer registers
+    (Triton 3.6 keeps it at D <= 128 and rotates twice at D = 256, where the rotation is blocked). The halves are
+    functions of their own: under BOTH the branch is taken at run time, and Triton would merge the locals of the
+    two branches, whose shapes differ unless D == g."""
     base = blk.to(tl.int64) * stride_cb + head * stride_ch  # byte offset of the record
     if PART == KEYS or (PART == BOTH and tl.program_id(1) == 0):
         _store_keys(ktok, ktail, old, cache_ptr + base + OFF_PK, cache16_ptr + base // 2, G, D, KB, ITERS, OFF_SK,

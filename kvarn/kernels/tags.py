@@ -91,7 +91,10 @@ def decode_tags(seq_lens: torch.Tensor, block_table: torch.Tensor, tail_slots: t
                 win_lens: torch.Tensor | None, group: int, sink: int, window: int) -> None:
     """seq_lens, tail_slots int32 [>= n]; block_table int32 [>= n, blocks]; sink_tags int32 [S]; win_tags int32
     [S, 2] (None with window 0); sink_lens, win_lens int32 [>= n] (outputs: rows [0, n) written). Rows [0, n_new)
-    have one new token, the rest none (see the module docstring)."""
+    have one new token, the rest none (see the module docstring). The slots are not range-checked (that would
+    read them back to the host): each must be below S, as the builder's persistent buffer holds them.
+    Cost: the clearing phase compares every slot's tags with every row's blocks in one program, about n * S / 8192
+    vector steps (a few at 256 rows)."""
     if not 0 <= n_new <= n:
         raise KvarnError(f"decode_tags: rows with a new token ({n_new}) must be within the step's rows ({n})")
     if not 0 < sink < group or not 0 <= window < group:
@@ -107,6 +110,13 @@ def decode_tags(seq_lens: torch.Tensor, block_table: torch.Tensor, tail_slots: t
         if t.dtype != torch.int32 or t.device != seq_lens.device or not flat:
             raise KvarnError(f"decode_tags: {name} must be contiguous int32 on {seq_lens.device}, got {t.dtype} "
                              f"{tuple(t.shape)} on {t.device}")
+    for name, t in (("seq_lens", seq_lens), ("tail_slots", tail_slots), ("sink_lens", sink_lens),
+                    ("win_lens", win_lens if window else sink_lens)):
+        if t.dim() != 1 or t.shape[0] < n:
+            raise KvarnError(f"decode_tags: {name} must be [>= {n}], got {tuple(t.shape)}")
+    if sink_tags.dim() != 1 or window and tuple(win_tags.shape) != (sink_tags.shape[0], 2):
+        raise KvarnError(f"decode_tags: sink_tags [S] and win_tags [S, 2] must agree, got {tuple(sink_tags.shape)} "
+                         f"and {None if win_tags is None else tuple(win_tags.shape)}")
     if block_table.stride(-1) != 1 or block_table.shape[0] < n:
         raise KvarnError(f"decode_tags: block_table must have >= {n} rows, contiguous along a row; got "
                          f"{tuple(block_table.shape)} {block_table.stride()}")

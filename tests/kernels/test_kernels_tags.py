@@ -41,10 +41,9 @@ def _step(rng, S, R, n_new, pool, device):
 def test_decode_tags_match_the_torch_bookkeeping(S, R, window, device):
     rng = np.random.default_rng(S + R + window)
     pool = 3 * S
-    tags = {path: (torch.from_numpy(rng.integers(-1, pool, S).astype(np.int32)).to(device),
-                   torch.from_numpy(rng.integers(-1, pool, (S, 2)).astype(np.int32)).to(device))
-            for path in ("torch",)}
-    tags["kernel"] = tuple(t.clone() for t in tags["torch"])
+    st = torch.from_numpy(rng.integers(-1, pool, S).astype(np.int32)).to(device)
+    wt = torch.from_numpy(rng.integers(-1, pool, (S, 2)).astype(np.int32)).to(device)
+    tags = {"torch": (st, wt), "kernel": (st.clone(), wt.clone())}
     seen = []
     for step in range(6):
         n_new = R if step % 2 else int(rng.integers(1, R + 1))
@@ -88,3 +87,7 @@ def test_decode_tags_refuse_what_they_cannot_index():
         decode_tags(i32(4), i32(4, 2), i32(4), 4, 5, i32(5), i32(4), i32(5, 2), i32(4), G, SINK, W)
     with pytest.raises(KvarnError, match="block_table must have >= 4 rows"):
         decode_tags(i32(4), i32(3, 2), i32(4), 4, 4, i32(5), i32(4), i32(5, 2), i32(4), G, SINK, W)
+    with pytest.raises(KvarnError, match=r"win_lens must be \[>= 4\], got \(3,\)"):
+        decode_tags(i32(4), i32(4, 2), i32(4), 4, 4, i32(5), i32(4), i32(5, 2), i32(3), G, SINK, W)
+    with pytest.raises(KvarnError, match=r"sink_tags \[S\] and win_tags \[S, 2\] must agree"):
+        decode_tags(i32(4), i32(4, 2), i32(4), 4, 4, i32(5), i32(4), i32(6, 2), i32(4), G, SINK, W)
