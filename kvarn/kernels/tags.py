@@ -32,6 +32,14 @@ ROWS = tl.constexpr(128)  # rows per vector step
 TAGS = tl.constexpr(64)  # tail slots per vector step of the clearing phase ([TAGS, ROWS] comparisons)
 
 
+@triton.jit
+def _clear_naming(tag_ptrs, ok, blocks, live):
+    """Tags at tag_ptrs [TAGS] (where ok) that name one of `blocks` [ROWS] (where live) become -1."""
+    tag = tl.load(tag_ptrs, mask=ok, other=-1)
+    hit = tl.max(((tag[:, None] == blocks[None, :]) & live[None, :]).to(tl.int32), axis=1)
+    tl.store(tag_ptrs, tl.full(tag.shape, -1, tl.int32), mask=ok & (hit > 0))
+
+
 @serving_jit(ints=("n", "n_new", "n_slots", "bt_stride"),
              index_ptrs=("seq_ptr", "bt_ptr", "slot_ptr", "stag_ptr", "slen_ptr", "wtag_ptr", "wlen_ptr"))
 def _decode_tags_kernel(seq_ptr, bt_ptr, slot_ptr, stag_ptr, slen_ptr, wtag_ptr, wlen_ptr, n, n_new, n_slots,
@@ -48,14 +56,10 @@ def _decode_tags_kernel(seq_ptr, bt_ptr, slot_ptr, stag_ptr, slen_ptr, wtag_ptr,
         for t0 in range(0, n_slots, TAGS):
             t = t0 + tl.arange(0, TAGS)
             ok = t < n_slots
-            tag = tl.load(stag_ptr + t, mask=ok, other=-1)
-            hit = tl.max(((tag[:, None] == first[None, :]) & claim[None, :]).to(tl.int32), axis=1)
-            tl.store(stag_ptr + t, tl.full(t.shape, -1, tl.int32), mask=ok & (hit > 0))
+            _clear_naming(stag_ptr + t, ok, first, claim)
             if W > 0:
                 for half in tl.static_range(2):
-                    tag = tl.load(wtag_ptr + t * 2 + half, mask=ok, other=-1)
-                    hit = tl.max(((tag[:, None] == cur[None, :]) & new[None, :]).to(tl.int32), axis=1)
-                    tl.store(wtag_ptr + t * 2 + half, tl.full(t.shape, -1, tl.int32), mask=ok & (hit > 0))
+                    _clear_naming(wtag_ptr + t * 2 + half, ok, cur, new)
     tl.debug_barrier()
     # 2. the rows' claims
     for r0 in range(0, n, ROWS):

@@ -197,6 +197,13 @@ def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, b
     )
 
 
+def _tail_slots_dev(plan: StepPlan, device) -> torch.Tensor:
+    """The rows' tail slots on the device: the plan's (the builder's persistent buffer), else copied from the host."""
+    if plan.tail_slots is not None:
+        return plan.tail_slots
+    return to_device(plan.tail_slots_np[:plan.num_reqs], np.int32, device)
+
+
 def _untag(tags: torch.Tensor, blocks: torch.Tensor) -> None:
     """Clear every tag naming one of `blocks` (an elementwise match: torch.isin may sort, which syncs on CUDA)."""
     hit = (tags.reshape(-1, 1) == blocks.reshape(1, -1)).any(1).view(tags.shape)
@@ -226,8 +233,7 @@ def update_sink_lens(plan: StepPlan, tags: torch.Tensor, block_table: torch.Tens
         # tile would hand a later prefix hit on it the old request's tokens, so those tags are cleared first
         _untag(tags, new)
         tags[slots] = new
-    slots_r = (plan.tail_slots if plan.tail_slots is not None
-               else to_device(plan.tail_slots_np[:R], np.int32, dev))
+    slots_r = _tail_slots_dev(plan, dev)
     own = tags[slots_r[:R].long()] == block_table[:R, 0].to(tags.dtype)
     out[:R] = own.to(out.dtype) * plan.sink
     plan.sink_lens = out[:R]
@@ -267,8 +273,7 @@ def update_window_lens(plan: StepPlan, tags: torch.Tensor, block_table: torch.Te
         slot = to_device(plan.tail_slots_np[rows], np.int64, dev)
         tags[slot, to_device(tiles % 2, np.int64, dev)] = new
     wt = np.maximum(newest - 1, 0)
-    slots_r = (plan.tail_slots if plan.tail_slots is not None
-               else to_device(plan.tail_slots_np[:R], np.int32, dev))
+    slots_r = _tail_slots_dev(plan, dev)
     wt_t = to_device(wt, np.int64, dev)
     mine = tags[slots_r[:R].long(), wt_t % 2] == block_table[torch.arange(R, device=dev), wt_t].to(tags.dtype)
     ok = to_device(s > g, np.bool_, dev) & mine
@@ -288,11 +293,9 @@ def update_lens(plan: StepPlan, sink_tags: torch.Tensor, win_tags: torch.Tensor,
         return
     from ..kernels.tags import decode_tags
 
-    slots = plan.tail_slots if plan.tail_slots is not None else to_device(plan.tail_slots_np[:R], np.int32,
-                                                                          block_table.device)
     W = plan.window
     # decode_only: rows [0, num_tokens) have a token each, the rest none
-    decode_tags(seq_lens_dev, block_table, slots, R, plan.num_tokens, sink_tags, sink_out,
+    decode_tags(seq_lens_dev, block_table, _tail_slots_dev(plan, block_table.device), R, plan.num_tokens, sink_tags, sink_out,
                 win_tags if W else None, win_out if W else None, plan.group, plan.sink, W)
     plan.sink_lens = sink_out[:R]
     if W:

@@ -41,12 +41,13 @@ def _varlen(head_dim: int, scale: float):
     fa, ver = found
 
     def run(q, k, v, cu, max_len, cu_k=None, max_k=None, out=None):
-        kw = {} if ver is None else {"fa_version": ver}
+        # as the backend's: only vLLM's fork (a version) takes out=
+        kw = {} if ver is None else {"fa_version": ver, "out": out}
         if out is None:
             # a tree whose ops never passes `out` is one whose backend also copied the qkv-split views first: as it
             q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
         return fa(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu if cu_k is None else cu_k, max_seqlen_q=max_len,
-                  max_seqlen_k=max_len if max_k is None else max_k, softmax_scale=scale, causal=True, out=out, **kw)
+                  max_seqlen_k=max_len if max_k is None else max_k, softmax_scale=scale, causal=True, **kw)
 
     return run
 
