@@ -12,7 +12,8 @@ kvarn is first on PYTHONPATH is timed.
 
 Prompts of 987 tokens (not whole tiles: each step leaves tokens in the tail, as serving does). Prints one JSON line:
 the tiles the step stores, the median step time in ms (host work and launches included, as an eager prefill step
-pays them) and every repeat.
+pays them) and every repeat; of it the host's time to launch the step (host_ms) and, on a GPU, the GPU's own time
+for it (gpu_ms, the step queued behind a sleep kernel): host_ms above gpu_ms is a step the GPU waits on the host for.
 """
 from __future__ import annotations
 
@@ -113,15 +114,30 @@ def main() -> None:
 
     plan = step()  # compiles
     sync()
-    ms = []
+    ms, host = [], []
     for _ in range(a.reps):
         t = time.perf_counter()
         step()
+        h = time.perf_counter()
         sync()
         ms.append(1e3 * (time.perf_counter() - t))
+        host.append(1e3 * (h - t))
+    gpu_ms = None
+    if torch.device(dev).type == "cuda":
+        # the GPU's own time: one step queued behind a sleep kernel (~1 s), so the host is far ahead and no gap
+        # between launches waits on it
+        a0, a1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(2e9))
+        a0.record()
+        step()
+        a1.record()
+        sync()
+        gpu_ms = round(a0.elapsed_time(a1), 3)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     print(json.dumps({"mixed": a.mixed, "tiles": plan.num_tiles * a.layers, "requests": R, "prompt": P,
                       "layers": a.layers, "tokens": N, "flash_attention": varlen is not None,
-                      "step_ms": sorted(ms)[len(ms) // 2], "ms": [round(x, 3) for x in ms]}))
+                      "step_ms": med(ms), "host_ms": round(med(host), 3), "gpu_ms": gpu_ms,
+                      "ms": [round(x, 3) for x in ms]}))
 
 
 if __name__ == "__main__":

@@ -641,3 +641,4 @@ def test_step_store_script_runs_both_steps(mixed):
     # 65 after 65 (tile 0, from its tail and new tokens), two decodes at position 130 (none)
     assert (r["mixed"], r["tokens"], r["tiles"]) == ((True, 130 + 65 + 2, 1 + 1) if mixed else (False, 520, 4))
     assert r["step_ms"] > 0 and len(r["ms"]) == 1
+    assert 0 < r["host_ms"] <= r["step_ms"] and r["gpu_ms"] is None  # no GPU time on the CPU
