@@ -111,8 +111,11 @@ for name, what in (("step_store", "a prefill step's store"), ("step_mixed", "a m
         try:
             r = json.loads((root / side / f"{name}.json").read_text())
             fa = " (FlashAttention)" if r["flash_attention"] else " (torch varlen: no vLLM)" if r["mixed"] else ""
+            # host / GPU: the host's time to launch the step and the GPU's own time (an earlier script has neither)
+            hg = "" if r.get("host_ms") is None else (f" (host {r['host_ms']:.3f}, GPU "
+                                                      f"{'-' if r.get('gpu_ms') is None else format(r['gpu_ms'], '.3f')})")
             print(f"{side}: {what}{fa}, {r['requests']} rows, {r['tokens']} tokens x {r['layers']} layers "
-                  f"({r['tiles']} tiles): {r['step_ms']:.3f} ms")
+                  f"({r['tiles']} tiles): {r['step_ms']:.3f} ms{hg}")
         except Exception:  # noqa: BLE001 - not run
             pass
 serve = []

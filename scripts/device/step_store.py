@@ -12,8 +12,9 @@ kvarn is first on PYTHONPATH is timed.
 
 Prompts of 987 tokens (not whole tiles: each step leaves tokens in the tail, as serving does). Prints one JSON line:
 the tiles the step stores, the median step time in ms (host work and launches included, as an eager prefill step
-pays them) and every repeat; of it the host's time to launch the step (host_ms) and, on a GPU, the GPU's own time
-for it (gpu_ms, the step queued behind a sleep kernel): host_ms above gpu_ms is a step the GPU waits on the host for.
+pays them) and every repeat; of it the host's time to launch the step (host_ms, median) and, on a GPU, the GPU's
+own time for it (gpu_ms, one run of the step queued behind a sleep kernel; null where that cannot be measured):
+host_ms above gpu_ms is a step whose GPU waits on the host.
 """
 from __future__ import annotations
 
@@ -123,21 +124,28 @@ def main() -> None:
         ms.append(1e3 * (time.perf_counter() - t))
         host.append(1e3 * (h - t))
     gpu_ms = None
-    if torch.device(dev).type == "cuda":
-        # the GPU's own time: one step queued behind a sleep kernel (~1 s), so the host is far ahead and no gap
-        # between launches waits on it
+    # without FlashAttention the torch varlen reads its offsets back to the host (a sync): no GPU-only time then
+    if torch.device(dev).type == "cuda" and not (a.mixed and varlen is None):
+        # the GPU's own time, one run: the step queued behind a sleep kernel (2e9 cycles, 1 s or more), so the host
+        # is far ahead and no gap between launches waits on it. Valid only if queueing took well under the sleep (a
+        # step of more launches than the stream's queue holds makes the host wait for the GPU)
         a0, a1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
         torch.cuda._sleep(int(2e9))
         a0.record()
         step()
         a1.record()
+        queued = time.perf_counter() - t
         sync()
-        gpu_ms = round(a0.elapsed_time(a1), 3)
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        gpu_ms = round(a0.elapsed_time(a1), 3) if queued < 0.5 else None
     print(json.dumps({"mixed": a.mixed, "tiles": plan.num_tiles * a.layers, "requests": R, "prompt": P,
                       "layers": a.layers, "tokens": N, "flash_attention": varlen is not None,
-                      "step_ms": med(ms), "host_ms": round(med(host), 3), "gpu_ms": gpu_ms,
+                      "step_ms": round(_median(ms), 3), "host_ms": round(_median(host), 3), "gpu_ms": gpu_ms,
                       "ms": [round(x, 3) for x in ms]}))
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 if __name__ == "__main__":
