@@ -72,7 +72,8 @@ def check_cache(cache: torch.Tensor, lay: RecordLayout, name: str = "cache") -> 
     if cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[-1] != lay.size:
         raise KvarnError(f"{name} must be uint8 [num_blocks, kv_heads, {lay.size}], got {cache.dtype} "
                          f"{tuple(cache.shape)}")
-    if cache.stride(-1) != 1 or cache.stride(1) != lay.size or cache.stride(0) % 4:
+    st = cache.stride()
+    if st[-1] != 1 or st[1] != lay.size or st[0] % 4:
         raise KvarnError(f"{name} must have contiguous records (strides [*, {lay.size}, 1]), got {cache.stride()}")
     if cache.data_ptr() % 4:
         raise KvarnError(f"{name} must start at a 4-byte aligned address (the kernels read fp16 pairs as int32)")

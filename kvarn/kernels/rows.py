@@ -59,7 +59,7 @@ def _checked(what: str, k, v, tail_k, tail_v, **index) -> int:
     """The arguments of a row copy checked (token-major k, v [N, H, D]; tails [S, H, rows, D]; index tensors of one
     length n, int32 or int64, on k's device); returns n."""
     for a, b, name in ((k, v, "k / v"), (tail_k, tail_v, "tails")):
-        if a.shape != b.shape or a.stride(-1) != 1 or b.stride(-1) != 1:
+        if a.shape != b.shape or a.stride()[-1] != 1 or b.stride()[-1] != 1:
             raise KvarnError(f"{what} {name}: K and V must have one shape, contiguous along D; got {tuple(a.shape)} "
                              f"{a.stride()} and {tuple(b.shape)} {b.stride()}")
     if k.dim() != 3 or tail_k.dim() != 4 or k.shape[1:] != (tail_k.shape[1], tail_k.shape[3]):
@@ -75,7 +75,8 @@ def _checked(what: str, k, v, tail_k, tail_v, **index) -> int:
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     """(index a, index b, head) strides: a token-major [N, H, D] (no index b) or a tail [S, H, rows, D]."""
-    return (t.stride(0), 0, t.stride(1)) if t.dim() == 3 else (t.stride(0), t.stride(2), t.stride(1))
+    s = t.stride()
+    return (s[0], 0, s[1]) if len(s) == 3 else (s[0], s[2], s[1])
 
 
 def _launch(src, dst, src_idx, dst_idx, n, use=None):

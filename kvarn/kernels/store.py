@@ -571,22 +571,21 @@ def _launch_store(k, v, cache, lay, n_tiles, H, iters, source, *, block_ids=None
     decode = source == DECODE.value
     some = seq_lens if decode else block_ids
     tk, tv = tails if tails is not None else (k, v)
-    if source == STEP.value:
-        sk = (k.stride(0), k.stride(1), k.stride(0))
-        sv = (v.stride(0), v.stride(1), v.stride(0))
+    ks, vs = k.stride(), v.stride()
+    if source == STEP.value:  # token rows: a tile's positions are consecutive tokens
+        sk, sv = (ks[0], ks[1], ks[0]), (vs[0], vs[1], vs[0])
     else:
-        sk, sv = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
+        sk, sv = ks[:3], vs[:3]
+    # every launch's arguments but the part's, built once (a prefill step stores every layer: host time it waits on)
+    args = (k, v, tk, tv, cache, f16_view(cache), some if block_ids is None else block_ids,
+            some if first is None else first, some if old is None else old, some if src_rows is None else src_rows,
+            some if seq_lens is None else seq_lens, some if block_table is None else block_table,
+            some if defer_flag is None else defer_flag, *sk, *sv, *tk.stride()[:3], *tv.stride()[:3],
+            *cache.stride()[:2], block_table.stride(0) if decode else 0, n_tiles)
     const = _tile_constexprs(lay, H, k.shape[-1], iters)
     for part, warps in _launch_parts(source, lay, k.shape[-1]) if parts is None else parts:
         _store_tiles_kernel[(n_tiles * H, 2 if part == BOTH.value else 1)](
-            k, v, tk, tv, cache, f16_view(cache), some if block_ids is None else block_ids,
-            some if first is None else first, some if old is None else old, some if src_rows is None else src_rows,
-            some if seq_lens is None else seq_lens, some if block_table is None else block_table,
-            some if defer_flag is None else defer_flag, *sk, *sv,
-            tk.stride(0), tk.stride(1), tk.stride(2), tv.stride(0), tv.stride(1), tv.stride(2),
-            cache.stride(0), cache.stride(1), block_table.stride(0) if decode else 0, n_tiles,
-            **const, SOURCE=source, DEFER=int(defer_flag is not None), PART=part, num_warps=warps,
-        )
+            *args, **const, SOURCE=source, DEFER=int(defer_flag is not None), PART=part, num_warps=warps)
 
 
 def _launch_parts(source: int, lay, D: int) -> tuple[tuple[int, int], ...]:

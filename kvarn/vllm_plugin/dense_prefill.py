@@ -9,6 +9,7 @@ would see them.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,14 +38,23 @@ def _gather_kernels(use_kernels: bool, cuda: bool) -> tuple[Callable | None, Cal
     raises as it is."""
     if not use_kernels:
         return None, None
+    found = _gather_lookup()
+    if isinstance(found, ImportError):
+        if cuda:
+            raise RuntimeError(f"kvarn: a CUDA cache needs the Triton kernels, and they do not import here "
+                               f"({found}); install the triton that vLLM pins") from found
+        return None, None
+    return found
+
+
+@functools.lru_cache(maxsize=None)  # every layer of a step asks: the import machinery once
+def _gather_lookup():
+    """(dequantize_to_rows, read_tail_rows), or the ImportError of their modules (remembered too)."""
     try:
         from ..kernels.dequant import dequantize_to_rows
         from ..kernels.rows import read_tail_rows
     except ImportError as e:
-        if cuda:
-            raise RuntimeError(f"kvarn: a CUDA cache needs the Triton kernels, and they do not import here ({e}); "
-                               f"install the triton that vLLM pins") from e
-        return None, None
+        return e
     return dequantize_to_rows, read_tail_rows
 
 

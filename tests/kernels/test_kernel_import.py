@@ -34,14 +34,25 @@ def _step(D=64, H=2):
 
 
 @pytest.fixture
-def no_triton(monkeypatch):
+def fresh_lookups():
+    """The plugin looks its kernels up once per process: forget what it found before and after the test."""
+    lookups = (ops._kernel_lookup, dense_prefill._gather_lookup)
+    for lookup in lookups:
+        lookup.cache_clear()
+    yield
+    for lookup in lookups:
+        lookup.cache_clear()
+
+
+@pytest.fixture
+def no_triton(monkeypatch, fresh_lookups):
     """The kernel modules fail to import as they do where Triton is not installed."""
     for m in ("store", "decode", "dequant"):
         monkeypatch.setitem(sys.modules, f"kvarn.kernels.{m}", None)  # import -> ModuleNotFoundError
 
 
 @pytest.fixture
-def broken_build(monkeypatch):
+def broken_build(monkeypatch, fresh_lookups):
     """The kernel modules raise something other than ImportError on import (a broken Triton build)."""
 
     class Broken:
