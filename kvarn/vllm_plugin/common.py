@@ -1,6 +1,9 @@
 """Small shared helpers of the plugin (no vLLM import at module load)."""
 from __future__ import annotations
 
+import functools
+import importlib
+
 from .. import settings
 from ..formats import DEFAULT_KVARN, KVFormat, get_format, kvarn_formats
 
@@ -68,3 +71,15 @@ def defer_flush_enabled() -> bool:
     and the next step's metadata build flushes every layer's completed tiles in one launch (kernels.store.
     flush_layers) instead of one latency-bound flush per layer inside the step."""
     return bool(settings.get("KVARN_DEFER_FLUSH"))
+
+
+@functools.lru_cache(maxsize=None)  # every layer of a step asks for its kernels: the import machinery once
+def kernel_lookup(module: str, name: str):
+    """kvarn.kernels.<module>.<name>, or the ImportError of that module (remembered too: a machine without Triton
+    stays without); the callers decide whether a missing kernel is a fallback or an error. Any other import error
+    (a broken Triton build) raises as it is, and is not remembered."""
+    try:
+        mod = importlib.import_module(f"kvarn.kernels.{module}")
+    except ImportError as e:
+        return e
+    return getattr(mod, name)

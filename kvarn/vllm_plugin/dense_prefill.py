@@ -9,7 +9,6 @@ would see them.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,6 +25,7 @@ from ..method.paged import (
     to_device,
     varlen_attention_torch,
 )
+from .common import kernel_lookup
 from .step_plan import StepPlan
 
 DENSE_KEY_BUDGET = 65536  # keys materialized at once (16-bit K + V: 256 MiB at Hk 8, D 128)
@@ -38,24 +38,14 @@ def _gather_kernels(use_kernels: bool, cuda: bool) -> tuple[Callable | None, Cal
     raises as it is."""
     if not use_kernels:
         return None, None
-    found = _gather_lookup()
-    if isinstance(found, ImportError):
+    found = kernel_lookup("dequant", "dequantize_to_rows"), kernel_lookup("rows", "read_tail_rows")
+    missing = next((f for f in found if isinstance(f, ImportError)), None)
+    if missing is not None:
         if cuda:
             raise RuntimeError(f"kvarn: a CUDA cache needs the Triton kernels, and they do not import here "
-                               f"({found}); install the triton that vLLM pins") from found
+                               f"({missing}); install the triton that vLLM pins") from missing
         return None, None
     return found
-
-
-@functools.lru_cache(maxsize=None)  # every layer of a step asks: the import machinery once
-def _gather_lookup():
-    """(dequantize_to_rows, read_tail_rows), or the ImportError of their modules (remembered too)."""
-    try:
-        from ..kernels.dequant import dequantize_to_rows
-        from ..kernels.rows import read_tail_rows
-    except ImportError as e:
-        return e
-    return dequantize_to_rows, read_tail_rows
 
 
 def materialize_dense(rows: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray, cache, block_table, tail_k, tail_v,

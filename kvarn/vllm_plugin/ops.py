@@ -7,8 +7,6 @@ through kvarn.vllm_plugin.dense_prefill.
 """
 from __future__ import annotations
 
-import functools
-import importlib
 from typing import Callable
 
 import numpy as np
@@ -16,6 +14,7 @@ import torch
 
 from ..formats import KVFormat
 from ..method.paged import cached_attention_torch, raw_attention_torch, step_tiles_torch, store_tiles_torch
+from .common import kernel_lookup
 from .dense_prefill import dense_prefill, into
 from .step_plan import StepPlan
 
@@ -24,23 +23,13 @@ def _kernel(module: str, name: str, cuda: bool = False):
     """kvarn.kernels.<module>.<name>, or None where Triton is not installed (the torch reference runs instead).
     cuda: the tensors live on a GPU, where a missing kernel is an error, not a fallback. A kernel module that fails
     to import for another reason (a broken Triton build) raises as it is."""
-    found = _kernel_lookup(module, name)
+    found = kernel_lookup(module, name)
     if isinstance(found, ImportError):
         if cuda:
             raise RuntimeError(f"kvarn: CUDA tensors need the Triton kernels, and kvarn.kernels.{module} does not "
                                f"import here ({found}); install the triton that vLLM pins") from found
         return None
     return found
-
-
-@functools.lru_cache(maxsize=None)  # every layer of a step asks for its kernels: the import machinery once
-def _kernel_lookup(module: str, name: str):
-    """The kernel, or the ImportError of its module (remembered too: a machine without Triton stays without)."""
-    try:
-        mod = importlib.import_module(f"kvarn.kernels.{module}")
-    except ImportError as e:
-        return e
-    return getattr(mod, name)
 
 
 def decode_kernels_available() -> bool:

@@ -295,8 +295,8 @@ def update_lens(plan: StepPlan, sink_tags: torch.Tensor, win_tags: torch.Tensor,
 
     W = plan.window
     # decode_only: rows [0, num_tokens) have a token each, the rest none
-    decode_tags(seq_lens_dev, block_table, _tail_slots_dev(plan, block_table.device), R, plan.num_tokens, sink_tags, sink_out,
-                win_tags if W else None, win_out if W else None, plan.group, plan.sink, W)
+    decode_tags(seq_lens_dev, block_table, _tail_slots_dev(plan, block_table.device), R, plan.num_tokens, sink_tags,
+                sink_out, win_tags if W else None, win_out if W else None, plan.group, plan.sink, W)
     plan.sink_lens = sink_out[:R]
     if W:
         plan.win_lens = win_out[:R]

@@ -13,6 +13,7 @@ import torch
 from kvarn.formats import get_format
 from kvarn.method.paged import store_tiles_torch
 from kvarn.vllm_plugin import dense_prefill, ops
+from kvarn.vllm_plugin.common import kernel_lookup
 from kvarn.vllm_plugin.step_plan import plan_step
 
 FMT = get_format("kvarn_k4v2_g64")
@@ -36,12 +37,9 @@ def _step(D=64, H=2):
 @pytest.fixture
 def fresh_lookups():
     """The plugin looks its kernels up once per process: forget what it found before and after the test."""
-    lookups = (ops._kernel_lookup, dense_prefill._gather_lookup)
-    for lookup in lookups:
-        lookup.cache_clear()
+    kernel_lookup.cache_clear()
     yield
-    for lookup in lookups:
-        lookup.cache_clear()
+    kernel_lookup.cache_clear()
 
 
 @pytest.fixture
