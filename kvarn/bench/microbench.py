@@ -464,15 +464,14 @@ def bench_prefill(batch, context, q_heads, kv_heads, head_dim, kv_dtype, device=
 def _dense_prefill_runner(st, fmt, q, qsl, scale, fa, fa_ver):
     """(what runs, callable) of the backend's dense prefill path on these inputs, every request one continuation
     chunk that reads the stored state (the chunk's own tokens are in the cache already)."""
-    import types
-
     import numpy as np
 
     from ..vllm_plugin.dense_prefill import dense_prefill
+    from ..vllm_plugin.step_plan import continuation_plan
 
-    plan = types.SimpleNamespace(cont_rows=np.arange(st["seq_lens"].shape[0]), seq_lens=st["seq_lens"].cpu().numpy(),
-                                 qsl=qsl.cpu().numpy().astype(np.int64), tail_slots_np=st["tail_slots"].cpu().numpy(),
-                                 sink_lens=st["sink_lens"], win_lens=None)
+    # each timed call is one layer of the step (the warm-up call, its first, prepares the launches)
+    plan = continuation_plan(qsl.cpu().numpy().astype(np.int64), st["seq_lens"].cpu().numpy(),
+                             st["tail_slots"].cpu().numpy(), st["block_table"], fmt.group, st["sink_lens"])
     dec = "Triton decoder" if st["cache"].is_cuda else "reference decoder"
     varlen, what = None, f"{dec} + torch varlen"
     if fa is not None:

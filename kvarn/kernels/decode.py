@@ -62,7 +62,7 @@ from ..errors import KvarnError
 from ..formats import KVFormat
 from .device import LOG2E, partial_stats, pdl_sync, records_end, sink_start, split16, split_tiles, window_start
 from .records import as_format, check_cache, check_tail, defer_flag, f16_view, layout
-from .runtime import compiled, pdl_supported, programs_per_sm, serving_jit, sm_count
+from .runtime import cdiv, compiled, next_pow2, pdl_supported, programs_per_sm, serving_jit, sm_count
 from .tail import merge_kernel, tail_partial
 
 # Launch shape of the records kernel. 2 warps (each owns 32 of the 64 token / channel pair rows) replicate less of
@@ -418,7 +418,7 @@ def group_geometry(hq: int, hk: int) -> tuple[int, int]:
     if hq % hk:
         raise KvarnError(f"query heads ({hq}) must be a multiple of KV heads ({hk})")
     group = hq // hk
-    return group, triton.next_power_of_2(group)
+    return group, next_pow2(group)
 
 
 def key_split(group: int) -> int:
@@ -447,28 +447,32 @@ def _wave_fill_splits(programs: int, slots: int, cap: int) -> int:
     return next(s for s, f in fill.items() if f >= 0.95 * best)
 
 
-def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                     tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor, fmt: KVFormat | str,
-                     scale: float, num_splits: int | None = None, out: torch.Tensor | None = None, *,
-                     sink_lens: torch.Tensor | None = None, win_lens: torch.Tensor | None = None,
-                     defer=False) -> torch.Tensor:
+def prepare_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                   tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor, fmt: KVFormat | str,
+                   scale: float, out: torch.Tensor, num_splits: int | None = None, *,
+                   sink_lens: torch.Tensor | None = None, win_lens: torch.Tensor | None = None, defer=False):
+    """decode_attention checked and prepared: returns launch(q, cache, tail_k, tail_v, out), the attention of these
+    rows (block table, lengths, slots as given here) for tensors of the shapes, strides and dtypes given here (every
+    layer of a step: the checks, the split count and the workspaces once; its launches run in stream order, so
+    one workspace serves them all)."""
     if q.dim() != 3:
         raise KvarnError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     B, Hq, D = q.shape
-    lay = layout(as_format(fmt), D)
+    fmt = as_format(fmt)
+    lay = layout(fmt, D)
     check_cache(cache, lay)
     Hk = cache.shape[1]
     group, gp = group_geometry(Hq, Hk)
-    fmt = as_format(fmt)
     sink = check_tail(tail_k, tail_v, Hk, lay.g, D, fmt.window_tokens)
     win = fmt.window_tokens if sink else 0  # tails without sink rows have no window rows either
     if block_table.dim() != 2 or block_table.shape[0] != B:
         raise KvarnError(f"block_table must be [B={B}, max_blocks], got {tuple(block_table.shape)}")
-    if out is None:
-        out = torch.empty_like(q)
+    if out.shape != q.shape:
+        raise KvarnError(f"out must be [B, Hq, D] = {tuple(q.shape)}, got {tuple(out.shape)}")
     if B == 0:
-        return out
-    if q.stride(-1) != 1:
+        return _no_rows
+    contiguous = q.stride(-1) != 1
+    if contiguous:
         q = q.contiguous()
     dev = q.device
     splits = int(max(1, num_splits)) if num_splits is not None else default_num_splits(
@@ -490,27 +494,55 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
     po_r = torch.empty(R * splits * D, dtype=torch.float32, device=dev)
     po_t = torch.empty(R * D, dtype=torch.float32, device=dev)
     plse = torch.empty(R * (splits + 1), dtype=torch.float32, device=dev)
-
-    scale_queries_kernel[(triton.cdiv(R, 16),)](q, qr, R, qk, q.stride(0), q.stride(1), HQ=Hq, D=D, BR=16,
-                                                num_warps=ROT_WARPS, **pdl)
     # the tail on tensor cores where compiled and the buffers are 16-bit; TT rows per step, TS over the sink's rows
     tensor_cores = bool(comp) and all(t.dtype in (torch.float16, torch.bfloat16) for t in (tail_k, tail_v))
     tt = (64 if D <= 128 else 32) if tensor_cores else 16
-    bn = max(MMA_N, gp)
-    records = records_kernel[(B, Hk * (splits + 1))](
-        qr, f16_view(cache), block_table, seq_lens, sink_lens, win_lens, defer_ptr, po_r, plse,
-        splits, block_table.stride(0), cache.stride(0) // 2, cache.stride(1) // 2, Hq,
-        q, tail_k, tail_v, tail_slots, po_t, qk, q.stride(0), q.stride(1), *tail_k.stride()[:3], *tail_v.stride()[:3],
-        GROUP=group, BN=bn, G=lay.g, D=D, KB=lay.kb, VB=lay.vb, **lay.offsets(),
+    rows_grid = (cdiv(R, 16),)
+    scale_kw = dict(HQ=Hq, D=D, BR=16, num_warps=ROT_WARPS, **pdl)
+    records_grid = (B, Hk * (splits + 1))
+    records_kw = dict(
+        GROUP=group, BN=max(MMA_N, gp), G=lay.g, D=D, KB=lay.kb, VB=lay.vb, **lay.offsets(),
         KSPLIT=key_split(group), STAGES=RECORD_STAGES, SINK=sink, DEFER=DEFER,
-        TBM=max(16, gp), TT=tt, TS=min(tt, max(16, triton.next_power_of_2(max(1, sink)))),
+        TBM=max(16, gp), TT=tt, TS=min(tt, max(16, next_pow2(max(1, sink)))),
         TENSOR_CORES=tensor_cores, Q_AS_TAIL=q.dtype == tail_k.dtype, COMPILED=comp,
-        WIN=win, TW=min(tt, max(16, triton.next_power_of_2(max(1, win)))),
+        WIN=win, TW=min(tt, max(16, next_pow2(max(1, win)))),
         num_warps=RECORD_WARPS, num_stages=RECORD_STAGES, **pdl)
-    merge_kernel[(triton.cdiv(R, 16),)](po_r, po_t, plse, out, R, splits, out.stride(0), out.stride(1), HQ=Hq, D=D,
-                                        BR=16, COMPILED=comp, num_warps=ROT_WARPS, **pdl)
-    if (lay, gp) not in _PROGRAMS_PER_SM and dev.type == "cuda":
-        per_sm = programs_per_sm(records, dev)
-        if per_sm:
-            _PROGRAMS_PER_SM[(lay, gp)] = per_sm
+    merge_kw = dict(HQ=Hq, D=D, BR=16, COMPILED=comp, num_warps=ROT_WARPS, **pdl)
+    sq, so = q.stride(), out.stride()
+    tks, tvs = tail_k.stride()[:3], tail_v.stride()[:3]
+    cs, bts = (cache.stride(0) // 2, cache.stride(1) // 2), block_table.stride(0)
+    noted = (lay, gp) in _PROGRAMS_PER_SM or dev.type != "cuda"
+
+    def launch(q, cache, tail_k, tail_v, out):
+        nonlocal noted
+        if contiguous:
+            q = q.contiguous()
+        scale_queries_kernel[rows_grid](q, qr, R, qk, sq[0], sq[1], **scale_kw)
+        records = records_kernel[records_grid](
+            qr, f16_view(cache), block_table, seq_lens, sink_lens, win_lens, defer_ptr, po_r, plse,
+            splits, bts, *cs, Hq,
+            q, tail_k, tail_v, tail_slots, po_t, qk, sq[0], sq[1], *tks, *tvs, **records_kw)
+        merge_kernel[rows_grid](po_r, po_t, plse, out, R, splits, so[0], so[1], **merge_kw)
+        if not noted:
+            per_sm = programs_per_sm(records, dev)
+            if per_sm:
+                _PROGRAMS_PER_SM[(lay, gp)] = per_sm
+            noted = True
+
+    return launch
+
+
+def _no_rows(*_) -> None:
+    """The launch of a decode of no rows."""
+
+
+def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor, fmt: KVFormat | str,
+                     scale: float, num_splits: int | None = None, out: torch.Tensor | None = None, *,
+                     sink_lens: torch.Tensor | None = None, win_lens: torch.Tensor | None = None,
+                     defer=False) -> torch.Tensor:
+    if out is None:
+        out = torch.empty_like(q)
+    prepare_decode(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, scale, out, num_splits,
+                   sink_lens=sink_lens, win_lens=win_lens, defer=defer)(q, cache, tail_k, tail_v, out)
     return out

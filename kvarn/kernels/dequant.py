@@ -86,10 +86,10 @@ def _key_block(g: int, D: int = 128) -> int:
     return min(g, 64 if D <= 128 else 32)
 
 
-def dequantize_to_rows(cache: torch.Tensor, block_ids: torch.Tensor, dst_rows: torch.Tensor, k_out: torch.Tensor,
-                       v_out: torch.Tensor, fmt: KVFormat | str) -> None:
-    """Decode records cache[block_ids[t]] (all heads) into k_out / v_out rows dst_rows[t] .. + g - 1 (see the module
-    docstring). Fixed grid from shapes, no host sync."""
+def prepare_dequantize(cache: torch.Tensor, block_ids: torch.Tensor, dst_rows: torch.Tensor, k_out: torch.Tensor,
+                       v_out: torch.Tensor, fmt: KVFormat | str):
+    """dequantize_to_rows checked and prepared: returns launch(cache, k_out, v_out), the decode of these records for
+    tensors of the shapes, strides and dtypes given here (every layer of a step: the checks run once)."""
     fmt = as_format(fmt)
     if k_out.dim() != 3 or v_out.shape != k_out.shape:
         raise KvarnError(f"k_out / v_out must be [N, H, D], got {tuple(k_out.shape)} and {tuple(v_out.shape)}")
@@ -104,19 +104,32 @@ def dequantize_to_rows(cache: torch.Tensor, block_ids: torch.Tensor, dst_rows: t
     if dst_rows.shape != (T,):
         raise KvarnError(f"dst_rows must be [T={T}], got {tuple(dst_rows.shape)}")
     if T == 0:
-        return
+        return _no_tiles
     if k_out.stride(-1) != 1 or v_out.stride(-1) != 1:
         raise KvarnError("k_out / v_out must be contiguous along the head dim")
     tbk = _key_block(lay.g, D)
-    _dequant_kernel[(T * H, lay.g // tbk + 8 // lay.vb)](
-        cache, f16_view(cache), block_ids, dst_rows, k_out, v_out,
-        cache.stride(0), cache.stride(1), k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
-        H=H, G=lay.g, D=D, KB=lay.kb, VB=lay.vb, TBK=tbk,
-        **lay.offsets(), COMPILED=compiled(),
-        # D=64 fits 4 warps without spills; larger head dims need 8 (at D=256 the 256 x 256 Hadamard operand of the
-        # value planes takes most of the shared memory)
-        num_warps=4 if D == 64 else 8,
-    )
+    grid = (T * H, lay.g // tbk + 8 // lay.vb)
+    strides = (*cache.stride()[:2], *k_out.stride()[:2], *v_out.stride()[:2])
+    const = dict(H=H, G=lay.g, D=D, KB=lay.kb, VB=lay.vb, TBK=tbk, **lay.offsets(), COMPILED=compiled(),
+                 # D=64 fits 4 warps without spills; larger head dims need 8 (at D=256 the 256 x 256 Hadamard operand
+                 # of the value planes takes most of the shared memory)
+                 num_warps=4 if D == 64 else 8)
+
+    def launch(cache, k_out, v_out):
+        _dequant_kernel[grid](cache, f16_view(cache), block_ids, dst_rows, k_out, v_out, *strides, **const)
+
+    return launch
 
 
-__all__ = ["dequantize_to_rows"]
+def _no_tiles(*_) -> None:
+    """The launch of a decode of no records."""
+
+
+def dequantize_to_rows(cache: torch.Tensor, block_ids: torch.Tensor, dst_rows: torch.Tensor, k_out: torch.Tensor,
+                       v_out: torch.Tensor, fmt: KVFormat | str) -> None:
+    """Decode records cache[block_ids[t]] (all heads) into k_out / v_out rows dst_rows[t] .. + g - 1 (see the module
+    docstring). Fixed grid from shapes, no host sync."""
+    prepare_dequantize(cache, block_ids, dst_rows, k_out, v_out, fmt)(cache, k_out, v_out)
+
+
+__all__ = ["dequantize_to_rows", "prepare_dequantize"]

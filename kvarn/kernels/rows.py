@@ -14,13 +14,13 @@ conversion where source and destination differ); no host sync.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from ..errors import KvarnError
-from .runtime import serving_jit
+from .runtime import cdiv, serving_jit
 
-UNITS = tl.constexpr(16)  # (row, head) pairs per program: [16, D] elements per tensor
+ROWS_PER_PROGRAM = 16  # (row, head) pairs per program: [16, D] elements per tensor
+UNITS = tl.constexpr(ROWS_PER_PROGRAM)
 
 
 @serving_jit(ints=("n",), index_ptrs=("src_a_ptr", "src_b_ptr", "dst_a_ptr", "dst_b_ptr", "use_ptr"))
@@ -79,7 +79,9 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return (s[0], 0, s[1]) if len(s) == 3 else (s[0], s[2], s[1])
 
 
-def _launch(src, dst, src_idx, dst_idx, n, use=None):
+def _prepare(src, dst, src_idx, dst_idx, n, use=None):
+    """The launch of one row copy: launch(src_k, src_v, dst_k, dst_v) copies between those tensors, which must have
+    the shapes, strides and dtypes of `src` and `dst` (another layer's buffers in one step: the indexes stay)."""
     (sk, sv), (dk, dv) = src, dst
     H, D = sk.shape[1], sk.shape[-1]  # k [N, H, D] and tails [S, H, rows, D] alike
     if D & (D - 1):
@@ -87,34 +89,52 @@ def _launch(src, dst, src_idx, dst_idx, n, use=None):
     sa, sb = src_idx
     da, db = dst_idx
     # an absent index gets a placeholder pointer (never read)
-    _copy_rows_kernel[(triton.cdiv(n * H, UNITS), 2)](
-        sk, sv, dk, dv, sa, sa if sb is None else sb, da, sa if db is None else db, sa if use is None else use, n,
-        *_strides(sk), *_strides(sv), *_strides(dk), *_strides(dv),
-        H=H, D=D, SRC_B=sb is not None, DST_B=db is not None, USE=use is not None, num_warps=4)
+    rest = (sa, sa if sb is None else sb, da, sa if db is None else db, sa if use is None else use, n,
+            *_strides(sk), *_strides(sv), *_strides(dk), *_strides(dv))
+    grid = (cdiv(n * H, ROWS_PER_PROGRAM), 2)
+    const = dict(H=H, D=D, SRC_B=sb is not None, DST_B=db is not None, USE=use is not None, num_warps=4)
+
+    def launch(sk, sv, dk, dv):
+        _copy_rows_kernel[grid](sk, sv, dk, dv, *rest, **const)
+
+    return launch
+
+
+def _nothing(*_) -> None:
+    """The launch of a copy of no rows."""
+
+
+def prepare_write_tail_rows(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
+                            tok: torch.Tensor, slot: torch.Tensor, row: torch.Tensor):
+    """write_tail_rows checked and prepared: returns launch(k, v, tail_k, tail_v), which writes these rows between
+    tensors of the shapes, strides and dtypes given here (every layer of a step: the checks run once)."""
+    n = _checked("write_tail_rows", k, v, tail_k, tail_v, tok=tok, slot=slot, row=row)
+    return _nothing if n == 0 else _prepare((k, v), (tail_k, tail_v), (tok, None), (slot, row), n)
 
 
 def write_tail_rows(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
                     tok: torch.Tensor, slot: torch.Tensor, row: torch.Tensor) -> None:
     """tail_k[slot[i], :, row[i]] = k[tok[i]], and the same for v (see the module docstring)."""
-    n = _checked("write_tail_rows", k, v, tail_k, tail_v, tok=tok, slot=slot, row=row)
-    if n == 0:
-        return
-    _launch((k, v), (tail_k, tail_v), (tok, None), (slot, row), n)
+    prepare_write_tail_rows(k, v, tail_k, tail_v, tok, slot, row)(k, v, tail_k, tail_v)
 
 
-def read_tail_rows(tail_k: torch.Tensor, tail_v: torch.Tensor, slot: torch.Tensor, row: torch.Tensor,
-                   k: torch.Tensor, v: torch.Tensor, dst: torch.Tensor, use: torch.Tensor | None = None) -> None:
-    """k[dst[i]] = tail_k[slot[i], :, row[i]] where use[i] (bool [n], or any shape of n elements), and the same for
-    v (see the module docstring)."""
+def prepare_read_tail_rows(tail_k: torch.Tensor, tail_v: torch.Tensor, slot: torch.Tensor, row: torch.Tensor,
+                           k: torch.Tensor, v: torch.Tensor, dst: torch.Tensor, use: torch.Tensor | None = None):
+    """read_tail_rows checked and prepared: returns launch(tail_k, tail_v, k, v) (as prepare_write_tail_rows)."""
     n = _checked("read_tail_rows", k, v, tail_k, tail_v, dst=dst, slot=slot, row=row)
     if use is not None:
         if use.numel() != n or use.dtype != torch.bool or use.device != k.device:
             raise KvarnError(f"use must be bool with {n} elements on {k.device}, got {use.dtype} "
                              f"{tuple(use.shape)} on {use.device}")
         use = use.reshape(-1)
-    if n == 0:
-        return
-    _launch((tail_k, tail_v), (k, v), (slot, row), (dst, None), n, use)
+    return _nothing if n == 0 else _prepare((tail_k, tail_v), (k, v), (slot, row), (dst, None), n, use)
 
 
-__all__ = ["write_tail_rows", "read_tail_rows"]
+def read_tail_rows(tail_k: torch.Tensor, tail_v: torch.Tensor, slot: torch.Tensor, row: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor, dst: torch.Tensor, use: torch.Tensor | None = None) -> None:
+    """k[dst[i]] = tail_k[slot[i], :, row[i]] where use[i] (bool [n], or any shape of n elements), and the same for
+    v (see the module docstring)."""
+    prepare_read_tail_rows(tail_k, tail_v, slot, row, k, v, dst, use)(tail_k, tail_v, k, v)
+
+
+__all__ = ["write_tail_rows", "read_tail_rows", "prepare_write_tail_rows", "prepare_read_tail_rows"]

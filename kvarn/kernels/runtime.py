@@ -33,6 +33,17 @@ def serving_jit(ints=(), index_ptrs=()):
     return triton.jit(do_not_specialize=list(ints), do_not_specialize_on_alignment=list(index_ptrs))
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of host ints: triton.cdiv and triton.next_power_of_2 are constexpr functions, microseconds per call
+    on the host, and a step launches every layer's kernels."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), for host ints (cdiv says why)."""
+    return 1 << (int(n) - 1).bit_length()
+
+
 def interpreted() -> bool:
     """True under the Triton interpreter (TRITON_INTERPRET=1, the CPU tests): no inline PTX, no libdevice, no
     bf16 tensor-core dots; the kernels then take their plain-Triton form of the same arithmetic."""

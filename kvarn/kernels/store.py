@@ -562,12 +562,14 @@ def compile_flush_layers(num_kv_heads: int, head_dim: int, tail_rows: int, dtype
 ROTATION_BLOCK = {64: 0, 128: 0, 256: 64}
 
 
-def _launch_store(k, v, cache, lay, n_tiles, H, iters, source, *, block_ids=None, first=None, old=None,
-                  tails=None, src_rows=None, seq_lens=None, block_table=None, defer_flag=None, parts=None):
-    """_store_tiles_kernel over n_tiles tiles (its docstring says what each SOURCE reads). k, v: the tiles
-    [T, H, g, D] (TILES), the step's new tokens [N, H, D] (STEP) or the tails (DECODE); tails: (tail_k, tail_v) in
-    STEP mode; the index tensors of the mode (the others get a placeholder pointer: never read). parts: the
-    launches, (PART, warps) each in turn; None: _launch_parts."""
+def _prepare_store(k, v, cache, lay, n_tiles, H, iters, source, *, block_ids=None, first=None, old=None,
+                   tails=None, src_rows=None, seq_lens=None, block_table=None, defer_flag=None, parts=None):
+    """_store_tiles_kernel over n_tiles tiles (its docstring says what each SOURCE reads), prepared: returns
+    launch(k, v, tail_k, tail_v, cache), the launches for tensors of the shapes, strides and dtypes given here
+    (another layer's in one step; the index tensors stay). k, v: the tiles [T, H, g, D] (TILES), the step's new
+    tokens [N, H, D] (STEP) or the tails (DECODE); tails: (tail_k, tail_v) in STEP mode, else (k, v); the index
+    tensors of the mode (the others get a placeholder pointer: never read). parts: the launches, (PART, warps) each
+    in turn; None: _launch_parts."""
     decode = source == DECODE.value
     some = seq_lens if decode else block_ids
     tk, tv = tails if tails is not None else (k, v)
@@ -576,16 +578,29 @@ def _launch_store(k, v, cache, lay, n_tiles, H, iters, source, *, block_ids=None
         sk, sv = (ks[0], ks[1], ks[0]), (vs[0], vs[1], vs[0])
     else:
         sk, sv = ks[:3], vs[:3]
-    # every launch's arguments but the part's, built once (a prefill step stores every layer: host time it waits on)
-    args = (k, v, tk, tv, cache, f16_view(cache), some if block_ids is None else block_ids,
-            some if first is None else first, some if old is None else old, some if src_rows is None else src_rows,
-            some if seq_lens is None else seq_lens, some if block_table is None else block_table,
-            some if defer_flag is None else defer_flag, *sk, *sv, *tk.stride()[:3], *tv.stride()[:3],
-            *cache.stride()[:2], block_table.stride(0) if decode else 0, n_tiles)
+    # every argument after the buffers, built once: a prefill step stores every layer, and its host time is what
+    # the GPU waits for
+    rest = (some if block_ids is None else block_ids, some if first is None else first, some if old is None else old,
+            some if src_rows is None else src_rows, some if seq_lens is None else seq_lens,
+            some if block_table is None else block_table, some if defer_flag is None else defer_flag,
+            *sk, *sv, *tk.stride()[:3], *tv.stride()[:3], *cache.stride()[:2],
+            block_table.stride(0) if decode else 0, n_tiles)
     const = _tile_constexprs(lay, H, k.shape[-1], iters)
-    for part, warps in _launch_parts(source, lay, k.shape[-1]) if parts is None else parts:
-        _store_tiles_kernel[(n_tiles * H, 2 if part == BOTH.value else 1)](
-            *args, **const, SOURCE=source, DEFER=int(defer_flag is not None), PART=part, num_warps=warps)
+    launches = [((n_tiles * H, 2 if part == BOTH.value else 1),
+                 dict(const, SOURCE=source, DEFER=int(defer_flag is not None), PART=part, num_warps=warps))
+                for part, warps in (_launch_parts(source, lay, k.shape[-1]) if parts is None else parts)]
+
+    def launch(k, v, tk, tv, cache):
+        for grid, kw in launches:
+            _store_tiles_kernel[grid](k, v, tk, tv, cache, f16_view(cache), *rest, **kw)
+
+    return launch
+
+
+def _launch_store(k, v, cache, lay, n_tiles, H, iters, source, **kw):
+    """_prepare_store's launches, once."""
+    tk, tv = kw.get("tails") or (k, v)
+    _prepare_store(k, v, cache, lay, n_tiles, H, iters, source, **kw)(k, v, tk, tv, cache)
 
 
 def _launch_parts(source: int, lay, D: int) -> tuple[tuple[int, int], ...]:
@@ -655,13 +670,12 @@ def _token_args(k, v, cache, tail_k, tail_v, fmt, iters, rows: str):
     return fmt, iters, lay, H, check_tail(tail_k, tail_v, H, lay.g, D, fmt.window_tokens)
 
 
-def store_step_tiles(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
-                     cache: torch.Tensor, block_ids: torch.Tensor, first: torch.Tensor, old: torch.Tensor,
-                     slots: torch.Tensor, fmt: KVFormat | str, iters: int | None = None) -> None:
-    """The tiles a step completes, read where they are (no gather): tile t's position j is the step's new token
-    first[t] + j (k, v [N, H, D]), except positions j < old[t], written in earlier steps, which are tail row slots[t]
-    at position j (tail_k / tail_v [S, H, g (+ sink + 2W), D]). Records go to cache[block_ids[t]] (< 0: skipped).
-    block_ids, old, slots int32 [T]; first int64 [T] (entries where old[t] == g are not read)."""
+def prepare_step_tiles(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
+                       cache: torch.Tensor, block_ids: torch.Tensor, first: torch.Tensor, old: torch.Tensor,
+                       slots: torch.Tensor, fmt: KVFormat | str, iters: int | None = None):
+    """store_step_tiles checked and prepared: returns launch(k, v, tail_k, tail_v, cache), the store of these tiles
+    from and into tensors of the shapes, strides and dtypes given here (every layer of a step: the checks and the
+    arguments are built once)."""
     fmt, iters, lay, H, _ = _token_args(k, v, cache, tail_k, tail_v, fmt, iters, "N")
     _check_tail_dtypes(tail_k, tail_v, "store_step_tiles")
     T = block_ids.shape[0]
@@ -671,11 +685,35 @@ def store_step_tiles(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tai
             raise KvarnError(f"{name} must be {dt} [T={T}] on {cache.device}, got {t.dtype} {tuple(t.shape)} on "
                              f"{t.device}")
     if T == 0:
-        return
+        return _no_store
     # one element type per load: the tail's (the backend's new K/V already have it)
-    k, v = (x if x.dtype == tail_k.dtype and x.stride(-1) == 1 else x.to(tail_k.dtype).contiguous() for x in (k, v))
-    _launch_store(k, v, cache, lay, T, H, iters, STEP.value, block_ids=block_ids, first=first, old=old,
-                  tails=(tail_k, tail_v), src_rows=slots)
+    convert = any(x.dtype != tail_k.dtype or x.stride(-1) != 1 for x in (k, v))
+    if convert:
+        k, v = k.to(tail_k.dtype).contiguous(), v.to(tail_k.dtype).contiguous()
+    launch = _prepare_store(k, v, cache, lay, T, H, iters, STEP.value, block_ids=block_ids, first=first, old=old,
+                            tails=(tail_k, tail_v), src_rows=slots)
+    if not convert:
+        return launch
+
+    def converted(k, v, tk, tv, cache):
+        launch(k.to(tk.dtype).contiguous(), v.to(tk.dtype).contiguous(), tk, tv, cache)
+
+    return converted
+
+
+def _no_store(*_) -> None:
+    """The launch of a store of no tiles."""
+
+
+def store_step_tiles(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
+                     cache: torch.Tensor, block_ids: torch.Tensor, first: torch.Tensor, old: torch.Tensor,
+                     slots: torch.Tensor, fmt: KVFormat | str, iters: int | None = None) -> None:
+    """The tiles a step completes, read where they are (no gather): tile t's position j is the step's new token
+    first[t] + j (k, v [N, H, D]), except positions j < old[t], written in earlier steps, which are tail row slots[t]
+    at position j (tail_k / tail_v [S, H, g (+ sink + 2W), D]). Records go to cache[block_ids[t]] (< 0: skipped).
+    block_ids, old, slots int32 [T]; first int64 [T] (entries where old[t] == g are not read)."""
+    prepare_step_tiles(k, v, tail_k, tail_v, cache, block_ids, first, old, slots, fmt, iters)(k, v, tail_k, tail_v,
+                                                                                               cache)
 
 
 @triton.jit
@@ -744,4 +782,4 @@ def store_decode(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, block_ta
                   block_table=block_table, defer_flag=flag)
 
 
-__all__ = ["store_tiles", "store_step_tiles", "store_decode", "flush_layers"]
+__all__ = ["store_tiles", "store_step_tiles", "prepare_step_tiles", "store_decode", "flush_layers"]

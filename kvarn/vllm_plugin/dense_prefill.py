@@ -31,14 +31,15 @@ from .step_plan import StepPlan
 DENSE_KEY_BUDGET = 65536  # keys materialized at once (16-bit K + V: 256 MiB at Hk 8, D 128)
 
 
-def _gather_kernels(use_kernels: bool, cuda: bool) -> tuple[Callable | None, Callable | None]:
-    """(kvarn.kernels.dequantize_to_rows, kvarn.kernels.rows.read_tail_rows) where asked for and Triton is installed,
-    else (None, None): the reference decoder and torch indexing. cuda: the cache lives on a GPU, where a missing kernel
-    is an error, not a fallback; a kernel module that fails to import for another reason (a broken Triton build)
-    raises as it is."""
+def _gather_kernels(use_kernels: bool, cuda: bool, prepared: bool = False) -> tuple[Callable | None, Callable | None]:
+    """(kvarn.kernels.dequantize_to_rows, kvarn.kernels.rows.read_tail_rows), or with `prepared` their prepare_*
+    forms, where asked for and Triton is installed, else (None, None): the reference decoder and torch indexing.
+    cuda: the cache lives on a GPU, where a missing kernel is an error, not a fallback; a kernel module that fails
+    to import for another reason (a broken Triton build) raises as it is."""
     if not use_kernels:
         return None, None
-    found = kernel_lookup("dequant", "dequantize_to_rows"), kernel_lookup("rows", "read_tail_rows")
+    names = ("prepare_dequantize", "prepare_read_tail_rows") if prepared else ("dequantize_to_rows", "read_tail_rows")
+    found = kernel_lookup("dequant", names[0]), kernel_lookup("rows", names[1])
     missing = next((f for f in found if isinstance(f, ImportError)), None)
     if missing is not None:
         if cuda:
@@ -67,6 +68,21 @@ def _groups(lens: np.ndarray, budget: int):
         tot += int(n)
     if a < len(lens):
         yield a, len(lens)
+
+
+def _step_gather(plan: StepPlan, group, prepare_dequantize: Callable, prepare_read_rows: Callable):
+    """gather_post_store's (dequantize, read_rows) for one group of a step's continuation rows, through the step's
+    prepared launches (StepPlan.launch): checked on the first layer, launched alone on the others."""
+
+    def dequantize(cache, ids, dst, k, v, fmt):
+        plan.launch(("dense records", group), lambda c, k_, v_: prepare_dequantize(c, ids, dst, k_, v_, fmt), cache,
+                    k, v)
+
+    def read_rows(tail_k, tail_v, slot, row, k, v, dst, use):
+        plan.launch(("dense rows", group), lambda tk, tv, k_, v_: prepare_read_rows(tk, tv, slot, row, k_, v_, dst,
+                                                                                     use), tail_k, tail_v, k, v)
+
+    return dequantize, read_rows
 
 
 def into(dst: torch.Tensor, o: torch.Tensor) -> None:
@@ -129,18 +145,19 @@ def dense_prefill(plan: StepPlan, qc, cache, block_table, tail_k, tail_v, fmt: K
     own_k / own_v [n, Hk, D] (the chunks' new K/V, in qc's order): each chunk reads its own tokens raw. Without them
     every position reads the stored state (tiles the chunk completed come back quantized).
     out [n, Hq, D] (qc's dtype): written in place, group by group (FlashAttention's `out`), and returned.
-    The groups and their indexes are built on the first call for a plan and kept on it (plan.dense): the step's
-    other layers reuse them, with no host work or host->device copies of their own."""
+    The groups and their indexes are built on the first call for a plan and kept on it (plan.prepared), and so are
+    the kernels' launches: the step's other layers reuse them, with no host work or host->device copies of their
+    own."""
     key_budget = DENSE_KEY_BUDGET if key_budget is None else key_budget
-    key = (key_budget, tail_k.shape[2], fmt.name, str(cache.device))
-    cached = getattr(plan, "dense", None)
-    if cached is None or cached[0] != key:
-        cached = (key, dense_groups(plan, block_table, tail_k.shape[2], fmt, key_budget))
-        plan.dense = cached
-    decoder, read_rows = _gather_kernels(cache.is_cuda if use_kernels is None else use_kernels, cache.is_cuda)
+    key = ("dense", key_budget, tail_k.shape[2], fmt.name, str(cache.device))
+    groups = plan.prepared.get(key)
+    if groups is None:
+        groups = plan.prepared[key] = dense_groups(plan, block_table, tail_k.shape[2], fmt, key_budget)
+    kernels = _gather_kernels(cache.is_cuda if use_kernels is None else use_kernels, cache.is_cuda, prepared=True)
     outs = []
-    for grp in cached[1]:
-        k, v = gather_post_store(grp.index, cache, tail_k, tail_v, fmt, qc.dtype, decoder, read_rows)
+    for i, grp in enumerate(groups):
+        gather = _step_gather(plan, (key, i), *kernels) if kernels[0] is not None else (None, None)
+        k, v = gather_post_store(grp.index, cache, tail_k, tail_v, fmt, qc.dtype, *gather)
         if own_k is not None:  # row i's last q_len positions are its own chunk: raw
             k[grp.own_dst] = own_k[grp.q0:grp.q1].to(k.dtype)
             v[grp.own_dst] = own_v[grp.q0:grp.q1].to(v.dtype)

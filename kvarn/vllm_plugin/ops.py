@@ -56,17 +56,19 @@ def store(plan: StepPlan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                          f"window 2 x {plan.window}")
     kernels = k.is_cuda if use_kernels is None else use_kernels
     if plan.num_tiles:
-        fn = _kernel("store", "store_step_tiles", k.is_cuda) if kernels else None
+        fn = _kernel("store", "prepare_step_tiles", k.is_cuda) if kernels else None
         if fn is not None:
-            fn(k, v, tail_k, tail_v, cache, plan.tile_block_ids, plan.tile_first, plan.tile_old, plan.tile_slot, fmt,
-               iters)
+            plan.launch(("store", fmt.name, iters), lambda *t: fn(*t, plan.tile_block_ids, plan.tile_first,
+                                                                 plan.tile_old, plan.tile_slot, fmt, iters),
+                        k, v, tail_k, tail_v, cache)
         else:
             tk, tv = step_tiles_torch(k, v, tail_k, tail_v, plan.tile_first, plan.tile_old, plan.tile_slot, g)
             store_tiles_torch(tk, tv, cache, plan.tile_block_ids, fmt, iters=iters)
     if plan.tail_tok is not None:
-        fn = _kernel("rows", "write_tail_rows", k.is_cuda) if kernels else None
+        fn = _kernel("rows", "prepare_write_tail_rows", k.is_cuda) if kernels else None
         if fn is not None:
-            fn(k, v, tail_k, tail_v, plan.tail_tok, plan.tail_slot, plan.tail_pos)
+            plan.launch("tail rows", lambda *t: fn(*t, plan.tail_tok, plan.tail_slot, plan.tail_pos), k, v, tail_k,
+                        tail_v)
         else:
             tail_k[plan.tail_slot, :, plan.tail_pos] = k[plan.tail_tok].to(tail_k.dtype)
             tail_v[plan.tail_slot, :, plan.tail_pos] = v[plan.tail_tok].to(tail_v.dtype)
@@ -96,11 +98,14 @@ def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, ta
     if len(plan.dec_rows):
         n = plan.dec_prefix
         rows, tok = (slice(0, n), slice(0, n)) if n else (plan.dec_rows_t, plan.dec_tok)
-        fn = _kernel("decode", "decode_attention", q.is_cuda) if use_kernels else None
+        fn = _kernel("decode", "prepare_decode", q.is_cuda) if use_kernels else None
         if fn is not None:  # a leading slice of `out` is written in place
-            o = fn(q[tok], cache, block_table[rows], seq_lens_dev[rows], tail_k, tail_v, plan.tail_slots[rows], fmt,
-                   scale, out=out[tok] if n else None, sink_lens=_rows_of(plan.sink_lens, rows),
-                   win_lens=_rows_of(plan.win_lens, rows))
+            qd = q[tok]
+            o = out[tok] if n else torch.empty_like(qd)
+            plan.launch(("decode", fmt.name, scale), lambda qd, c, tk, tv, o: fn(
+                qd, c, block_table[rows], seq_lens_dev[rows], tk, tv, plan.tail_slots[rows], fmt, scale, o,
+                sink_lens=_rows_of(plan.sink_lens, rows), win_lens=_rows_of(plan.win_lens, rows)),
+                qd, cache, tail_k, tail_v, o)
             if not n:
                 out[tok] = o.to(out.dtype)
         else:

@@ -18,7 +18,7 @@ runs before attention in the layer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -82,13 +82,24 @@ class StepPlan:
     # int32 [R] device: `window` where the row's slot holds the window of its tile before the newest position's
     # (that tile's block is the one the slot's window tag names), else 0; None = all (update_window_lens)
     win_lens: torch.Tensor | None = None
-    # the continuation rows' dense-attention groups and indexes (kvarn.vllm_plugin.dense_prefill), built by the
-    # step's first layer and reused by the others: (their key, [DenseGroup])
-    dense: tuple | None = None
+    # what the step's first layer prepares and the others reuse: the kernels' checked launches (kvarn.vllm_plugin.
+    # ops.launch) and the continuation rows' dense-attention groups (kvarn.vllm_plugin.dense_prefill)
+    prepared: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def pure_prefill(self) -> bool:
         return len(self.dec_rows) == 0 and len(self.cont_rows) == 0
+
+    def launch(self, key, prepare, *tensors) -> None:
+        """One layer's launch of a kernel: prepare(*tensors) (the checks, the index and stride arguments, the
+        workspaces) runs on the step's first layer whose tensors have these dtypes, shapes, strides and alignments,
+        and the launch it returns is kept for the other layers, whose host work is then the launch alone (a prefill
+        step's GPU waits on its host). key: what else the launch depends on (the kernel, the format)."""
+        full = (key, *[(t.dtype, t.shape, t.stride(), t.data_ptr() % 16) for t in tensors])
+        fn = self.prepared.get(full)
+        if fn is None:
+            fn = self.prepared[full] = prepare(*tensors)
+        fn(*tensors)
 
 
 def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, block_table: torch.Tensor,
@@ -195,6 +206,18 @@ def plan_step(qsl_cpu, seq_lens_cpu, num_reqs: int, tail_slots_np: np.ndarray, b
         cont_rows=cont_rows, cont_tok=to_device(cont_tok, np.int64, device), dec_prefix=dec_prefix,
         cont_span=cont_span, decode_only=decode_only, sink=sink, window=window,
     )
+
+
+def continuation_plan(qsl_cpu, seq_lens_cpu, tail_slots_np: np.ndarray, block_table: torch.Tensor, group: int,
+                      sink_lens: torch.Tensor | None = None, win_lens: torch.Tensor | None = None) -> StepPlan:
+    """The plan of a step whose every row attends as a continuation chunk over the stored state, also a row whose
+    chunk is its whole sequence or empty: the dense path alone (kvarn.vllm_plugin.dense_prefill), for its tests and
+    its microbenchmark."""
+    seq = np.asarray(seq_lens_cpu, dtype=np.int64)
+    plan = plan_step(qsl_cpu, seq, len(seq), np.asarray(tail_slots_np, dtype=np.int32), block_table, group,
+                     block_table.device)
+    plan.cont_rows, plan.sink_lens, plan.win_lens = np.arange(len(seq)), sink_lens, win_lens
+    return plan
 
 
 def _tail_slots_dev(plan: StepPlan, device) -> torch.Tensor:

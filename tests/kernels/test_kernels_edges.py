@@ -3,7 +3,6 @@ past each row's length (NaN / Inf from an earlier request), a NaN query row that
 zero-length query rows in a batch of continuation chunks (the dense prefill path), the 2-bit-key preset at D=128 in
 bf16, more splits than blocks, and the per-step store for other presets / head dims than test_kernels.py uses."""
 import math
-import types
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from kvarn.formats import get_format
 from kvarn.kernels import decode_attention, store_decode
 from kvarn.method.reference import dequantize_tiles, quantize_tiles, reference_attention
 from kvarn.vllm_plugin.dense_prefill import dense_prefill
+from kvarn.vllm_plugin.step_plan import continuation_plan
 from tests.kernels.helpers import decode_reference, paged_setup, rel_err, request_kv
 
 
@@ -74,9 +74,8 @@ def _prefill(fmt, D, Hq, Hk, dtype, lens, qlens, poison=None):
             sl = int(st["tail_slots"][b])
             st["tail_k"][sl, :, s % fmt.group:] = poison
             st["tail_v"][sl, :, s % fmt.group:] = poison
-    plan = types.SimpleNamespace(cont_rows=np.arange(len(lens)), seq_lens=np.array(lens),
-                                 qsl=qsl.numpy().astype(np.int64), tail_slots_np=st["tail_slots"].numpy(),
-                                 sink_lens=None, win_lens=None)
+    plan = continuation_plan(qsl.numpy().astype(np.int64), lens, st["tail_slots"].numpy(), st["block_table"],
+                             fmt.group)
     out = dense_prefill(plan, q.float(), st["cache"], st["block_table"], st["tail_k"], st["tail_v"], fmt, scale,
                         use_kernels=True)
     return out, torch.cat(ref)

@@ -3,7 +3,6 @@ Run on the device: python -m pytest -q -m gpu tests/kernels/test_kernels_gpu.py"
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 import torch
@@ -241,6 +240,7 @@ def test_gpu_dense_prefill_matches_reference(dtype):
     import numpy as np
 
     from kvarn.vllm_plugin import dense_prefill
+    from kvarn.vllm_plugin.step_plan import continuation_plan
 
     fmt = get_format("kvarn_k4v2_g128")
     D, Hq, Hk = 128, 32, 8
@@ -250,9 +250,7 @@ def test_gpu_dense_prefill_matches_reference(dtype):
     q = (torch.randn(int(qsl_h[-1]), Hq, D, device=DEV) * 2).to(dtype)
     scale = 1 / math.sqrt(D)
     ref = prefill_reference(q, torch.from_numpy(qsl_h), st, fmt, D, scale)
-    rows = np.arange(len(seq))
-    plan = types.SimpleNamespace(cont_rows=rows, seq_lens=np.array(seq), qsl=qsl_h,
-                                 tail_slots_np=st["tail_slots"].cpu().numpy(), sink_lens=None, win_lens=None)
+    plan = continuation_plan(qsl_h, seq, st["tail_slots"].cpu().numpy(), st["block_table"], fmt.group)
     varlen = None
     try:
         from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
@@ -270,7 +268,7 @@ def test_gpu_dense_prefill_matches_reference(dtype):
     assert torch.isfinite(out.float()).all()
     assert rel_err(out.float(), ref) < 1e-2  # K/V rounded to 16 bits (and FA rounds p to 16 bits)
     # the step's output written in place, one group of rows at a time (key_budget 1: each row a group of its own)
-    plan.dense = None
+    plan.prepared.clear()
     buf = torch.full_like(q, float("nan"))
     got = dense_prefill.dense_prefill(plan, q, st["cache"], st["block_table"], st["tail_k"], st["tail_v"], fmt, scale,
                                       varlen, key_budget=1, out=buf)

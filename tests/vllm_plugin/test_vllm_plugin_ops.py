@@ -343,15 +343,15 @@ def test_dense_index_is_built_once_per_step_and_read_by_every_layer(monkeypatch,
 
     def two_layers(plan, q, k, v, out, cache, bt, seq_t, tk, tv, fmt, scale, **kw):
         real_attention(plan, q, k, v, out, cache, bt, seq_t, tk, tv, fmt, scale, **kw)
-        kept = plan.dense
-        assert kept is not None and len(builds) == 2  # a's 160 keys, then b's 120: two groups of <= 150
+        kept = dict(plan.prepared)
+        assert kept and len(builds) == 2  # a's 160 keys, then b's 120: two groups of <= 150
         q2, cache2, tk2, tv2 = torch.randn(q.shape, generator=gen), cache.flip(0), tk * 0.5, tv + 1.0
         outs = []
-        for p in (plan, dataclasses.replace(plan, dense=None)):
+        for p in (plan, dataclasses.replace(plan, prepared={})):
             o = torch.full_like(out, float("nan"))
             real_attention(p, q2, k, v, o, cache2, bt, seq_t, tk2, tv2, fmt, scale, **kw)
             outs.append(o)
-        assert plan.dense is kept and len(builds) == 4  # the kept plan built nothing; the fresh one its own
+        assert plan.prepared == kept and len(builds) == 4  # the kept plan built nothing; the fresh one its own
         n = int(plan.qsl[-1])
         assert torch.equal(outs[0][:n], outs[1][:n]) and not torch.allclose(outs[0][:n], out[:n])
         layers.append(n)
@@ -642,3 +642,52 @@ def test_step_store_script_runs_both_steps(mixed):
     assert (r["mixed"], r["tokens"], r["tiles"]) == ((True, 130 + 65 + 2, 1 + 1) if mixed else (False, 520, 4))
     assert r["step_ms"] > 0 and len(r["ms"]) == 1
     assert 0 < r["host_ms"] <= r["step_ms"] and r["gpu_ms"] is None  # no GPU time on the CPU
+
+
+def test_layers_of_a_step_share_its_prepared_launches():
+    """A mixed step's kernels (the Triton interpreter) are checked and prepared on its first layer and only launched on
+    the others: every layer (its own cache, tails and Q/K/V; one with other head counts, which prepares its own)
+    leaves the cache, the tails and the output a fresh plan of its own gives it, bit for bit."""
+    sink, W = 16, FMT.window_tokens
+    gen = torch.Generator().manual_seed(5)
+    bt = torch.tensor([[1, 2, 0], [3, 0, 0], [4, 5, 6]], dtype=torch.int32)
+    slots = np.array([0, 1, 2], dtype=np.int32)
+
+    def plan_of(ctx, qlen):
+        qsl, seq = np.concatenate([[0], np.cumsum(qlen)]), np.asarray(ctx) + np.asarray(qlen)
+        p = step_plan.plan_step(qsl, seq, 3, slots, bt, G, "cpu", sink=sink, window=W)
+        step_plan.update_sink_lens(p, torch.full((4,), -1, dtype=torch.int32), bt, torch.zeros(8, dtype=torch.int32))
+        step_plan.update_window_lens(p, torch.full((4, 2), -1, dtype=torch.int32), bt,
+                                     torch.zeros(8, dtype=torch.int32))
+        return p
+
+    def layer(hk, hq):  # the state after a first step (70 and 100 tokens), then the mixed step's Q/K/V
+        cache = torch.zeros(7, hk, FMT.record_bytes(D), dtype=torch.uint8)
+        tk, tv = (torch.zeros(4, hk, G + sink + 2 * W, D, dtype=torch.float16) for _ in range(2))
+        kv = [torch.randn(170, hk, D, generator=gen).half() for _ in range(2)]
+        ops.store(plan_of([0, 0, 0], [70, 0, 100]), *kv, cache, tk, tv, FMT)
+        n = 1 + 40 + 30  # row 0 decodes, row 1 starts (40), row 2 continues (30 after 100: tile 1 completes)
+        q, k, v = (torch.randn(n, h, D, generator=gen).half() for h in (hq, hk, hk))
+        return cache, tk, tv, q, k, v
+
+    layers = [layer(HK, HQ), layer(HK, HQ), layer(1, HQ)]
+    mixed = plan_of([70, 0, 100], [1, 40, 30])
+    assert mixed.dec_prefix == 1 and mixed.raw_span == (1, 41) and mixed.cont_span == (41, 71) and mixed.num_tiles
+    results = {}
+    for shared in (True, False):
+        runs = []
+        for cache, tk, tv, q, k, v in ((t.clone() for t in x) for x in layers):
+            plan = mixed if shared else dataclasses.replace(mixed, prepared={})
+            out = torch.full_like(q, float("nan"))
+            ops.store(plan, k, v, cache, tk, tv, FMT, use_kernels=True)
+            ops.attention(plan, q, k, v, out, cache, bt, torch.tensor([71, 40, 130], dtype=torch.int32), tk, tv, FMT,
+                          SCALE, use_kernels=True)
+            assert torch.isfinite(out).all()
+            runs.append((cache, tk, tv, out))
+        results[shared] = runs
+    for a, b in zip(results[True], results[False]):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    # one set of launches per geometry: the two layers of two KV heads share theirs, the one-head layer has its own
+    kernels = [key[0] for key in mixed.prepared if not (isinstance(key, tuple) and key[0] == "dense")]
+    assert len(kernels) == 2 * 5 and len(set(map(str, kernels))) == 5  # store, tail rows, decode, records, rows
