@@ -63,7 +63,7 @@ ANNOTATION_PREFIX = "kvarn::"
 _RULES: tuple[tuple[str, re.Pattern], ...] = tuple((k, re.compile(p, re.I)) for k, p in (
     ("kv_store", r"_store_tiles_kernel|_flush_layers_kernel|reshape_and_cache|concat_and_cache"),
     ("kvarn_tail", r"_decode_tail_kernel"),
-    ("kvarn_decode", r"scale_queries_kernel|records_kernel|(^|[^a-z_])merge_kernel|_dequant_kernel"),
+    ("kvarn_decode", r"records_kernel|(^|[^a-z_])merge_kernel|_dequant_kernel"),
     ("flash_attention", r"flash|fmha|FlashAttn|BatchDecodeWithPagedKVCache|BatchPrefillWith|"
                         r"kernel_unified_attention|paged_attention"),
     ("gemm", r"nvjet|gemm|gemv|cutlass|cublas|xmma|splitKreduce|wgmma|triton_tem_fused_.*mm|_matmul"),

@@ -28,13 +28,18 @@ Public API (the vLLM backend calls exactly this):
                     rows) from the tail. False (default): seq_len // g from records. An int32 [1] tensor: the same,
                     decided by its value on the device at run time (what a captured decode graph needs).
 
-Three launches with grids fixed by the shapes, no host sync, so a decode step can be captured in a CUDA graph:
+    prepare_decode(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, scale, out, num_splits=None,
+                   *, sink_lens=None, win_lens=None, defer=False) -> launch(q, cache, tail_k, tail_v, out)
+        the same checked once, its split count and workspaces made once: the launch serves every layer of a step
+        (tensors of the shapes, strides and dtypes given here; the rows' block table and lengths stay)
 
-    1. scale_queries_kernel    qr = q * scale * log2(e) (fp32): the records hold K as is and V rotated by Hn
-    2. records_kernel          grid (B, Hk * (num_splits + 1)): program (b, kvh, split) attends over its run of
-                               record tiles; the last Hk programs of each request attend over the 16-bit tail
-                               (kvarn.kernels.tail.tail_partial), so the tail needs no launch of its own
-    3. tail.merge_kernel       the partials weighted by their log-sum-exp, the record part (values' basis) rotated
+Two launches with grids fixed by the shapes, no host sync, so a decode step can be captured in a CUDA graph:
+
+    1. records_kernel          grid (B, Hk * (num_splits + 1)): program (b, kvh, split) attends over its run of
+                               record tiles, its query heads read and scaled by scale * log2(e) in fp32 (the records
+                               hold K as is and V rotated by Hn); the last Hk programs of each request attend over the
+                               16-bit tail (kvarn.kernels.tail.tail_partial), so the tail needs no launch of its own
+    2. tail.merge_kernel       the partials weighted by their log-sum-exp, the record part (values' basis) rotated
                                back
 
 The math of one record tile (docs/format.md: K = ((codes * sK + zK) * rK), V = (codes * sV + zV) * cV): the scales
@@ -116,16 +121,16 @@ def _halves(x, M: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _query_planes(q_ptrs, mask, DP: tl.constexpr, PERK: tl.constexpr):
-    """The scaled query as the key byte planes' channel blocks [DP, BN] (plane j sits DP channels further),
-    normalised by max |q| so that |q * sK| <= |sK| stays in the fp16 range; returns the planes (planes 2-3 repeat
-    plane 0 when there are 2) and that norm, which goes back in with rK."""
-    p0 = tl.load(q_ptrs, mask=mask, other=0.0)
-    p1 = tl.load(q_ptrs + DP, mask=mask, other=0.0)
+def _query_planes(q_ptrs, mask, scale, DP: tl.constexpr, PERK: tl.constexpr):
+    """The query times `scale` (fp32) as the key byte planes' channel blocks [DP, BN] (plane j sits DP channels
+    further), normalised by max |q| so that |q * sK| <= |sK| stays in the fp16 range; returns the planes (planes 2-3
+    repeat plane 0 when there are 2) and that norm, which goes back in with rK."""
+    p0 = tl.load(q_ptrs, mask=mask, other=0.0).to(tl.float32) * scale
+    p1 = tl.load(q_ptrs + DP, mask=mask, other=0.0).to(tl.float32) * scale
     qmax = tl.maximum(tl.max(tl.max(tl.abs(p0), axis=1), axis=0), tl.max(tl.max(tl.abs(p1), axis=1), axis=0))
     if PERK == 4:
-        p2 = tl.load(q_ptrs + 2 * DP, mask=mask, other=0.0)
-        p3 = tl.load(q_ptrs + 3 * DP, mask=mask, other=0.0)
+        p2 = tl.load(q_ptrs + 2 * DP, mask=mask, other=0.0).to(tl.float32) * scale
+        p3 = tl.load(q_ptrs + 3 * DP, mask=mask, other=0.0).to(tl.float32) * scale
         qmax = tl.maximum(qmax, tl.maximum(tl.max(tl.max(tl.abs(p2), axis=1), axis=0),
                                            tl.max(tl.max(tl.abs(p3), axis=1), axis=0)))
     else:
@@ -245,27 +250,12 @@ def _value_dots(pv, ps, D2: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, VB
 # ------------------------------------------------------------------------------------------------ kernels
 
 
-@serving_jit(ints=["R"])
-def scale_queries_kernel(x_ptr, y_ptr, R, scale, stride_xn, stride_xh, HQ: tl.constexpr, D: tl.constexpr,
-                         BR: tl.constexpr, PDL: tl.constexpr = 0):
-    """y[r] = x[n, h] * scale for the R = N*HQ rows r = n*HQ + h; y fp32 [R, D] contiguous: the records kernel's
-    query operand (keys are stored unrotated, so the query needs no rotation)."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    di = tl.arange(0, D)
-    ok = r < R
-    off = (r // HQ).to(tl.int64) * stride_xn + (r % HQ) * stride_xh
-    pdl_sync(PDL)
-    x = tl.load(x_ptr + off[:, None] + di[None, :], mask=ok[:, None], other=0.0).to(tl.float32) * scale
-    tl.store(y_ptr + r.to(tl.int64)[:, None] * D + di[None, :], x, mask=ok[:, None])
-
-
 @serving_jit(ints=["num_splits", "stride_btb"])
 def records_kernel(
-    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, win_lens_ptr, defer_ptr, po_r_ptr, plse_ptr,
-    num_splits, stride_btb, stride_cb16, stride_ch16, HQ,
+    q_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, win_lens_ptr, defer_ptr, po_r_ptr, plse_ptr,
+    num_splits, stride_btb, stride_cb16, stride_ch16, HQ, qk_scale, stride_qn, stride_qh,
     # the tail programs' arguments (tail.tail_partial)
-    q_ptr, tail_k_ptr, tail_v_ptr, tail_slots_ptr, po_t_ptr, qk_scale,
-    stride_qn, stride_qh, stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg,
+    tail_k_ptr, tail_v_ptr, tail_slots_ptr, po_t_ptr, stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg,
     GROUP: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
@@ -277,7 +267,7 @@ def records_kernel(
     tiles; the Hk programs after them attend over the tail of KV head p - Hk * num_splits. Last in the grid, the
     tail programs fill the slots the record programs' last wave leaves free. Offsets and strides of the cache are
     in fp16 (2-byte) units."""
-    pdl_sync(PDL)  # the scaled query, qr, is read below
+    pdl_sync(PDL)  # the query is read below
     b = tl.program_id(0)
     p = tl.program_id(1)
     n_records = (HQ // GROUP) * num_splits
@@ -287,16 +277,16 @@ def records_kernel(
                      stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg, HQ, GROUP, TBM, G, D, TT, TS,
                      TENSOR_CORES, Q_AS_TAIL, SINK, DEFER, WIN, TW)
     else:
-        _split_attention(qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, win_lens_ptr, defer_ptr, po_r_ptr,
+        _split_attention(q_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, win_lens_ptr, defer_ptr, po_r_ptr,
                          plse_ptr, b, p // num_splits, p % num_splits, num_splits, stride_btb, stride_cb16, stride_ch16, HQ,
-                         GROUP, BN, G, D, KB, VB, OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV,
+                         qk_scale, stride_qn, stride_qh, GROUP, BN, G, D, KB, VB, OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV,
                          KSPLIT, STAGES, SINK, DEFER, COMPILED, WIN)
 
 
 @triton.jit
 def _split_attention(
-    qr_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, win_lens_ptr, defer_ptr, po_r_ptr, plse_ptr,
-    b, kvh, split, num_splits, stride_btb, stride_cb16, stride_ch16, HQ,
+    q_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, win_lens_ptr, defer_ptr, po_r_ptr, plse_ptr,
+    b, kvh, split, num_splits, stride_btb, stride_cb16, stride_ch16, HQ, qk_scale, stride_qn, stride_qh,
     GROUP: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
@@ -323,9 +313,10 @@ def _split_attention(
         qn = n % (BN // 2)
     else:
         qn = n
-    q_row = (b * HQ + kvh * GROUP + qn).to(tl.int64)
+    q_head = q_ptr + b.to(tl.int64) * stride_qn + (kvh * GROUP + qn) * stride_qh
     dp = tl.arange(0, DP)
-    q0, q1, q2, q3, qnorm = _query_planes(qr_ptr + q_row[None, :] * D + dp[:, None], (qn < GROUP)[None, :], DP, PERK)
+    # the scores come out in the exp2 domain: the softmax scale and log2(e) go into the query (qk_scale)
+    q0, q1, q2, q3, qnorm = _query_planes(q_head[None, :] + dp[:, None], (qn < GROUP)[None, :], qk_scale, DP, PERK)
     u = tl.arange(0, G2)
     v = tl.arange(0, D2)
     bt = tl.arange(0, BT)
@@ -357,7 +348,7 @@ def _split_attention(
         zv_e, zv_o = _fp16_pairs(tl.load(rec32 + OFF_ZV // 4 + u))
         cv_e, cv_o = _fp16_pairs(tl.load(rec32 + OFF_CV // 4 + v))
 
-        # ---- scores^T [G/2, BN] of the even / odd tokens (exp2 domain: the scale and log2(e) are in qr)
+        # ---- scores^T [G/2, BN] of the even / odd tokens (exp2 domain: the scale and log2(e) are in the planes)
         pk = pk.to(tl.int16, bitcast=True)
         zq = q0 * zk0.to(tl.float32)[:, None] + q1 * zk1.to(tl.float32)[:, None]
         if PERK == 4:
@@ -490,7 +481,6 @@ def prepare_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tens
     pdl = {"PDL": 1, "launch_pdl": True} if pdl_supported(dev) else {"PDL": 0}
     R = B * Hq
     qk = float(scale) * LOG2E
-    qr = torch.empty(R, D, dtype=torch.float32, device=dev)
     po_r = torch.empty(R * splits * D, dtype=torch.float32, device=dev)
     po_t = torch.empty(R * D, dtype=torch.float32, device=dev)
     plse = torch.empty(R * (splits + 1), dtype=torch.float32, device=dev)
@@ -498,7 +488,6 @@ def prepare_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tens
     tensor_cores = bool(comp) and all(t.dtype in (torch.float16, torch.bfloat16) for t in (tail_k, tail_v))
     tt = (64 if D <= 128 else 32) if tensor_cores else 16
     rows_grid = (cdiv(R, 16),)
-    scale_kw = dict(HQ=Hq, D=D, BR=16, num_warps=ROT_WARPS, **pdl)
     records_grid = (B, Hk * (splits + 1))
     records_kw = dict(
         GROUP=group, BN=max(MMA_N, gp), G=lay.g, D=D, KB=lay.kb, VB=lay.vb, **lay.offsets(),
@@ -517,11 +506,9 @@ def prepare_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tens
         nonlocal noted
         if contiguous:
             q = q.contiguous()
-        scale_queries_kernel[rows_grid](q, qr, R, qk, sq[0], sq[1], **scale_kw)
         records = records_kernel[records_grid](
-            qr, f16_view(cache), block_table, seq_lens, sink_lens, win_lens, defer_ptr, po_r, plse,
-            splits, bts, *cs, Hq,
-            q, tail_k, tail_v, tail_slots, po_t, qk, sq[0], sq[1], *tks, *tvs, **records_kw)
+            q, f16_view(cache), block_table, seq_lens, sink_lens, win_lens, defer_ptr, po_r, plse,
+            splits, bts, *cs, Hq, qk, sq[0], sq[1], tail_k, tail_v, tail_slots, po_t, *tks, *tvs, **records_kw)
         merge_kernel[rows_grid](po_r, po_t, plse, out, R, splits, so[0], so[1], **merge_kw)
         if not noted:
             per_sm = programs_per_sm(records, dev)

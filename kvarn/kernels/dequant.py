@@ -12,6 +12,9 @@ Public API:
         +-1 Hadamard on tensor cores with a 3-way bf16 split of the operand as in the store kernel), cast to k_out's
         dtype.
 
+    prepare_dequantize(cache, block_ids, dst_rows, k_out, v_out, fmt) -> launch(cache, k_out, v_out)
+        the same checked once, for every layer of a step (tensors of the shapes, strides and dtypes given here)
+
 One program per (tile, head, key token block | value byte plane). Keys are stored unrotated: byte plane j of PK
 holds channels j*DP.. of every token, K^T rows j*DP.. = (codes_j * sK + zK) * rK; values: byte plane j of PV holds
 tokens j*BT.., V rows = ((codes_j * sV + zV) * cV) @ Hn (the rotation back, Hn symmetric). Head dims 64, 128, 256.

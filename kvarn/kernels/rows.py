@@ -7,6 +7,9 @@
         k[dst[i]] = tail[slot[i], :, row[i]] (and v) where use[i] (None: every i): the dense prefill's reads of those
         rows into the materialized K / V.
 
+prepare_write_tail_rows / prepare_read_tail_rows check and prepare the same copies once and return a launch that
+takes only the K / V and tail tensors (another layer's, of the same shapes).
+
 Each replaces a gather and a scatter per tensor (four launches and their index checks for K and V) by one launch:
 a prefill step runs these once per layer, and its host time is what the GPU waits for. Exact copies (a dtype
 conversion where source and destination differ); no host sync.

@@ -18,7 +18,6 @@ KERNELS = [
      None, "kv_store"),
     ("records_kernel", "kvarn::attention[decode]", "kvarn_decode"),
     ("_dequant_kernel", "kvarn::attention[prefill]", "kvarn_prefill"),
-    ("scale_queries_kernel", "kvarn::attention[decode]", "kvarn_decode"),
     ("merge_kernel", None, "kvarn_decode"),
     ("_decode_tail_kernel", "kvarn::store", "kvarn_tail"),
     ("void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<at::native::index_put_kernel_impl"

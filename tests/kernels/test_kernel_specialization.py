@@ -20,7 +20,6 @@ SERVING_KERNELS = {
                              "defer_ptr"}),
     "_flush_layers_kernel": ("store", {"n_tiles"}, {"slots_ptr", "blk_ptr"}),
     "_dequant_kernel": ("dequant", set(), {"block_ids_ptr", "dst_ptr"}),
-    "scale_queries_kernel": ("decode", {"R"}, set()),
     "records_kernel": ("decode", {"num_splits", "stride_btb"}, set()),
     "merge_kernel": ("tail", {"R", "num_splits"}, set()),
     "_copy_rows_kernel": ("rows", {"n"}, {"src_a_ptr", "src_b_ptr", "dst_a_ptr", "dst_b_ptr", "use_ptr"}),
