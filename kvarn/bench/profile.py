@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ..errors import KvarnError
 from ..formats import get_format
+from .parsing import parse_engine_args
 
 HBM_BYTES_PER_S = 4.1e12  # H200 copy bandwidth (BENCHMARKS.md measures 4.17 TB/s)
 PEAK_FLOPS = 989e12  # H200 dense 16-bit tensor-core peak (the data sheet's, without sparsity)
@@ -476,8 +477,11 @@ def check_environment() -> None:
 
 def profile(model: str, kv_dtypes: list[str], batch: int, context: int, steps: int, trace_dir: str | None = None,
             workdir: str | None = None, timeout_s: float = 600, stagger: bool = True, warmup: int = WARMUP_STEPS,
-            gpu_memory_utilization: float = 0.9, phase: str = "decode", log=print) -> list[dict]:
-    """One engine subprocess per KV dtype, one after another; returns each worker's result (with rows)."""
+            gpu_memory_utilization: float = 0.9, phase: str = "decode", log=print,
+            engine_args: list[str] | None = None) -> list[dict]:
+    """One engine subprocess per KV dtype, one after another; returns each worker's result (with rows).
+    engine_args: extra vLLM engine arguments, `key=value` (as `kvarn bench --engine-arg`)."""
+
     import tempfile
 
     from ..shapes import resolve_model
@@ -489,6 +493,7 @@ def profile(model: str, kv_dtypes: list[str], batch: int, context: int, steps: i
         raise KvarnError(f"--phase {phase!r} is not a phase; accepted: {', '.join(PHASES)}")
     for d in kv_dtypes:
         get_format(d)
+    extra = parse_engine_args(engine_args)
     resolve_model(model)
     check_environment()
     root = Path(workdir or tempfile.mkdtemp(prefix="kvarn-profile-"))
@@ -499,14 +504,14 @@ def profile(model: str, kv_dtypes: list[str], batch: int, context: int, steps: i
         spec = {"model": model, "kv_dtype": d, "phase": phase, "batch": batch, "context": context, "steps": steps,
                 "warmup": warmup, "stagger": stagger, "workdir": str(wd),
                 "trace_dir": str(Path(trace_dir).resolve()) if trace_dir else None,
-                "gpu_memory_utilization": gpu_memory_utilization}
+                "gpu_memory_utilization": gpu_memory_utilization, "engine_args": extra}
         (wd / "spec.json").write_text(json.dumps(spec))
         # the engine core in this process: the profiler sees the model's kernels
         env = child_env(force={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
         cmd = [sys.executable, "-m", "kvarn.bench.profile", str(wd / "spec.json"), str(wd / "result.json")]
         log(f"[kvarn profile] {d}: engine process (log {wd / 'worker.log'})")
         pr = Launcher().run(cmd, wd / "worker.log", timeout_s, env=env,
-                            engine_args={"gpu_memory_utilization": gpu_memory_utilization})
+                            engine_args={"gpu_memory_utilization": gpu_memory_utilization, **extra})
         rp = wd / "result.json"
         if pr.timed_out:
             r = {"status": "timeout", "error": f"timed out after {timeout_s:.0f} s", "kv_dtype": d}

@@ -2,6 +2,8 @@
 kvarn.bench.profile; this module only parses and prints)."""
 from __future__ import annotations
 
+from typing import List, Optional
+
 import typer
 from rich.table import Table
 
@@ -31,6 +33,9 @@ def register(app: typer.Typer) -> None:
         workdir: str = typer.Option(None, "--workdir", help="Folder for specs, results and worker logs."),
         timeout: float = typer.Option(600, "--timeout", help="Seconds per engine process."),
         gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization"),
+        engine_arg: Optional[List[str]] = typer.Option(None, "--engine-arg", "-E", help="Extra vLLM engine argument "
+                                                       "key=value (repeatable), e.g. max_num_batched_tokens=8192 for "
+                                                       "`vllm serve`'s step budget."),
     ) -> None:
         """Profile N decode steps, or the prefill, (torch.profiler + CUDA events) of a fresh vLLM engine at batch B,
         context C."""
@@ -40,7 +45,8 @@ def register(app: typer.Typer) -> None:
         if not kinds:
             raise KvarnError("--kv-dtype is empty")
         results = profile(model, kinds, batch, context, steps, trace_dir=trace, workdir=workdir, timeout_s=timeout,
-                          stagger=stagger, gpu_memory_utilization=gpu_memory_utilization, phase=phase, log=err)
+                          stagger=stagger, gpu_memory_utilization=gpu_memory_utilization, phase=phase, log=err,
+                          engine_args=list(engine_arg or []))
         if json_:
             for r in results:
                 print_json(r)

@@ -6,7 +6,9 @@
 # Qwen3-8B shape, dummy weights, B=64 requests prefilled to C=4096 (lengths staggered over one tile), then 20 decode
 # steps under torch.profiler + CUDA events, for `auto` (FP16 baseline) and kvarn_k4v2_g128, each in its own engine
 # process (~60-80 s start each). KVARN_PROFILE_PHASE=prefill profiles the fill instead; KVARN_PROFILE_MODEL (a
-# bundled shape), KVARN_PROFILE_BATCH and KVARN_PROFILE_CONTEXT change the model, B and C. Results: $OUT/profile
+# bundled shape), KVARN_PROFILE_BATCH and KVARN_PROFILE_CONTEXT change the model, B and C; KVARN_PROFILE_ENGINE_ARGS
+# (space-separated key=value) adds engine arguments, e.g. max_num_batched_tokens=8192 (`vllm serve`'s step budget,
+# where the offline engine's is 16,384). Results: $OUT/profile
 # (JSON, worker logs, chrome traces). Tables last.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT/profile"
@@ -17,6 +19,7 @@ ARGS=(--model "${KVARN_PROFILE_MODEL:-qwen3-8b}" --batch "${KVARN_PROFILE_BATCH:
       --phase "${KVARN_PROFILE_PHASE:-decode}" --steps "${KVARN_PROFILE_STEPS:-20}" --timeout 150
       --workdir "$OUT/profile/work")
 [ -n "${KVARN_PROFILE_TRACE:-}" ] && ARGS+=(--trace "$OUT/profile/traces")
+for a in ${KVARN_PROFILE_ENGINE_ARGS:-}; do ARGS+=(-E "$a"); done
 timeout -k 10 "${KVARN_PROFILE_BUDGET:-235}" $KVARN profile "${ARGS[@]}" --kv-dtype "${KVARN_PROFILE_DTYPES:-auto,kvarn_k4v2_g128}" \
   --json > "$OUT/profile/profile.jsonl" 2> "$OUT/profile/profile.err"
 echo "kvarn profile rc=$? (124 = budget spent)"; tail -n 5 "$OUT/profile/profile.err"

@@ -1,5 +1,6 @@
 """`kvarn profile` on CPU: kernel categories, byte floors, trace aggregation, the plan hook, the CLI's error."""
 import importlib.util
+import json
 
 import numpy as np
 import pytest
@@ -190,6 +191,32 @@ def test_cli_says_in_one_line_that_vllm_is_missing():
     assert len(lines) == 1 and "vLLM" in lines[0] and "GPU" in lines[0], p.stderr
     p = run_cli("profile", "--kv-dtype", "nope", timeout=60)
     assert p.returncode == 2 and "unknown kv dtype" in p.stderr
+
+
+def test_cli_rejects_a_bad_engine_argument_in_one_line():
+    p = run_cli("profile", "-E", "max_num_batched_tokens", timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip() == ("error: --engine-arg 'max_num_batched_tokens' is not key=value, e.g. --engine-arg "
+                                "enforce_eager=true"), p.stderr
+
+
+def test_engine_arguments_reach_the_workers_spec(monkeypatch, tmp_path):
+    """`kvarn profile -E k=v` puts the parsed arguments into each engine process's spec (its LLM(...) keywords)."""
+    monkeypatch.setattr(P, "check_environment", lambda: None)
+
+    class NoEngine:
+        def run(self, cmd, log, timeout_s, env=None, engine_args=None):
+            raise SystemExit(engine_args)
+
+    import kvarn.engines.launch as launch
+
+    monkeypatch.setattr(launch, "Launcher", NoEngine)
+    with pytest.raises(SystemExit) as stop:
+        P.profile("qwen3-0.6b", ["auto"], 2, 64, 1, workdir=str(tmp_path),
+                  engine_args=["max-num-batched-tokens=8192", "enforce_eager=true"])
+    want = {"max_num_batched_tokens": 8192, "enforce_eager": True}
+    assert stop.value.code == {"gpu_memory_utilization": 0.9, **want}
+    assert json.loads((tmp_path / "auto" / "spec.json").read_text())["engine_args"] == want
 
 
 def test_prefill_floor_arithmetic():
