@@ -10,10 +10,10 @@
     records    host-side record layout and argument checks
     runtime    the serving jit, interpreter / hardware checks, the compile log
 
-The kernels a step launches in every layer (store_step_tiles, write_tail_rows, decode_attention,
-dequantize_to_rows, read_tail_rows) also come as prepare_* functions: the checks and the arguments built once,
-returning a launch that takes only the tensors that change from layer to layer (kvarn.vllm_plugin.step_plan.
-StepPlan.launch keeps them for the step).
+The kernels a step launches in every layer also come as prepare_* functions in their modules (store.
+prepare_step_tiles, rows.prepare_write_tail_rows / prepare_read_tail_rows, decode.prepare_decode, dequant.
+prepare_dequantize): the checks and the arguments built once, returning a launch that takes only the tensors that
+change from layer to layer (kvarn.vllm_plugin.step_plan.StepPlan.launch keeps them for the step).
 
 Imported lazily so that `import kvarn` never needs triton.
 """

@@ -28,8 +28,8 @@ Public API (the vLLM backend calls exactly this):
                     rows) from the tail. False (default): seq_len // g from records. An int32 [1] tensor: the same,
                     decided by its value on the device at run time (what a captured decode graph needs).
 
-    prepare_decode(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, scale, out, num_splits=None,
-                   *, sink_lens=None, win_lens=None, defer=False) -> launch(q, cache, tail_k, tail_v, out)
+    prepare_decode(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, scale, num_splits=None,
+                   *, out, sink_lens=None, win_lens=None, defer=False) -> launch(q, cache, tail_k, tail_v, out)
         the same checked once, its split count and workspaces made once: the launch serves every layer of a step
         (tensors of the shapes, strides and dtypes given here; the rows' block table and lengths stay)
 
@@ -67,7 +67,7 @@ from ..errors import KvarnError
 from ..formats import KVFormat
 from .device import LOG2E, partial_stats, pdl_sync, records_end, sink_start, split16, split_tiles, window_start
 from .records import as_format, check_cache, check_tail, defer_flag, f16_view, layout
-from .runtime import cdiv, compiled, next_pow2, pdl_supported, programs_per_sm, serving_jit, sm_count
+from .runtime import cdiv, compiled, next_pow2, no_launch, pdl_supported, programs_per_sm, serving_jit, sm_count
 from .tail import merge_kernel, tail_partial
 
 # Launch shape of the records kernel. 2 warps (each owns 32 of the 64 token / channel pair rows) replicate less of
@@ -77,7 +77,7 @@ from .tail import merge_kernel, tail_partial
 RECORD_WARPS = 2
 RECORD_STAGES = 5
 MMA_N = 8  # the group's query heads as N, padded: mma.sync m16n8 tiles
-# warps of the query scaling and the merge (which builds the +-1 Hadamard in registers and rotates 16 rows back);
+# warps of the merge (which builds the +-1 Hadamard in registers and rotates 16 rows back);
 # at large batches there is about one program per SM, so its instruction chain is the launch's time
 ROT_WARPS = 8
 
@@ -255,7 +255,8 @@ def records_kernel(
     q_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, win_lens_ptr, defer_ptr, po_r_ptr, plse_ptr,
     num_splits, stride_btb, stride_cb16, stride_ch16, HQ, qk_scale, stride_qn, stride_qh,
     # the tail programs' arguments (tail.tail_partial)
-    tail_k_ptr, tail_v_ptr, tail_slots_ptr, po_t_ptr, stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg,
+    tail_k_ptr, tail_v_ptr, tail_slots_ptr, po_t_ptr,
+    stride_tks, stride_tkh, stride_tkg, stride_tvs, stride_tvh, stride_tvg,
     GROUP: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
     OFF_PK: tl.constexpr, OFF_SK: tl.constexpr, OFF_ZK: tl.constexpr, OFF_RK: tl.constexpr,
     OFF_PV: tl.constexpr, OFF_SV: tl.constexpr, OFF_ZV: tl.constexpr, OFF_CV: tl.constexpr,
@@ -278,9 +279,10 @@ def records_kernel(
                      TENSOR_CORES, Q_AS_TAIL, SINK, DEFER, WIN, TW)
     else:
         _split_attention(q_ptr, cache16_ptr, bt_ptr, seq_lens_ptr, sink_lens_ptr, win_lens_ptr, defer_ptr, po_r_ptr,
-                         plse_ptr, b, p // num_splits, p % num_splits, num_splits, stride_btb, stride_cb16, stride_ch16, HQ,
-                         qk_scale, stride_qn, stride_qh, GROUP, BN, G, D, KB, VB, OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV,
-                         KSPLIT, STAGES, SINK, DEFER, COMPILED, WIN)
+                         plse_ptr, b, p // num_splits, p % num_splits, num_splits, stride_btb, stride_cb16,
+                         stride_ch16, HQ, qk_scale, stride_qn, stride_qh, GROUP, BN, G, D, KB, VB,
+                         OFF_PK, OFF_SK, OFF_ZK, OFF_RK, OFF_PV, OFF_SV, OFF_ZV, OFF_CV, KSPLIT, STAGES, SINK, DEFER,
+                         COMPILED, WIN)
 
 
 @triton.jit
@@ -440,7 +442,7 @@ def _wave_fill_splits(programs: int, slots: int, cap: int) -> int:
 
 def prepare_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                    tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor, fmt: KVFormat | str,
-                   scale: float, out: torch.Tensor, num_splits: int | None = None, *,
+                   scale: float, num_splits: int | None = None, *, out: torch.Tensor,
                    sink_lens: torch.Tensor | None = None, win_lens: torch.Tensor | None = None, defer=False):
     """decode_attention checked and prepared: returns launch(q, cache, tail_k, tail_v, out), the attention of these
     rows (block table, lengths, slots as given here) for tensors of the shapes, strides and dtypes given here (every
@@ -461,9 +463,9 @@ def prepare_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tens
     if out.shape != q.shape:
         raise KvarnError(f"out must be [B, Hq, D] = {tuple(q.shape)}, got {tuple(out.shape)}")
     if B == 0:
-        return _no_rows
-    contiguous = q.stride(-1) != 1
-    if contiguous:
+        return no_launch
+    copy_q = q.stride(-1) != 1  # the kernel reads a query row as one vector
+    if copy_q:
         q = q.contiguous()
     dev = q.device
     splits = int(max(1, num_splits)) if num_splits is not None else default_num_splits(
@@ -504,7 +506,7 @@ def prepare_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tens
 
     def launch(q, cache, tail_k, tail_v, out):
         nonlocal noted
-        if contiguous:
+        if copy_q:
             q = q.contiguous()
         records = records_kernel[records_grid](
             q, f16_view(cache), block_table, seq_lens, sink_lens, win_lens, defer_ptr, po_r, plse,
@@ -519,10 +521,6 @@ def prepare_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tens
     return launch
 
 
-def _no_rows(*_) -> None:
-    """The launch of a decode of no rows."""
-
-
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      tail_k: torch.Tensor, tail_v: torch.Tensor, tail_slots: torch.Tensor, fmt: KVFormat | str,
                      scale: float, num_splits: int | None = None, out: torch.Tensor | None = None, *,
@@ -530,6 +528,6 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
                      defer=False) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(q)
-    prepare_decode(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, scale, out, num_splits,
+    prepare_decode(q, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, fmt, scale, num_splits, out=out,
                    sink_lens=sink_lens, win_lens=win_lens, defer=defer)(q, cache, tail_k, tail_v, out)
     return out

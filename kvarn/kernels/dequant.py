@@ -28,7 +28,7 @@ from ..errors import KvarnError
 from ..formats import KVFormat
 from .device import hadamard_pm1, x_times_h
 from .records import as_format, check_cache, f16_view, layout
-from .runtime import compiled, serving_jit
+from .runtime import compiled, no_launch, serving_jit
 
 
 @serving_jit(index_ptrs=["block_ids_ptr", "dst_ptr"])
@@ -107,7 +107,7 @@ def prepare_dequantize(cache: torch.Tensor, block_ids: torch.Tensor, dst_rows: t
     if dst_rows.shape != (T,):
         raise KvarnError(f"dst_rows must be [T={T}], got {tuple(dst_rows.shape)}")
     if T == 0:
-        return _no_tiles
+        return no_launch
     if k_out.stride(-1) != 1 or v_out.stride(-1) != 1:
         raise KvarnError("k_out / v_out must be contiguous along the head dim")
     tbk = _key_block(lay.g, D)
@@ -122,10 +122,6 @@ def prepare_dequantize(cache: torch.Tensor, block_ids: torch.Tensor, dst_rows: t
         _dequant_kernel[grid](cache, f16_view(cache), block_ids, dst_rows, k_out, v_out, *strides, **const)
 
     return launch
-
-
-def _no_tiles(*_) -> None:
-    """The launch of a decode of no records."""
 
 
 def dequantize_to_rows(cache: torch.Tensor, block_ids: torch.Tensor, dst_rows: torch.Tensor, k_out: torch.Tensor,

@@ -20,7 +20,7 @@ import torch
 import triton.language as tl
 
 from ..errors import KvarnError
-from .runtime import cdiv, serving_jit
+from .runtime import cdiv, no_launch, serving_jit
 
 ROWS_PER_PROGRAM = 16  # (row, head) pairs per program: [16, D] elements per tensor
 UNITS = tl.constexpr(ROWS_PER_PROGRAM)
@@ -103,16 +103,12 @@ def _prepare(src, dst, src_idx, dst_idx, n, use=None):
     return launch
 
 
-def _nothing(*_) -> None:
-    """The launch of a copy of no rows."""
-
-
 def prepare_write_tail_rows(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
                             tok: torch.Tensor, slot: torch.Tensor, row: torch.Tensor):
     """write_tail_rows checked and prepared: returns launch(k, v, tail_k, tail_v), which writes these rows between
     tensors of the shapes, strides and dtypes given here (every layer of a step: the checks run once)."""
     n = _checked("write_tail_rows", k, v, tail_k, tail_v, tok=tok, slot=slot, row=row)
-    return _nothing if n == 0 else _prepare((k, v), (tail_k, tail_v), (tok, None), (slot, row), n)
+    return no_launch if n == 0 else _prepare((k, v), (tail_k, tail_v), (tok, None), (slot, row), n)
 
 
 def write_tail_rows(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
@@ -130,7 +126,7 @@ def prepare_read_tail_rows(tail_k: torch.Tensor, tail_v: torch.Tensor, slot: tor
             raise KvarnError(f"use must be bool with {n} elements on {k.device}, got {use.dtype} "
                              f"{tuple(use.shape)} on {use.device}")
         use = use.reshape(-1)
-    return _nothing if n == 0 else _prepare((tail_k, tail_v), (k, v), (slot, row), (dst, None), n, use)
+    return no_launch if n == 0 else _prepare((tail_k, tail_v), (k, v), (slot, row), (dst, None), n, use)
 
 
 def read_tail_rows(tail_k: torch.Tensor, tail_v: torch.Tensor, slot: torch.Tensor, row: torch.Tensor,

@@ -44,6 +44,10 @@ def next_pow2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length()
 
 
+def no_launch(*_) -> None:
+    """The launch a prepare_* function returns for work of no rows, tiles or records: nothing to run."""
+
+
 def interpreted() -> bool:
     """True under the Triton interpreter (TRITON_INTERPRET=1, the CPU tests): no inline PTX, no libdevice, no
     bf16 tensor-core dots; the kernels then take their plain-Triton form of the same arithmetic."""

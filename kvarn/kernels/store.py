@@ -46,7 +46,7 @@ from ..formats import KVFormat
 from ..method import reference as ref
 from .device import hadamard_pm1_block, rot_scale, x_times_h, x_times_h_acc
 from .records import as_format, check_cache, check_tail, defer_flag, f16_view, layout
-from .runtime import compiled, serving_jit
+from .runtime import compiled, no_launch, serving_jit
 
 # the value rows' range search, as the reference defines it
 VALUE_CLIP_STEPS = tl.constexpr(ref.CLIP_STEPS)
@@ -685,11 +685,11 @@ def prepare_step_tiles(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, t
             raise KvarnError(f"{name} must be {dt} [T={T}] on {cache.device}, got {t.dtype} {tuple(t.shape)} on "
                              f"{t.device}")
     if T == 0:
-        return _no_store
+        return no_launch
     # one element type per load: the tail's (the backend's new K/V already have it)
     convert = any(x.dtype != tail_k.dtype or x.stride(-1) != 1 for x in (k, v))
-    if convert:
-        k, v = k.to(tail_k.dtype).contiguous(), v.to(tail_k.dtype).contiguous()
+    if convert:  # the launch converts each layer's; the arguments need only the shapes and strides of the copies
+        k, v = (torch.empty(x.shape, dtype=tail_k.dtype, device="meta") for x in (k, v))
     launch = _prepare_store(k, v, cache, lay, T, H, iters, STEP.value, block_ids=block_ids, first=first, old=old,
                             tails=(tail_k, tail_v), src_rows=slots)
     if not convert:
@@ -699,10 +699,6 @@ def prepare_step_tiles(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, t
         launch(k.to(tk.dtype).contiguous(), v.to(tk.dtype).contiguous(), tk, tv, cache)
 
     return converted
-
-
-def _no_store(*_) -> None:
-    """The launch of a store of no tiles."""
 
 
 def store_step_tiles(k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,

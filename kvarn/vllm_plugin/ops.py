@@ -103,7 +103,7 @@ def attention(plan: StepPlan, q, k, v, out, cache, block_table, seq_lens_dev, ta
             qd = q[tok]
             o = out[tok] if n else torch.empty_like(qd)
             plan.launch(("decode", fmt.name, scale), lambda qd, c, tk, tv, o: fn(
-                qd, c, block_table[rows], seq_lens_dev[rows], tk, tv, plan.tail_slots[rows], fmt, scale, o,
+                qd, c, block_table[rows], seq_lens_dev[rows], tk, tv, plan.tail_slots[rows], fmt, scale, out=o,
                 sink_lens=_rows_of(plan.sink_lens, rows), win_lens=_rows_of(plan.win_lens, rows)),
                 qd, cache, tail_k, tail_v, o)
             if not n:

@@ -82,8 +82,8 @@ class StepPlan:
     # int32 [R] device: `window` where the row's slot holds the window of its tile before the newest position's
     # (that tile's block is the one the slot's window tag names), else 0; None = all (update_window_lens)
     win_lens: torch.Tensor | None = None
-    # what the step's first layer prepares and the others reuse: the kernels' checked launches (kvarn.vllm_plugin.
-    # ops.launch) and the continuation rows' dense-attention groups (kvarn.vllm_plugin.dense_prefill)
+    # what the step's first layer prepares and the others reuse: the kernels' checked launches (StepPlan.launch) and
+    # the continuation rows' dense-attention groups (kvarn.vllm_plugin.dense_prefill)
     prepared: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -94,8 +94,10 @@ class StepPlan:
         """One layer's launch of a kernel: prepare(*tensors) (the checks, the index and stride arguments, the
         workspaces) runs on the step's first layer whose tensors have these dtypes, shapes, strides and alignments,
         and the launch it returns is kept for the other layers, whose host work is then the launch alone (a prefill
-        step's GPU waits on its host). key: what else the launch depends on (the kernel, the format)."""
-        full = (key, *[(t.dtype, t.shape, t.stride(), t.data_ptr() % 16) for t in tensors])
+        step's GPU waits on its host). key: what else the launch depends on (the kernel, the format). prepare may
+        capture only what stays the same for the whole step (the plan's indexes, the step's block table and lengths):
+        anything that differs per layer must be one of `tensors`."""
+        full = (key, *[(t.dtype, t.shape, t.stride(), t.data_ptr() % 16, t.device) for t in tensors])
         fn = self.prepared.get(full)
         if fn is None:
             fn = self.prepared[full] = prepare(*tensors)
@@ -212,7 +214,7 @@ def continuation_plan(qsl_cpu, seq_lens_cpu, tail_slots_np: np.ndarray, block_ta
                       sink_lens: torch.Tensor | None = None, win_lens: torch.Tensor | None = None) -> StepPlan:
     """The plan of a step whose every row attends as a continuation chunk over the stored state, also a row whose
     chunk is its whole sequence or empty: the dense path alone (kvarn.vllm_plugin.dense_prefill), for its tests and
-    its microbenchmark."""
+    its microbenchmark. Its other row kinds are left as planned: not a plan for ops.attention."""
     seq = np.asarray(seq_lens_cpu, dtype=np.int64)
     plan = plan_step(qsl_cpu, seq, len(seq), np.asarray(tail_slots_np, dtype=np.int32), block_table, group,
                      block_table.device)

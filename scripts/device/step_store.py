@@ -107,6 +107,7 @@ def main() -> None:
 
     def step():  # the mixed step plans itself (its attention keeps per-step state on the plan); the store alone
         plan = planned() if a.mixed else fresh  # times the layers' stores, as the figures recorded for it did
+        plan.prepared.clear()  # each step's first layer prepares its launches, as in a real step
         for cache, (tk, tv) in zip(caches, tails):
             ops.store(plan, k, v, cache, tk, tv, fmt)
             if a.mixed:

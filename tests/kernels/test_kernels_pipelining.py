@@ -27,7 +27,7 @@ sig = {"q_ptr": "*bf16", "cache16_ptr": "*fp16", "bt_ptr": "*i32", "seq_lens_ptr
        "tail_k_ptr": "*bf16", "tail_v_ptr": "*bf16", "tail_slots_ptr": "*i32", "po_t_ptr": "*fp32",
        **{n: "i32" for n in ("stride_qn", "stride_qh", "stride_tks", "stride_tkh", "stride_tkg", "stride_tvs",
                              "stride_tvh", "stride_tvg")}}
-# as kvarn.kernels.decode.decode_attention passes them (GQA group 4, D = 128, a 16-token sink, a 32-token window)
+# as kvarn.kernels.decode.prepare_decode passes them (GQA group 4, D = 128, a 16-token sink, a 32-token window)
 const = dict(GROUP=4, BN=MMA_N, G=lay.g, D=128, KB=lay.kb, VB=lay.vb, **lay.offsets(), KSPLIT=key_split(4),
              STAGES=stages, SINK=16, DEFER=0, TBM=16, TT=64, TS=16, TENSOR_CORES=1, Q_AS_TAIL=1, COMPILED=1, PDL=1,
              WIN=32, TW=32)

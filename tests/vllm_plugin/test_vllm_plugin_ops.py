@@ -644,14 +644,21 @@ def test_step_store_script_runs_both_steps(mixed):
     assert 0 < r["host_ms"] <= r["step_ms"] and r["gpu_ms"] is None  # no GPU time on the CPU
 
 
-def test_layers_of_a_step_share_its_prepared_launches():
+@pytest.mark.parametrize("decode_first", [True, False])
+def test_layers_of_a_step_share_its_prepared_launches(decode_first):
     """A mixed step's kernels (the Triton interpreter) are checked and prepared on its first layer and only launched on
-    the others: every layer (its own cache, tails and Q/K/V; one with other head counts, which prepares its own)
-    leaves the cache, the tails and the output a fresh plan of its own gives it, bit for bit."""
+    the others: every layer (its own cache, tails and Q/K/V) leaves the cache, the tails and the output that a fresh
+    plan of its own gives it, bit for bit; a layer whose tensors differ in strides (Q/K/V as views of one fused
+    buffer), dtype (fp32 K/V over fp16 tails) or head count prepares its own launches. decode_first: the decode row
+    leads the batch (slices), else it sits between the others (gathered)."""
     sink, W = 16, FMT.window_tokens
     gen = torch.Generator().manual_seed(5)
-    bt = torch.tensor([[1, 2, 0], [3, 0, 0], [4, 5, 6]], dtype=torch.int32)
-    slots = np.array([0, 1, 2], dtype=np.int32)
+    # requests: a decodes (70 tokens before), b starts (40), c continues (30 after 100: its tile 1 completes)
+    order = ["a", "b", "c"] if decode_first else ["b", "a", "c"]
+    blocks = {"a": [1, 2, 0], "b": [3, 0, 0], "c": [4, 5, 6]}
+    done, new = {"a": 70, "b": 0, "c": 100}, {"a": 1, "b": 40, "c": 30}
+    bt = torch.tensor([blocks[r] for r in order], dtype=torch.int32)
+    slots = np.array(["abc".index(r) for r in order], dtype=np.int32)
 
     def plan_of(ctx, qlen):
         qsl, seq = np.concatenate([[0], np.cumsum(qlen)]), np.asarray(ctx) + np.asarray(qlen)
@@ -661,33 +668,43 @@ def test_layers_of_a_step_share_its_prepared_launches():
                                      torch.zeros(8, dtype=torch.int32))
         return p
 
-    def layer(hk, hq):  # the state after a first step (70 and 100 tokens), then the mixed step's Q/K/V
+    n = sum(new.values())
+
+    def layer(hk, fused=False, kv_dtype=torch.float16):  # the state after a first step, then the mixed step's Q/K/V
         cache = torch.zeros(7, hk, FMT.record_bytes(D), dtype=torch.uint8)
         tk, tv = (torch.zeros(4, hk, G + sink + 2 * W, D, dtype=torch.float16) for _ in range(2))
         kv = [torch.randn(170, hk, D, generator=gen).half() for _ in range(2)]
-        ops.store(plan_of([0, 0, 0], [70, 0, 100]), *kv, cache, tk, tv, FMT)
-        n = 1 + 40 + 30  # row 0 decodes, row 1 starts (40), row 2 continues (30 after 100: tile 1 completes)
-        q, k, v = (torch.randn(n, h, D, generator=gen).half() for h in (hq, hk, hk))
-        return cache, tk, tv, q, k, v
+        ops.store(plan_of([0] * 3, [done[r] for r in order]), *kv, cache, tk, tv, FMT)
+        if fused:  # as vLLM's QKV projection gives them: views of one buffer, row stride (HQ + 2 hk) * D
+            qkv = torch.randn(n, HQ + 2 * hk, D, generator=gen).half()
+            q, k, v = qkv[:, :HQ], qkv[:, HQ:HQ + hk], qkv[:, HQ + hk:]
+        else:
+            q, k, v = (torch.randn(n, h, D, generator=gen).half() for h in (HQ, hk, hk))
+        return cache, tk, tv, q, k.to(kv_dtype), v.to(kv_dtype)
 
-    layers = [layer(HK, HQ), layer(HK, HQ), layer(1, HQ)]
-    mixed = plan_of([70, 0, 100], [1, 40, 30])
-    assert mixed.dec_prefix == 1 and mixed.raw_span == (1, 41) and mixed.cont_span == (41, 71) and mixed.num_tiles
+    layers = [layer(HK), layer(HK), layer(HK, fused=True), layer(HK, kv_dtype=torch.float32), layer(1)]
+    mixed = plan_of([done[r] for r in order], [new[r] for r in order])
+    assert mixed.num_tiles and mixed.cont_span is not None and mixed.dec_prefix == (1 if decode_first else 0)
+    seq_t = torch.tensor([done[r] + new[r] for r in order], dtype=torch.int32)
     results = {}
     for shared in (True, False):
         runs = []
-        for cache, tk, tv, q, k, v in ((t.clone() for t in x) for x in layers):
+        for cache, tk, tv, q, k, v in layers:
+            cache, tk, tv = cache.clone(), tk.clone(), tv.clone()
             plan = mixed if shared else dataclasses.replace(mixed, prepared={})
             out = torch.full_like(q, float("nan"))
             ops.store(plan, k, v, cache, tk, tv, FMT, use_kernels=True)
-            ops.attention(plan, q, k, v, out, cache, bt, torch.tensor([71, 40, 130], dtype=torch.int32), tk, tv, FMT,
-                          SCALE, use_kernels=True)
+            ops.attention(plan, q, k, v, out, cache, bt, seq_t, tk, tv, FMT, SCALE, use_kernels=True)
             assert torch.isfinite(out).all()
             runs.append((cache, tk, tv, out))
         results[shared] = runs
     for a, b in zip(results[True], results[False]):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
-    # one set of launches per geometry: the two layers of two KV heads share theirs, the one-head layer has its own
-    kernels = [key[0] for key in mixed.prepared if not (isinstance(key, tuple) and key[0] == "dense")]
-    assert len(kernels) == 2 * 5 and len(set(map(str, kernels))) == 5  # store, tail rows, decode, records, rows
+    # launches per kernel: one per geometry its tensors see. The store and the tail rows: the plain layers', the
+    # fused one's, the fp32 one's, the one-head one's; the decode: the fp32 layer's Q, cache and tails are the plain
+    # ones', and so are the fused layer's where its decode rows are gathered (a contiguous copy); the dense path's
+    # record decoder and row reads (into its own fp16 buffers): one, and the one-head layer's
+    made = [key[0] if isinstance(key[0], str) else key[0][0] for key in mixed.prepared if key[0] != "dense"]
+    assert {k: made.count(k) for k in made} == {"store": 4, "tail rows": 4, "decode": 3 if decode_first else 2,
+                                                "dense records": 2, "dense rows": 2}
