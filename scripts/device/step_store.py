@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from statistics import median_high
 
 import numpy as np
 import torch
@@ -141,12 +142,8 @@ def main() -> None:
         gpu_ms = round(a0.elapsed_time(a1), 3) if queued < 0.5 else None
     print(json.dumps({"mixed": a.mixed, "tiles": plan.num_tiles * a.layers, "requests": R, "prompt": P,
                       "layers": a.layers, "tokens": N, "flash_attention": varlen is not None,
-                      "step_ms": round(_median(ms), 3), "host_ms": round(_median(host), 3), "gpu_ms": gpu_ms,
+                      "step_ms": round(median_high(ms), 3), "host_ms": round(median_high(host), 3), "gpu_ms": gpu_ms,
                       "ms": [round(x, 3) for x in ms]}))
-
-
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
 
 
 if __name__ == "__main__":
